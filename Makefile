@@ -1,0 +1,54 @@
+# hfkit: the two README commands are `make report` (the main job) and `make test`.
+# Each creates .venv on first use and installs what it needs into it.
+
+PYTHON ?= python3
+VENV   ?= .venv
+# The torch build to install first. The pin takes a local CPU wheel where one is on disk and the
+# default (CUDA) build from PyPI elsewhere; override with e.g. TORCH_SPEC='torch>=2.5'.
+TORCH_SPEC ?= torch==2.13.0
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.hfkit-installed
+NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
+
+.PHONY: help setup report test lint format strip clean
+
+help:
+	@echo "make report  - run every notebook in order on the best device; executed notebooks + HTML in reports/"
+	@echo "make test    - ruff, pytest (Triton kernels under TRITON_INTERPRET=1 on CPU) and nbmake on the notebooks"
+	@echo "make lint    - ruff check + ruff format --check"
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[notebooks,dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+report: $(STAMP)
+	mkdir -p reports
+	@for nb in $(NOTEBOOKS); do \
+	  echo "== $$nb"; \
+	  $(BIN)/jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=-1 \
+	    --output-dir reports "$$nb" || exit 1; \
+	  $(BIN)/jupyter nbconvert --to html --output-dir reports "reports/$$(basename $$nb)" || exit 1; \
+	done
+	@echo "reports written to reports/"
+
+test: $(STAMP) lint
+	HFKIT_PROFILE=smoke TRITON_INTERPRET=1 $(BIN)/python -m pytest tests notebooks --nbmake -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+strip: $(STAMP)
+	$(BIN)/nbstripout notebooks/*.ipynb
+
+clean:
+	rm -rf reports .pytest_cache .ruff_cache

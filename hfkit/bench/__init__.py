@@ -1,0 +1,52 @@
+"""Benchmark harness: timers, measured ceilings, the result store, and the op benchmarks.
+
+`time_fn` times a callable on GPU (CUDA graph / events) or CPU (wall clock); `measure_ceilings` gives the
+copy bandwidth and matmul rate that every result is a percentage of; `save_results`/`load_results` keep
+results as JSON under `data/results/<gpu>/`; `run_layernorm_benchmark` is the LayerNorm comparison.
+"""
+
+from hfkit.bench.ceilings import (
+    Ceilings,
+    device_name,
+    measure_ceilings,
+    measure_copy_bandwidth,
+    measure_matmul_tflops,
+    resolve_device,
+)
+from hfkit.bench.layernorm import layernorm_errors, run_layernorm_benchmark, summary_table
+from hfkit.bench.results import (
+    ResultRow,
+    environment_info,
+    gpu_slug,
+    load_results,
+    results_dir,
+    rows_to_frame,
+    save_results,
+    with_speedup,
+)
+from hfkit.bench.timing import Timing, rotating, time_cpu, time_cuda, time_fn
+
+__all__ = [
+    "Ceilings",
+    "ResultRow",
+    "Timing",
+    "device_name",
+    "environment_info",
+    "gpu_slug",
+    "layernorm_errors",
+    "load_results",
+    "measure_ceilings",
+    "measure_copy_bandwidth",
+    "measure_matmul_tflops",
+    "resolve_device",
+    "results_dir",
+    "rotating",
+    "rows_to_frame",
+    "run_layernorm_benchmark",
+    "save_results",
+    "summary_table",
+    "time_cpu",
+    "time_cuda",
+    "time_fn",
+    "with_speedup",
+]

@@ -1,0 +1,303 @@
+"""Benchmark results: the row schema, the environment stamp, and JSON save/load under data/results/.
+
+A results file is one JSON document `{"meta": {...}, "rows": [...]}`: `meta` holds the environment
+(device, versions, git commit, command, timestamp) and the ceilings measured in the same run; each row
+holds one measurement (op, provider, mode, shape, dtype, percentiles, bytes, GB/s, % of ceiling) and
+repeats the environment fields, so rows from several files can be concatenated into one DataFrame and
+still say where each number came from. Files are written atomically (temp file, then `os.replace`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from datetime import UTC, datetime
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hfkit.bench.ceilings import device_name
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from hfkit.bench.ceilings import Ceilings
+
+__all__ = [
+    "ResultRow",
+    "SCHEMA_VERSION",
+    "environment_info",
+    "git_commit",
+    "gpu_slug",
+    "load_results",
+    "repo_root",
+    "results_dir",
+    "rows_to_frame",
+    "save_results",
+    "with_speedup",
+]
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class ResultRow:
+    """One benchmark measurement plus the environment that produced it.
+
+    Times are per op call in milliseconds; `bytes` is the minimum device-memory traffic counted for the
+    op (`gbps = bytes / p50`); `pct_copy` is `gbps` as a percentage of the copy bandwidth measured in
+    the same run. FLOP fields are None for memory-bound ops. `extra` holds op-specific notes.
+    """
+
+    gpu: str
+    torch: str
+    triton: str | None
+    python: str
+    commit: str | None
+    command: str
+    timestamp: str
+    op: str
+    provider: str
+    mode: str
+    shape: list[int]
+    dtype: str
+    p20_ms: float
+    p50_ms: float
+    p80_ms: float
+    method: str
+    n_reps: int
+    bytes: int
+    gbps: float
+    pct_copy: float | None
+    flops: int | None = None
+    tflops: float | None = None
+    pct_matmul: float | None = None
+    peak_mem_bytes: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+ROW_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ResultRow))
+
+
+def repo_root() -> Path:
+    """The checkout holding this package (the folder with pyproject.toml), else the working directory.
+
+    Results are committed to the repository, so they are found from the package's location, not from
+    wherever a notebook or the CLI happens to run.
+    """
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").exists() else Path.cwd()
+
+
+def results_dir() -> Path:
+    """`<repo>/data/results`: one sub-folder per GPU slug."""
+    return repo_root() / "data" / "results"
+
+
+def gpu_slug(name: str) -> str:
+    """A folder name for a device: 'NVIDIA H200' -> 'h200', 'NVIDIA A100-SXM4-80GB' -> 'a100-sxm4-80gb'.
+
+    Any CPU name ('cpu', 'CPU (x86_64)') gives 'cpu'. Vendor words are dropped; the rest is lower case
+    with runs of other characters turned into single dashes.
+    """
+    text = name.strip().lower()
+    if not text or text.startswith("cpu"):
+        return "cpu"
+    text = re.sub(r"\b(nvidia|geforce|tesla|amd|radeon|instinct)\b", " ", text)
+    slug = re.sub(r"[^a-z0-9]+", "-", text).strip("-")
+    return slug or "unknown"
+
+
+@cache
+def git_commit(path: str | None = None) -> str | None:
+    """`git rev-parse HEAD` of the repository at `path` (default: this package's), '-dirty' appended
+    when tracked files differ from HEAD; None outside a git repository or without git."""
+    cwd = path or str(repo_root())
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}-dirty" if status else head
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return str(triton.__version__)
+
+
+def default_command() -> str:
+    """The command line of this process, exactly as the interpreter received it."""
+    return " ".join(sys.argv)
+
+
+def environment_info(device: torch.device | str | None = None, command: str | None = None) -> dict[str, Any]:
+    """Where and how a measurement was taken: device, versions, CUDA, git commit, command, UTC time.
+
+    The keys `gpu`, `torch`, `triton`, `python`, `commit`, `command` and `timestamp` are the ones every
+    `ResultRow` repeats; the rest (`cuda`, `cuda_available`, `platform`) go to the file's `meta`.
+    """
+    return {
+        "gpu": device_name(device),
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "python": platform.python_version(),
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "platform": platform.platform(),
+        "commit": git_commit(),
+        "command": command if command is not None else default_command(),
+        "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def _row_dict(row: ResultRow | Mapping[str, Any]) -> dict[str, Any]:
+    data = row.as_dict() if isinstance(row, ResultRow) else dict(row)
+    missing = [name for name in ROW_FIELDS if name not in data]
+    if missing:
+        raise ValueError(f"rows: a row lacks the schema fields {missing}")
+    return data
+
+
+def save_results(
+    rows: Sequence[ResultRow | Mapping[str, Any]],
+    path: str | os.PathLike[str],
+    *,
+    ceilings: Ceilings | None = None,
+    meta: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write `{"meta": ..., "rows": [...]}` to `path` atomically and return the path.
+
+    `meta` defaults to `environment_info()` taken from the first row's fields where present; the
+    ceilings, when given, are stored under `meta["ceilings"]`. The document is written to a temporary
+    file beside `path` and moved over it with `os.replace`, so a reader never sees a half-written file
+    and an interrupted run leaves the previous results intact.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data_rows = [_row_dict(r) for r in rows]
+    doc_meta: dict[str, Any] = dict(meta) if meta is not None else environment_info()
+    if data_rows and meta is None:
+        # The rows carry the command and time of the run that made them; the file says the same.
+        for key in ("gpu", "commit", "command", "timestamp"):
+            doc_meta[key] = data_rows[0][key]
+    doc_meta["schema_version"] = SCHEMA_VERSION
+    if ceilings is not None:
+        doc_meta["ceilings"] = ceilings.as_dict()
+    text = json.dumps({"meta": doc_meta, "rows": data_rows}, indent=1, allow_nan=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _resolve_source(source: str | os.PathLike[str]) -> list[Path]:
+    path = Path(source)
+    if not path.exists() and isinstance(source, str) and "/" not in source and os.sep not in source:
+        # A bare name is a GPU: 'h200' or 'NVIDIA H200' both mean data/results/h200/.
+        path = results_dir() / gpu_slug(source)
+    if path.is_dir():
+        files = sorted(p for p in path.glob("*.json") if not p.name.startswith("."))
+        if not files:
+            raise FileNotFoundError(f"load_results: no *.json results in {path}")
+        return files
+    if path.is_file():
+        return [path]
+    raise FileNotFoundError(f"load_results: {source!r} is neither a results file, a folder, nor a GPU slug")
+
+
+def rows_to_frame(rows: Iterable[ResultRow | Mapping[str, Any]]) -> pd.DataFrame:
+    """Rows as a DataFrame with the schema's columns plus `shape_str` ('1x256x256x128') and `p50_us`."""
+    import pandas as pd
+
+    frame = pd.DataFrame([_row_dict(r) for r in rows], columns=list(ROW_FIELDS))
+    frame["shape_str"] = ["x".join(str(d) for d in s) for s in frame["shape"]]
+    frame["p50_us"] = frame["p50_ms"] * 1e3
+    return frame
+
+
+def _is_results_doc(doc: Any) -> bool:
+    return isinstance(doc, dict) and isinstance(doc.get("rows"), list) and isinstance(doc.get("meta"), dict)
+
+
+def load_results(source: str | os.PathLike[str], op: str | None = None) -> pd.DataFrame:
+    """Load results into one DataFrame from a JSON file, a folder of them, or a GPU slug ('h200').
+
+    A slug resolves to `<repo>/data/results/<slug>/`. In a folder, JSON files that are not results
+    documents (other tools' output) are skipped with a warning; a file named directly must be one.
+    `op` keeps only that op's rows. Columns: the `ResultRow` fields, `shape_str`, `p50_us`, `file` (the
+    source file name) and `ceiling_copy_gbps` / `ceiling_matmul_tflops` from each file's meta. Raises
+    FileNotFoundError when no rows match.
+    """
+    import pandas as pd
+
+    files = _resolve_source(source)
+    frames = []
+    for file in files:
+        doc = json.loads(file.read_text())
+        if not _is_results_doc(doc):
+            if len(files) == 1 and Path(source).is_file():
+                raise ValueError(f"load_results: {file} is not a results document (no 'meta' and 'rows')")
+            warnings.warn(f"load_results: skipping {file.name}: not a results document", stacklevel=2)
+            continue
+        rows = [r for r in doc["rows"] if op is None or r.get("op") == op]
+        if not rows:
+            continue
+        frame = rows_to_frame(rows)
+        ceilings = doc.get("meta", {}).get("ceilings") or {}
+        frame["ceiling_copy_gbps"] = ceilings.get("copy_gbps")
+        frame["ceiling_matmul_tflops"] = ceilings.get("matmul_tflops")
+        frame["file"] = file.name
+        frames.append(frame)
+    if not frames:
+        what = f"{op!r} rows" if op else "results documents"
+        raise FileNotFoundError(f"load_results: no {what} in {source}")
+    return pd.concat(frames, ignore_index=True)
+
+
+def with_speedup(frame: pd.DataFrame, baseline: str = "torch") -> pd.DataFrame:
+    """Add `speedup`: the baseline provider's p50 over each row's p50 for the same op/shape/dtype/mode.
+
+    Rows without a matching baseline row get NaN. Returns a new DataFrame.
+    """
+    keys = ["op", "shape_str", "dtype", "mode", "gpu"]
+    base = (
+        frame[frame["provider"] == baseline][keys + ["p50_ms"]]
+        .drop_duplicates(subset=keys, keep="last")
+        .rename(columns={"p50_ms": "_base_p50_ms"})
+    )
+    out = frame.merge(base, on=keys, how="left")
+    out["speedup"] = out["_base_p50_ms"] / out["p50_ms"]
+    return out.drop(columns="_base_p50_ms")

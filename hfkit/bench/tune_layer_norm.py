@@ -1,0 +1,179 @@
+"""Block-size sweep for the LayerNorm kernels on one GPU: the data behind `_fwd_config`/`_bwd_config`.
+
+Run on a GPU: `python -m hfkit.bench.tune_layer_norm --out tune.json`. For each normalized size of the
+AlphaFold LayerNorm census (at its largest census shape) and each dtype, it times every forward
+(BLOCK_M, num_warps) and backward (BLOCK_M, num_warps, programs per SM) configuration with CUDA graphs
+over rotating inputs (so the 60 MB L2 does not serve repeats), beside a same-size copy, torch eager and
+the current default configuration. Not part of the test suite: it needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import hfkit.ops  # noqa: F401  (registers the op module)
+
+# hfkit.ops re-exports the function `layer_norm`, which shadows the module of the same name.
+ln = importlib.import_module("hfkit.ops.layer_norm")
+
+# One representative (largest) census shape per normalized size.
+SHAPES = [(1, 256, 256, 128), (1, 132, 256, 256), (1, 1024, 256, 64), (200, 128, 1024), (1, 256, 384)]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Backward programs per SM; the last value means one program per row block (no persistent loop).
+FWD_BLOCK_M = (1, 2, 4, 8, 16, 32, 64)
+PER_SM = (2, 4, 8, 16, 32, 1 << 20)
+
+
+def graph_time_ms(calls: list, replays: int = 20) -> float:
+    """Median per-call time (ms) of `calls` run back to back inside one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    return statistics.median(times)
+
+
+def sets_for(nbytes: int, budget: int = 768 << 20, most: int = 48) -> int:
+    return max(2, min(most, budget // max(1, nbytes)))
+
+
+def tune_shape(shape: tuple[int, ...], dtype: torch.dtype) -> dict:
+    n = shape[-1]
+    m = 1
+    for d in shape[:-1]:
+        m *= d
+    esize = torch.tensor([], dtype=dtype).element_size()
+    k = sets_for(3 * m * n * esize)
+    dev = torch.device("cuda")
+    xs = [torch.randn(m, n, device=dev, dtype=dtype) for _ in range(k)]
+    dys = [torch.randn(m, n, device=dev, dtype=dtype) for _ in range(k)]
+    ys = [torch.empty_like(x) for x in xs]
+    w = torch.randn(n, device=dev, dtype=dtype)
+    b = torch.randn(n, device=dev, dtype=dtype)
+    means = [torch.empty(m, device=dev) for _ in range(k)]
+    rstds = [torch.empty(m, device=dev) for _ in range(k)]
+    tensor_bytes = m * n * esize
+    out: dict = {"shape": list(shape), "dtype": str(dtype), "rows": m, "n": n, "sets": k}
+
+    out["copy_ms"] = graph_time_ms([lambda i=i: ys[i].copy_(xs[i]) for i in range(k)])
+    out["torch_fwd_ms"] = graph_time_ms([lambda i=i: F.layer_norm(xs[i], (n,), w, b) for i in range(k)])
+
+    block_n = 1 << (n - 1).bit_length()
+    fwd = []
+    for block_m in FWD_BLOCK_M:
+        if block_m * block_n > 16384:
+            continue
+        for warps in (1, 2, 4, 8, 16):
+            if warps * 32 > block_m * block_n:
+                continue
+            cfg = (block_m, block_n, warps)
+            calls = [
+                lambda i=i, cfg=cfg: ln._launch_fwd(xs[i], ys[i], w, b, means[i], rstds[i], 1e-5, cfg)
+                for i in range(k)
+            ]
+            t = graph_time_ms(calls)
+            fwd.append({"block_m": block_m, "warps": warps, "ms": t, "gbps": 2 * tensor_bytes / t / 1e6})
+    out["fwd"] = sorted(fwd, key=lambda r: r["ms"])
+    out["fwd_default"] = list(ln._fwd_config(n, esize))
+
+    for i in range(k):  # statistics for the backward
+        ln._launch_fwd(xs[i], ys[i], w, b, means[i], rstds[i], 1e-5, ln._fwd_config(n, esize))
+    bwd = []
+    for block_m in (1, 2, 4, 8, 16, 32):
+        if block_m * block_n > 16384:
+            continue
+        for warps in (1, 2, 4, 8):
+            if warps * 32 > block_m * block_n:
+                continue
+            cfg = (block_m, block_n, warps)
+            for per_sm in PER_SM:
+                programs = ln._bwd_programs(m, cfg, dev, per_sm)
+                dwbs = [torch.empty(2, programs, n, device=dev) for _ in range(k)]
+                calls = [
+                    lambda i=i, cfg=cfg, p=programs, d=dwbs: (
+                        ln._launch_bwd(xs[i], dys[i], ys[i], w, means[i], rstds[i], d[i], True, p, cfg),
+                        d[i].sum(dim=1),
+                    )
+                    for i in range(k)
+                ]
+                t = graph_time_ms(calls)
+                bwd.append(
+                    {
+                        "block_m": block_m,
+                        "warps": warps,
+                        "per_sm": per_sm,
+                        "ms": t,
+                        "gbps": 3 * tensor_bytes / t / 1e6,
+                    }
+                )
+    out["bwd"] = sorted(bwd, key=lambda r: r["ms"])
+    out["bwd_default"] = list(ln._bwd_config(n, esize))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="tune_layer_norm.json")
+    parser.add_argument("--bwd-only", action="store_true", help="skip the forward sweep")
+    args = parser.parse_args()
+    if args.bwd_only:
+        global FWD_BLOCK_M
+        FWD_BLOCK_M = ()
+    # Clocks idle low: a second of matrix products first, then a 1 GiB float32 copy as the ceiling.
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(200):
+        a @ a
+    big = torch.randn(1 << 28, device="cuda")
+    big2 = torch.empty_like(big)
+    copy_ms = graph_time_ms([lambda: big2.copy_(big)] * 8)
+    ceiling = 2 * big.numel() * 4 / copy_ms / 1e6
+    results = {
+        "command": " ".join(["python", "-m", "hfkit.bench.tune_layer_norm", *sys.argv[1:]]),
+        "gpu": torch.cuda.get_device_name(),
+        "copy_ceiling_gbps": ceiling,
+        "shapes": [],
+    }
+    del a
+    for shape in SHAPES:
+        for name, dtype in DTYPES.items():
+            r = tune_shape(shape, dtype)
+            results["shapes"].append(r)
+            f0 = r["fwd"][0] if r["fwd"] else {"ms": float("nan"), "gbps": 0, "block_m": 0, "warps": 0}
+            b0 = r["bwd"][0]
+            print(
+                f"{str(shape):22s} {name}: copy {r['copy_ms'] * 1e3:6.1f}us torch fwd "
+                f"{r['torch_fwd_ms'] * 1e3:6.1f}us | best fwd {f0['ms'] * 1e3:6.1f}us "
+                f"({f0['gbps'] / ceiling:4.0%}) bm={f0['block_m']} w={f0['warps']} | best bwd "
+                f"{b0['ms'] * 1e3:6.1f}us ({b0['gbps'] / ceiling:4.0%}) bm={b0['block_m']} "
+                f"w={b0['warps']} p={b0['per_sm']}",
+                flush=True,
+            )
+            torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,10 @@
+"""hfkit modules over the fused ops (drop-ins for torch modules) and the swaps `to_hfkit` / `to_torch`.
+
+Each module file registers its torch -> hfkit swap when imported; this package imports them all, so
+`to_hfkit` sees every registered op once `hfkit.nn` is imported.
+"""
+
+from hfkit.nn.convert import SwapReport, register_swap, to_hfkit, to_torch
+from hfkit.nn.layer_norm import LayerNorm
+
+__all__ = ["LayerNorm", "SwapReport", "register_swap", "to_hfkit", "to_torch"]

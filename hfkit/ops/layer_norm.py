@@ -1,0 +1,372 @@
+"""LayerNorm: Triton forward and backward kernels, a torch custom op with autograd, and the reference.
+
+`layer_norm` has the signature and semantics of `torch.nn.functional.layer_norm`. On CUDA tensors (and
+on CPU tensors under `TRITON_INTERPRET=1`) it runs the Triton kernels below, registered as the custom
+ops `hfkit::layer_norm_fwd` / `hfkit::layer_norm_bwd` through `torch.library.triton_op`, so
+`torch.compile` traces through them without a graph break. Everywhere else (CPU, float64, normalized
+sizes above `MAX_FUSED_SIZE`, or no Triton installed) it runs `layer_norm_reference`, the plain-torch
+definition of the op. Statistics are always computed in float32.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only on machines without Triton
+    HAS_TRITON = False
+
+__all__ = ["layer_norm", "layer_norm_reference", "MAX_FUSED_SIZE", "uses_triton"]
+
+# One row lives in registers; past this many elements per row the backward kernel spills.
+MAX_FUSED_SIZE = 16384
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+ShapeLike = int | Sequence[int] | torch.Size
+
+
+def _as_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
+    if isinstance(normalized_shape, int):
+        return (normalized_shape,)
+    try:
+        if isinstance(normalized_shape, str):
+            raise TypeError
+        shape = tuple(int(d) for d in normalized_shape)
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"normalized_shape: expected an int or a sequence of ints, got {normalized_shape!r}"
+        ) from err
+    if not shape or any(d <= 0 for d in shape):
+        raise ValueError(f"normalized_shape: expected positive sizes, got {shape}")
+    return shape
+
+
+def layer_norm_reference(
+    x: torch.Tensor,
+    normalized_shape: ShapeLike,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """Plain-torch LayerNorm: the specification every fast path is tested against.
+
+    x: [*, *normalized_shape]. Mean and biased variance over the trailing `normalized_shape` dims,
+    computed in float32 (float64 for float64 input); `y = (x - mean) / sqrt(var + eps) * weight + bias`
+    with the affine part also in that precision, returned in `x.dtype`.
+    """
+    shape = _as_shape(normalized_shape)
+    dims = tuple(range(-len(shape), 0))
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(compute)
+    mean = xf.mean(dim=dims, keepdim=True)
+    xc = xf - mean
+    var = (xc * xc).mean(dim=dims, keepdim=True)
+    y = xc * torch.rsqrt(var + eps)
+    if weight is not None:
+        y = y * weight.to(compute)
+    if bias is not None:
+        y = y + bias.to(compute)
+    return y.to(x.dtype)
+
+
+def _check_inputs(
+    x: torch.Tensor,
+    shape: tuple[int, ...],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"x: expected a floating-point dtype, got {x.dtype}")
+    if tuple(x.shape[x.dim() - len(shape) :]) != shape or x.dim() < len(shape):
+        raise ValueError(
+            f"normalized_shape: {list(shape)} does not match the trailing dims of x with shape "
+            f"{list(x.shape)}"
+        )
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor or None, got {type(p).__name__}")
+        if tuple(p.shape) != shape:
+            raise ValueError(f"{name}: expected shape {list(shape)}, got {list(p.shape)}")
+        if not p.dtype.is_floating_point:
+            raise ValueError(f"{name}: expected a floating-point dtype, got {p.dtype}")
+        if p.device != x.device:
+            raise ValueError(f"{name}: on {p.device}, but x is on {x.device}; put them on one device")
+    if not (isinstance(eps, (int, float)) and eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps: expected a finite non-negative number, got {eps!r}")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def uses_triton(x: torch.Tensor, normalized_size: int) -> bool:
+    """Whether `layer_norm` takes the Triton path for `x` with this many normalized elements.
+
+    True on CUDA, and on CPU when `TRITON_INTERPRET=1` (except while `torch.compile` traces, where the
+    reference is what Inductor compiles on CPU), for float32/bfloat16/float16 and rows of at most
+    `MAX_FUSED_SIZE` elements.
+    """
+    if not HAS_TRITON or x.dtype not in _TRITON_DTYPES or normalized_size > MAX_FUSED_SIZE:
+        return False
+    if x.is_cuda:
+        return True
+    if torch.compiler.is_compiling():
+        return False
+    return x.device.type == "cpu" and _interpreting()
+
+
+def layer_norm(
+    x: torch.Tensor,
+    normalized_shape: ShapeLike,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """Fused LayerNorm over the trailing `normalized_shape` dims of x, a drop-in for `F.layer_norm`.
+
+    x: [*, *normalized_shape] in float32, bfloat16 or float16 (float64 runs the reference), any leading
+    shape, contiguous or not; weight, bias: `normalized_shape` or None, any floating dtype (the output
+    keeps x's dtype; their gradients keep theirs). Statistics and gradient sums are in float32.
+    Raises ValueError naming the argument on a wrong shape, dtype or device.
+    """
+    shape = _as_shape(normalized_shape)
+    _check_inputs(x, shape, weight, bias, eps)
+    n = math.prod(shape)
+    if not uses_triton(x, n):
+        return layer_norm_reference(x, shape, weight, bias, eps)
+    y, _, _ = torch.ops.hfkit.layer_norm_fwd(x, weight, bias, n, float(eps))
+    return y
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _layer_norm_fwd_kernel(
+        X, Y, W, B, Mean, Rstd,
+        stride_x, stride_y, M, N, eps,
+        HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        # Traffic: read x once, write y once, plus 8 bytes of statistics per row. Each program owns
+        # BLOCK_M whole rows held in registers, so the two reductions need no second pass over memory.
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_N)
+        row_ok = rows < M
+        col_ok = cols < N
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / N
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        var = tl.sum(xc * xc, axis=1) / N
+        rstd = 1.0 / tl.sqrt(var + eps)
+        y = xc * rstd[:, None]
+        if HAS_W:
+            y = y * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if HAS_B:
+            y = y + tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Mean + rows, mean, mask=row_ok)
+        tl.store(Rstd + rows, rstd, mask=row_ok)
+
+    @triton.jit
+    def _layer_norm_bwd_kernel(
+        X, DY, DX, W, Mean, Rstd, DWB,
+        stride_x, stride_dy, stride_dx, M, N,
+        HAS_W: tl.constexpr, HAS_DW: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        # Traffic: read x and dy, write dx (3 passes of the tensor; statistics are 8 bytes a row).
+        # Persistent grid: program p walks row blocks p, p + G, ... and keeps its share of
+        # dweight/dbias in float32 registers, writing one [2, N] partial at the end; the host sums
+        # the G partials. That avoids atomics (deterministic) and a second pass over x and dy.
+        pid = tl.program_id(0)
+        num_programs = tl.num_programs(0)
+        cols = tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        if HAS_W:
+            w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        num_blocks = tl.cdiv(M, BLOCK_M)
+        for block in range(pid, num_blocks, num_programs):
+            rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = rows < M
+            mask = row_ok[:, None] & col_ok[None, :]
+            rows64 = rows.to(tl.int64)
+            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+            dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+            x = x.to(tl.float32)
+            dy = dy.to(tl.float32)
+            mean = tl.load(Mean + rows, mask=row_ok, other=0.0)
+            rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            if HAS_W:  # noqa: SIM108  (a constexpr branch, resolved at compile time)
+                wdy = dy * w[None, :]
+            else:
+                wdy = dy
+            c1 = tl.sum(xhat * wdy, axis=1) / N
+            c2 = tl.sum(wdy, axis=1) / N
+            dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            if HAS_DW:
+                dw_acc += tl.sum(dy * xhat, axis=0)
+                db_acc += tl.sum(dy, axis=0)
+        if HAS_DW:
+            tl.store(DWB + pid * N + cols, dw_acc, mask=col_ok)
+            tl.store(DWB + (num_programs + pid) * N + cols, db_acc, mask=col_ok)
+
+
+def _rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t as [M, n] with unit stride along n, copying only when no such view exists."""
+    t2 = t.reshape(-1, n)
+    if t2.stride(1) != 1 and n > 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def _fwd_config(n: int, elem_bytes: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the forward kernel.
+
+    From the H200 sweep (`python -m hfkit.bench.tune_layer_norm`, data/results/h200/tune_layer_norm.json):
+    about 1024 elements per program and 16 per thread was best or within 5% of best at every census
+    size (64-1024), for fp32 and bf16 alike. `elem_bytes` is kept for dtype-specific tuning.
+    """
+    block_n = triton.next_power_of_2(n)
+    block_m = max(1, 1024 // block_n)
+    return block_m, block_n, _warps_for(block_m * block_n)
+
+
+def _bwd_config(n: int, elem_bytes: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the backward kernel: about 512 elements per program.
+
+    The sweep favoured small tiles with many resident programs (16 single-warp programs per SM at
+    N = 64-256): more independent loads in flight per SM than a few wide programs give.
+    """
+    block_n = triton.next_power_of_2(n)
+    block_m = max(1, 512 // block_n)
+    return block_m, block_n, _warps_for(block_m * block_n)
+
+
+def _warps_for(tile: int) -> int:
+    # 16 elements a thread: wide enough for 16-byte loads, small enough to stay in registers.
+    return max(1, min(16, tile // 512))
+
+
+def _launch_fwd(x2, y2, weight, bias, mean, rstd, eps: float, cfg: tuple[int, int, int]) -> None:
+    block_m, block_n, num_warps = cfg
+    m, n = x2.shape
+    wrap_triton(_layer_norm_fwd_kernel)[(triton.cdiv(m, block_m),)](
+        x2, y2, weight, bias, mean, rstd,
+        x2.stride(0), y2.stride(0), m, n, eps,
+        HAS_W=weight is not None, HAS_B=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def _launch_bwd(x2, dy2, dx2, weight, mean, rstd, dwb, need_dwb: bool, programs: int, cfg) -> None:
+    block_m, block_n, num_warps = cfg
+    m, n = x2.shape
+    wrap_triton(_layer_norm_bwd_kernel)[(programs,)](
+        x2, dy2, dx2, weight, mean, rstd, dwb,
+        x2.stride(0), dy2.stride(0), dx2.stride(0), m, n,
+        HAS_W=weight is not None, HAS_DW=need_dwb,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def _bwd_programs(m: int, cfg: tuple[int, int, int], device: torch.device, per_sm: int | None = None) -> int:
+    """Persistent grid size: enough resident programs to fill every SM, never more than row blocks."""
+    block_m, _, num_warps = cfg
+    num_blocks = triton.cdiv(m, block_m) if m else 0
+    if per_sm is None:
+        per_sm = max(1, 16 // num_warps)  # 16 resident warps an SM: the sweep's best
+    return max(1, min(num_blocks, _num_sms(device) * per_sm))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter runs programs one after another; few partials keep it quick
+
+
+if HAS_TRITON:
+
+    @triton_op("hfkit::layer_norm_fwd", mutates_args=())
+    def _layer_norm_fwd(
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        n: int,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x2 = _rows_view(x, n)
+        m = x2.shape[0]
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        mean = torch.empty(m, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+        if m == 0:
+            return y, mean, rstd
+        y2 = y.view(m, n)
+        _launch_fwd(x2, y2, weight, bias, mean, rstd, eps, _fwd_config(n, x.element_size()))
+        return y, mean, rstd
+
+    @triton_op("hfkit::layer_norm_bwd", mutates_args=())
+    def _layer_norm_bwd(
+        dy: torch.Tensor,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        mean: torch.Tensor,
+        rstd: torch.Tensor,
+        n: int,
+        need_dwb: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns dx and the float32 sums [dweight, dbias] as one [2, n] tensor ([0, n] if not needed)."""
+        x2 = _rows_view(x, n)
+        dy2 = _rows_view(dy, n)
+        m = x2.shape[0]
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dx2 = dx.view(m, n)
+        cfg = _bwd_config(n, x.element_size())
+        programs = _bwd_programs(m, cfg, x.device)
+        dwb = torch.empty((2, programs, n) if need_dwb else (0,), dtype=torch.float32, device=x.device)
+        if m > 0:
+            _launch_bwd(x2, dy2, dx2, weight, mean, rstd, dwb, need_dwb, programs, cfg)
+        if not need_dwb:
+            return dx, x.new_empty((0, n), dtype=torch.float32)
+        if m == 0:
+            return dx, torch.zeros((2, n), dtype=torch.float32, device=x.device)
+        return dx, dwb.sum(dim=1)
+
+    def _setup_context(ctx, inputs, output) -> None:
+        x, weight, bias, n, _eps = inputs
+        _y, mean, rstd = output
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.n = n
+        ctx.bias_meta = (bias.shape, bias.dtype) if bias is not None else None
+
+    def _backward(ctx, dy, _dmean, _drstd):
+        x, weight, mean, rstd = ctx.saved_tensors
+        need_w = weight is not None and ctx.needs_input_grad[1]
+        need_b = ctx.bias_meta is not None and ctx.needs_input_grad[2]
+        dx, dwb = torch.ops.hfkit.layer_norm_bwd(dy, x, weight, mean, rstd, ctx.n, need_w or need_b)
+        grad_w = dwb[0].to(weight.dtype).view(weight.shape) if need_w else None
+        grad_b = dwb[1].to(ctx.bias_meta[1]).view(ctx.bias_meta[0]) if need_b else None
+        grad_x = dx if ctx.needs_input_grad[0] else None
+        return grad_x, grad_w, grad_b, None, None
+
+    torch.library.register_autograd("hfkit::layer_norm_fwd", _backward, setup_context=_setup_context)

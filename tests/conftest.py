@@ -1,0 +1,52 @@
+"""Shared pytest setup: Triton's CPU interpreter, a per-test seed, per-dtype tolerances, the `slow` marker.
+
+`TRITON_INTERPRET` must be set before anything imports triton or hfkit: Triton reads it when the
+`@triton.jit` kernels are defined, so this file sets it before any other import.
+"""
+
+import os
+import zlib
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# (rtol, atol) for comparing a fused op against its fp32-accumulating reference, by the dtype of the
+# compared tensors: bf16 keeps 8 mantissa bits, fp16 11, fp32 24.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """Return `(rtol, atol)` for results computed in `dtype`."""
+    if dtype not in TOLERANCES:
+        raise ValueError(f"dtype: no tolerance for {dtype}; known: {list(TOLERANCES)}")
+    return TOLERANCES[dtype]
+
+
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, msg: str = ""
+) -> None:
+    """Assert `actual` ≈ `expected` with the tolerance of `dtype` (default: `expected.dtype`).
+
+    Dtypes and devices must match as well; use in tests as `from conftest import assert_close`.
+    """
+    rtol, atol = tolerance(dtype or expected.dtype)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=msg or None)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: long test (deselect with -m 'not slow')")
+
+
+@pytest.fixture
+def seed(request: pytest.FixtureRequest) -> int:
+    """Seed torch's RNGs (CPU and CUDA) from the test's id: reproducible, yet different in each test."""
+    value = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(value)
+    return value
