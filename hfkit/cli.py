@@ -151,9 +151,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `hfkit` command line on `argv` (default: `sys.argv[1:]`) and return the exit status.
 
-    The command stored with results is this process's exact command line when `argv` is None, and
-    `hfkit <argv>` when a caller passes its own arguments.
+    The command stored with results is `hfkit <arguments>`, the same whether it came from the console
+    script, `python -m hfkit` (whose argv[0] is a path to __main__.py) or a caller's `argv`, so that it
+    can be pasted to re-make the results.
     """
     args = _parser().parse_args(argv)
-    args.command = " ".join(sys.argv) if argv is None else shlex.join(["hfkit", *argv])
+    args.command = shlex.join(["hfkit", *(sys.argv[1:] if argv is None else argv)])
     return int(args.func(args))

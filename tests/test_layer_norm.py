@@ -6,6 +6,7 @@ same tests also run the compiled kernels on CUDA.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -41,7 +42,9 @@ def run_both(shape, normalized, dtype, device, *, weight=True, bias=True, wdtype
     w = torch.randn(normalized, device=device, dtype=wdtype, requires_grad=True) if weight else None
     b = torch.randn(normalized, device=device, dtype=wdtype, requires_grad=True) if bias else None
     dy = torch.randn(shape, device=device, dtype=dtype)
-    assert uses_triton(x, x.shape[-1] if isinstance(normalized, int) else int(torch.tensor(normalized).prod()))
+    assert uses_triton(
+        x, x.shape[-1] if isinstance(normalized, int) else int(torch.tensor(normalized).prod())
+    )
 
     y = layer_norm(x, normalized, w, b, 1e-5)
     params = [t for t in (x, w, b) if t is not None]
@@ -77,8 +80,11 @@ def test_wide_rows(n, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_many_row_blocks_reduce_weight_grads(device):
-    # More row blocks than persistent programs: each program accumulates several blocks of dw/db.
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_many_row_blocks_reduce_weight_grads(device, prefetch, monkeypatch):
+    # More row blocks than persistent programs: each program accumulates several blocks of dw/db,
+    # with and without the next block's loads issued early.
+    monkeypatch.setattr(importlib.import_module("hfkit.ops.layer_norm"), "BWD_PREFETCH", prefetch)
     for name, actual, expected in run_both((301, 128), 128, torch.float32, device):
         assert rel_err(actual, expected) < TOL[torch.float32], name
 
@@ -167,8 +173,14 @@ def test_compile_on_cpu_matches_eager():
         ({"x": torch.randn(4, 8), "normalized_shape": "eight"}, "normalized_shape"),
         ({"x": torch.randint(0, 5, (4, 8)), "normalized_shape": (8,)}, "x"),
         ({"x": torch.randn(4, 8), "normalized_shape": (8,), "weight": torch.randn(7)}, "weight"),
-        ({"x": torch.randn(4, 8), "normalized_shape": (8,), "bias": torch.ones(8, dtype=torch.int32)}, "bias"),
-        ({"x": torch.randn(4, 8), "normalized_shape": (8,), "weight": torch.randn(8, device="meta")}, "weight"),
+        (
+            {"x": torch.randn(4, 8), "normalized_shape": (8,), "bias": torch.ones(8, dtype=torch.int32)},
+            "bias",
+        ),
+        (
+            {"x": torch.randn(4, 8), "normalized_shape": (8,), "weight": torch.randn(8, device="meta")},
+            "weight",
+        ),
         ({"x": torch.randn(4, 8), "normalized_shape": (8,), "eps": -1.0}, "eps"),
     ],
 )

@@ -124,7 +124,9 @@ def gpu_slug(name: str) -> str:
 @cache
 def git_commit(path: str | None = None) -> str | None:
     """`git rev-parse HEAD` of the repository at `path` (default: this package's), '-dirty' appended
-    when tracked files differ from HEAD; None outside a git repository or without git."""
+    when tracked files differ from HEAD. Outside a git repository (e.g. a copy of the tree sent to a
+    GPU machine) the `HFKIT_GIT_COMMIT` environment variable is used if set, else None."""
+    fallback = os.environ.get("HFKIT_GIT_COMMIT") or None
     cwd = path or str(repo_root())
     try:
         head = subprocess.run(
@@ -139,7 +141,7 @@ def git_commit(path: str | None = None) -> str | None:
             check=True,
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return None
+        return fallback
     return f"{head}-dirty" if status else head
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import json
 import statistics
 import sys
@@ -19,16 +20,21 @@ import torch
 import torch.nn.functional as F
 
 import hfkit.ops  # noqa: F401  (registers the op module)
+from hfkit.bench.ceilings import measure_copy_bandwidth
 
 # hfkit.ops re-exports the function `layer_norm`, which shadows the module of the same name.
 ln = importlib.import_module("hfkit.ops.layer_norm")
 
 # One representative (largest) census shape per normalized size.
 SHAPES = [(1, 256, 256, 128), (1, 132, 256, 256), (1, 1024, 256, 64), (200, 128, 1024), (1, 256, 384)]
+SHAPES_BWD = SHAPES[:4]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Backward programs per SM; the last value means one program per row block (no persistent loop).
 FWD_BLOCK_M = (1, 2, 4, 8, 16, 32, 64)
-PER_SM = (2, 4, 8, 16, 32, 1 << 20)
+PER_SM = (8, 16, 32)
+PREFETCH = (False, True)
+ACC2D = (False, True)
+QUICK_BWD = False  # --bwd-only: the default block shape only, to compare kernel variants
 
 
 def graph_time_ms(calls: list, replays: int = 20) -> float:
@@ -101,33 +107,33 @@ def tune_shape(shape: tuple[int, ...], dtype: torch.dtype) -> dict:
     for i in range(k):  # statistics for the backward
         ln._launch_fwd(xs[i], ys[i], w, b, means[i], rstds[i], 1e-5, ln._fwd_config(n, esize))
     bwd = []
-    for block_m in (1, 2, 4, 8, 16, 32):
+    bm0 = ln._bwd_config(n, esize)[0]
+    for block_m in (bm0,) if QUICK_BWD else sorted({max(1, bm0 // 2), bm0, 2 * bm0}):
         if block_m * block_n > 16384:
             continue
-        for warps in (1, 2, 4, 8):
+        for warps in (1, 2) if QUICK_BWD else (1, 2, 4):
             if warps * 32 > block_m * block_n:
                 continue
             cfg = (block_m, block_n, warps)
-            for per_sm in PER_SM:
+            for per_sm, prefetch, acc2d in itertools.product(PER_SM, PREFETCH, ACC2D):
                 programs = ln._bwd_programs(m, cfg, dev, per_sm)
                 dwbs = [torch.empty(2, programs, n, device=dev) for _ in range(k)]
                 calls = [
-                    lambda i=i, cfg=cfg, p=programs, d=dwbs: (
-                        ln._launch_bwd(xs[i], dys[i], ys[i], w, means[i], rstds[i], d[i], True, p, cfg),
+                    lambda i=i, cfg=cfg, p=programs, d=dwbs, f=prefetch, a=acc2d: (
+                        ln._launch_bwd(xs[i], dys[i], ys[i], w, means[i], rstds[i], d[i], True, p, cfg, f, a),
                         d[i].sum(dim=1),
                     )
                     for i in range(k)
                 ]
                 t = graph_time_ms(calls)
-                bwd.append(
-                    {
-                        "block_m": block_m,
-                        "warps": warps,
-                        "per_sm": per_sm,
-                        "ms": t,
-                        "gbps": 3 * tensor_bytes / t / 1e6,
-                    }
-                )
+                row = {
+                    "block_m": block_m,
+                    "warps": warps,
+                    "per_sm": per_sm,
+                    "prefetch": prefetch,
+                    "acc2d": acc2d,
+                }
+                bwd.append({**row, "ms": t, "gbps": 3 * tensor_bytes / t / 1e6})
     out["bwd"] = sorted(bwd, key=lambda r: r["ms"])
     out["bwd_default"] = list(ln._bwd_config(n, esize))
     return out
@@ -139,16 +145,16 @@ def main() -> None:
     parser.add_argument("--bwd-only", action="store_true", help="skip the forward sweep")
     args = parser.parse_args()
     if args.bwd_only:
-        global FWD_BLOCK_M
+        global FWD_BLOCK_M, QUICK_BWD, PER_SM
         FWD_BLOCK_M = ()
-    # Clocks idle low: a second of matrix products first, then a 1 GiB float32 copy as the ceiling.
+        QUICK_BWD = True
+        PER_SM = (8, 16)
+    shapes = SHAPES_BWD if args.bwd_only else SHAPES
+    # Clocks idle low: a second of matrix products first, then the copy ceiling.
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(200):
         a @ a
-    big = torch.randn(1 << 28, device="cuda")
-    big2 = torch.empty_like(big)
-    copy_ms = graph_time_ms([lambda: big2.copy_(big)] * 8)
-    ceiling = 2 * big.numel() * 4 / copy_ms / 1e6
+    ceiling = measure_copy_bandwidth("cuda")  # eager-timed: see hfkit.bench.ceilings
     results = {
         "command": " ".join(["python", "-m", "hfkit.bench.tune_layer_norm", *sys.argv[1:]]),
         "gpu": torch.cuda.get_device_name(),
@@ -156,7 +162,7 @@ def main() -> None:
         "shapes": [],
     }
     del a
-    for shape in SHAPES:
+    for shape in shapes:
         for name, dtype in DTYPES.items():
             r = tune_shape(shape, dtype)
             results["shapes"].append(r)
@@ -167,7 +173,7 @@ def main() -> None:
                 f"{r['torch_fwd_ms'] * 1e3:6.1f}us | best fwd {f0['ms'] * 1e3:6.1f}us "
                 f"({f0['gbps'] / ceiling:4.0%}) bm={f0['block_m']} w={f0['warps']} | best bwd "
                 f"{b0['ms'] * 1e3:6.1f}us ({b0['gbps'] / ceiling:4.0%}) bm={b0['block_m']} "
-                f"w={b0['warps']} p={b0['per_sm']}",
+                f"w={b0['warps']} p={b0['per_sm']} prefetch={b0['prefetch']} acc2d={b0['acc2d']}",
                 flush=True,
             )
             torch.cuda.empty_cache()
