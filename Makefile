@@ -30,7 +30,7 @@ report: $(STAMP)
 	mkdir -p reports
 	@for nb in $(NOTEBOOKS); do \
 	  echo "== $$nb"; \
-	  $(BIN)/jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=-1 \
+	  $(BIN)/jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=3600 \
 	    --output-dir reports "$$nb" || exit 1; \
 	  $(BIN)/jupyter nbconvert --to html --output-dir reports "reports/$$(basename $$nb)" || exit 1; \
 	done

@@ -57,7 +57,8 @@ def _bars(
             "provider": providers,
             "shape_str": list(dict.fromkeys(frame["shape_str"])),
             "mode": ["fwd", "fwd+bwd"],
-            "dtype": ["fp32", "bf16", "fp16"],
+            # only the dtypes present: plotly draws an empty facet for a listed category with no data
+            "dtype": [d for d in ("fp32", "bf16", "fp16") if d in set(frame["dtype"])],
         },
         color_discrete_map=PROVIDER_COLORS,
         labels={"shape_str": "shape", y: y_title},
