@@ -1,0 +1,1 @@
+"""Data pipeline: parsers, features, MSA sampling, cropping, record store, preprocessing, datasets."""
