@@ -1,4 +1,4 @@
-"""The `hfkit` command line: `hfkit env` (device, versions, ceilings) and `hfkit bench layernorm`.
+"""The `hfkit` command line: `hfkit env`, `hfkit bench layernorm` and `hfkit preprocess`.
 
 `main(argv)` is the entry point of both the `hfkit` console script and `python -m hfkit`; it returns
 the exit status instead of calling `sys.exit`, so tests can call it directly.
@@ -7,6 +7,7 @@ the exit status instead of calling `sys.exit`, so tests can call it directly.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from collections.abc import Callable, Sequence
@@ -113,6 +114,62 @@ def _cmd_bench_layernorm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_data(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from hfkit.bench import results_dir, save_results
+    from hfkit.bench.data_cost import data_cost_table, run_data_cost_benchmark
+    from hfkit.bench.results import rows_to_frame
+
+    out = Path(args.out) if args.out else results_dir() / "cpu" / "data_cost.json"
+    real = Path(args.real_dir) if args.real_dir else None
+    if real is not None and not real.is_dir():
+        print(f"hfkit bench data: --real-dir {real} is not a folder", file=sys.stderr)
+        return 2
+    rows = run_data_cost_benchmark(
+        depths=args.depths,
+        length=args.length,
+        n_chains=args.chains,
+        repeats=args.repeats,
+        real_dir=real,
+        command=args.command,
+        progress=not args.no_progress,
+    )
+    path = save_results(rows, out)
+    with pd.option_context("display.max_rows", None, "display.width", 200):
+        print(data_cost_table(rows_to_frame(rows)).to_string())
+    print(f"\nwrote {len(rows)} rows to {path} (rows with dtype 'synthetic' come from synthetic inputs)")
+    return 0
+
+
+def _cmd_preprocess(args: argparse.Namespace) -> int:
+    from hfkit.data.preprocess import SUMMARY_NAME, preprocess
+
+    try:
+        summary = preprocess(
+            args.mmcif_dir,
+            args.alignment_dir,
+            args.out,
+            workers=args.workers,
+            chains_per_file=args.chains_per_file,
+            max_msa_depth=args.max_msa_depth,
+            progress=not args.no_progress,
+        )
+    except (FileNotFoundError, ValueError, RuntimeError) as err:  # bad arguments or a busy --out
+        print(f"hfkit preprocess: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            f"hfkit preprocess: interrupted; complete record files are kept in {args.out}, "
+            "rerun the same command to resume",
+            file=sys.stderr,
+        )
+        return 130
+    print(summary.table())
+    print(f"\nindex and records in {args.out}; this run's summary in {Path(args.out) / SUMMARY_NAME}")
+    return 0 if summary.ok else 1
+
+
 def _parser() -> argparse.ArgumentParser:
     from hfkit.bench.layernorm import DTYPES, MODES, PROVIDERS
 
@@ -145,6 +202,39 @@ def _parser() -> argparse.ArgumentParser:
     ln.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: the GPU if any)")
     ln.add_argument("--no-progress", action="store_true", help="no progress bar")
     ln.set_defaults(func=_cmd_bench_layernorm)
+
+    data = bench_sub.add_parser(
+        "data", help="data-pipeline cost per stage: on the fly vs preprocessed records (one CPU core)"
+    )
+    data.add_argument("--out", default=None, help="results JSON (default: data/results/cpu/data_cost.json)")
+    data.add_argument(
+        "--depths", type=lambda t: [int(v) for v in _csv(t)], default=[1000, 5000, 20000], help="MSA depths"
+    )
+    data.add_argument("--length", type=int, default=384, help="synthetic chain length (residues)")
+    data.add_argument("--chains", type=int, default=2, help="synthetic chains per depth")
+    data.add_argument("--repeats", type=int, default=3, help="timed repeats per sample")
+    data.add_argument("--real-dir", default=None, help="OpenFold test data folder to measure as well")
+    data.add_argument("--no-progress", action="store_true", help="no progress bar")
+    data.set_defaults(func=_cmd_bench_data)
+
+    pre = sub.add_parser(
+        "preprocess",
+        help="featurize mmCIFs + alignments into record files (resumable; exit 1 if some inputs failed)",
+    )
+    pre.add_argument("--mmcif-dir", required=True, help="folder of <pdbid>.cif files")
+    pre.add_argument(
+        "--alignment-dir", default=None, help="folder of <pdbid>_<chain>/ folders of .a3m/.sto files"
+    )
+    pre.add_argument("--out", required=True, help="output folder: records-*.ffr, index.json, summary.json")
+    pre.add_argument(
+        "--workers", type=int, default=os.cpu_count() or 1, help="processes (0 or 1: in this process)"
+    )
+    pre.add_argument("--chains-per-file", type=int, default=64, help="chains per record file (default 64)")
+    pre.add_argument(
+        "--max-msa-depth", type=int, default=None, help="keep the first N rows of each alignment file"
+    )
+    pre.add_argument("--no-progress", action="store_true", help="no progress bar")
+    pre.set_defaults(func=_cmd_preprocess)
     return parser
 
 

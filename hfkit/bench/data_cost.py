@@ -1,0 +1,288 @@
+"""Data-pipeline cost: on-the-fly featurization against preprocessed records, per stage, on one core.
+
+For each MSA depth, synthetic inputs at AlphaFold training size are written (labelled synthetic in
+every row), preprocessed into record files, and one sample is then made both ways with
+`hfkit.data.dataset.profile_sample`: on the fly (parse the mmCIF and MSAs, build raw features, sample,
+cluster, crop and pad) and preprocessed (read and decode a record, then sample, cluster, crop, pad).
+The real OpenFold test inputs are measured the same way when their folder is given. Times are
+wall-clock seconds on one CPU thread (`torch.set_num_threads(1)`).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hfkit.bench.results import ResultRow, environment_info
+
+__all__ = ["DEFAULT_DEPTHS", "run_data_cost_benchmark", "data_cost_table"]
+
+DEFAULT_DEPTHS: tuple[int, ...] = (1000, 5000, 20000)
+
+
+def _rows_for(
+    timings: Sequence[dict[str, float]],
+    provider: str,
+    shape: list[int],
+    kind: str,
+    env: dict[str, Any],
+    extra: dict[str, Any],
+) -> list[ResultRow]:
+    rows = []
+    for stage in timings[0]:
+        values = np.array([t[stage] for t in timings]) * 1e3
+        p20, p50, p80 = np.quantile(values, [0.2, 0.5, 0.8])
+        rows.append(
+            ResultRow(
+                **env,
+                op="data_pipeline",
+                provider=provider,
+                mode=stage,
+                shape=shape,
+                dtype=kind,
+                p20_ms=float(p20),
+                p50_ms=float(p50),
+                p80_ms=float(p80),
+                method="wall",
+                n_reps=len(values),
+                bytes=0,
+                gbps=0.0,
+                pct_copy=None,
+                extra=dict(extra),
+            )
+        )
+    return rows
+
+
+def _profile(dataset: Any, repeats: int) -> list[dict[str, float]]:
+    from hfkit.data.dataset import profile_sample
+
+    return [profile_sample(dataset, i, repeats=repeats) for i in range(len(dataset))]
+
+
+def run_data_cost_benchmark(
+    depths: Sequence[int] = DEFAULT_DEPTHS,
+    length: int = 384,
+    n_chains: int = 2,
+    config: Any = None,
+    repeats: int = 3,
+    real_dir: str | Path | None = None,
+    workdir: str | Path | None = None,
+    command: str | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> list[ResultRow]:
+    """Per-stage cost (ms) of making one training sample on the fly and from records, on one core.
+
+    depths: synthetic MSA depths; length: synthetic chain length (residues); config: a
+    `FeatureConfig` (default `af2_initial`: crop 256, 128 clusters, 1024 extra rows). Each stage is
+    a row (`provider` "on_the_fly" | "preprocessed" | "preprocess", `mode` the stage,
+    `shape` [length, depth], `dtype` "synthetic" or "real"); per-sample medians over `repeats` are
+    summarised across the chains as p20/p50/p80. `real_dir` (OpenFold test data layout) adds rows
+    for the real chains with alignments.
+    """
+    from hfkit.data.dataset import OnTheFlyDataset, PreprocessedDataset
+    from hfkit.data.msa_sampling import FeatureConfig
+    from hfkit.data.preprocess import preprocess
+    from hfkit.data.synthetic import write_synthetic_dataset
+
+    config = config or FeatureConfig.af2_initial()
+    env_all = environment_info(torch.device("cpu"), command)
+    env = {k: env_all[k] for k in ("gpu", "torch", "triton", "python", "commit", "command", "timestamp")}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows: list[ResultRow] = []
+    common = {
+        "crop_size": config.crop_size,
+        "max_msa_clusters": config.max_msa_clusters,
+        "max_extra_msa": config.max_extra_msa,
+        "threads": 1,
+    }
+    try:
+        with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+            for depth in depths:
+                src = Path(tmp) / f"synthetic_d{depth}"
+                log(f"depth {depth}: writing {n_chains} synthetic chains of {length} residues")
+                write_synthetic_dataset(src, n_chains, length, depth, seed=depth)
+                out = Path(tmp) / f"records_d{depth}"
+                t0 = time.perf_counter()
+                summary = preprocess(src / "mmcifs", src / "alignments", out, workers=0, progress=progress)
+                per_chain = (time.perf_counter() - t0) / max(1, n_chains)
+                if not summary.ok:
+                    raise RuntimeError(f"preprocess failed on synthetic inputs:\n{summary.table()}")
+                extra = {**common, "synthetic": True, "note": "synthetic inputs (hfkit.data.synthetic)"}
+                rows += _rows_for(
+                    [{"preprocess_per_chain": per_chain}],
+                    "preprocess",
+                    [length, depth],
+                    "synthetic",
+                    env,
+                    extra,
+                )
+                fly = OnTheFlyDataset(src / "mmcifs", src / "alignments", config, seed=0)
+                pre = PreprocessedDataset(out, config, seed=0)
+                rows += _rows_for(
+                    _profile(fly, repeats), "on_the_fly", [length, depth], "synthetic", env, extra
+                )
+                rows += _rows_for(
+                    _profile(pre, repeats), "preprocessed", [length, depth], "synthetic", env, extra
+                )
+                log(f"depth {depth}: done")
+            if real_dir is not None and Path(real_dir).is_dir():
+                rows += _real_rows(Path(real_dir), Path(tmp), config, repeats, env, common, progress)
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+def _real_rows(
+    real: Path,
+    tmp: Path,
+    config: Any,
+    repeats: int,
+    env: dict[str, Any],
+    common: dict[str, Any],
+    progress: bool,
+) -> list[ResultRow]:
+    from hfkit.data.dataset import OnTheFlyDataset, PreprocessedDataset
+    from hfkit.data.preprocess import preprocess
+
+    # Only the entries with an alignment folder (2q2k in the OpenFold test data).
+    mmcifs = tmp / "real_mmcifs"
+    mmcifs.mkdir()
+    aligned = {p.name.split("_")[0].lower() for p in (real / "alignments").iterdir() if p.is_dir()}
+    for cif in (real / "mmcifs").glob("*.cif"):
+        if cif.stem.lower() in aligned:
+            (mmcifs / cif.name).symlink_to(cif.resolve())
+    out = tmp / "real_records"
+    summary = preprocess(mmcifs, real / "alignments", out, workers=0, progress=progress)
+    if not summary.ok:
+        raise RuntimeError(f"preprocess failed on the real inputs:\n{summary.table()}")
+    fly = OnTheFlyDataset(mmcifs, real / "alignments", config, seed=0)
+    pre = PreprocessedDataset(out, config, seed=0)
+    rows: list[ResultRow] = []
+    for i in range(len(pre)):
+        raw = pre.raw_features(i)
+        shape = [int(raw["aatype"].shape[0]), int(raw["msa"].shape[0])]
+        extra = {**common, "synthetic": False, "sample_index": i}
+        rows += _rows_for([_one(fly, i, repeats)], "on_the_fly", shape, "real", env, extra)
+        rows += _rows_for([_one(pre, i, repeats)], "preprocessed", shape, "real", env, extra)
+    return rows
+
+
+def _one(dataset: Any, index: int, repeats: int) -> dict[str, float]:
+    from hfkit.data.dataset import profile_sample
+
+    return profile_sample(dataset, index, repeats=repeats)
+
+
+def data_cost_table(frame: Any) -> Any:
+    """Pivot data-cost rows to one line per (kind, length, depth, provider) with a column per stage (ms)."""
+    frame = frame.copy()
+    frame["length"] = frame["shape"].map(lambda s: s[0])
+    frame["depth"] = frame["shape"].map(lambda s: s[1])
+    table = frame.pivot_table(
+        index=["dtype", "length", "depth", "provider"], columns="mode", values="p50_ms", aggfunc="median"
+    )
+    return table.round(2)
+
+
+def sample_times(dataset: Any, indices: Sequence[int] | None = None, repeats: int = 1) -> Any:
+    """Per-sample stage times (ms) of `dataset` as a DataFrame: one row per sample, with its length and depth.
+
+    Uses `profile_sample` (one process, one thread as set by the caller). Columns: `index`, `length`,
+    `depth`, one column per stage, `total`.
+    """
+    import pandas as pd
+
+    from hfkit.data.dataset import profile_sample
+
+    records = []
+    for i in indices if indices is not None else range(len(dataset)):
+        raw = dataset.raw_features(i)
+        t = profile_sample(dataset, i, repeats=repeats)
+        records.append(
+            {
+                "index": i,
+                "length": int(raw["aatype"].shape[0]),
+                "depth": int(raw["msa"].shape[0]),
+                **{k: v * 1e3 for k, v in t.items()},
+            }
+        )
+    return pd.DataFrame.from_records(records)
+
+
+def loader_throughput(dataset: Any, workers: int, samples: int) -> float:
+    """Samples per second that a `make_dataloader(dataset, workers=workers)` delivers over `samples` samples.
+
+    The first sample (worker start-up) is excluded from the timing.
+    """
+    from hfkit.data.dataset import make_dataloader
+
+    if samples < 2:
+        raise ValueError(f"samples: expected at least 2, got {samples}")
+    loader = make_dataloader(dataset, batch_size=1, workers=workers)
+    it = iter(loader)
+    got = 0
+    start = None
+    while got < samples:
+        try:
+            next(it)
+        except StopIteration:
+            it = iter(loader)
+            continue
+        got += 1
+        if got == 1:
+            start = time.perf_counter()
+    assert start is not None
+    return (samples - 1) / (time.perf_counter() - start)
+
+
+def sync_wait_table(
+    lengths: np.ndarray,
+    crop_sizes: Sequence[int],
+    ranks: Sequence[int],
+    n_seq: int = 128,
+    steps: int = 2000,
+    seed: int = 0,
+) -> Any:
+    """Wasted fraction and mean step cost of synchronous DDP for each (policy, crop size, ranks).
+
+    Policies: "no crop" (each protein at full length), "crop" (at most `crop` residues, no padding),
+    "crop + pad" (every sample padded to `crop`: equal cost, no waiting, padding computed instead).
+    Costs are Evoformer-block FLOPs (`evoformer_flops`) at `n_seq` MSA rows; `mean_step_rel` is the
+    mean step cost relative to one full `crop`-sized sample.
+    """
+    import pandas as pd
+
+    from hfkit.bench.sync_wait import evoformer_flops, sync_wait
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for crop in crop_sizes:
+        unit = float(evoformer_flops(crop, n_seq))
+        policies = {
+            "no crop": evoformer_flops(lengths, n_seq),
+            "crop": evoformer_flops(np.minimum(lengths, crop), n_seq),
+            "crop + pad": np.full(len(lengths), unit),
+        }
+        for policy, costs in policies.items():
+            for p in ranks:
+                r = sync_wait(costs, p, steps, rng)
+                rows.append(
+                    {
+                        "policy": policy,
+                        "crop": crop,
+                        "ranks": p,
+                        "wasted_fraction": r.wasted_fraction,
+                        "mean_step_rel": r.mean_step / unit,
+                        "p95_step_rel": r.p95_step / unit,
+                    }
+                )
+    return pd.DataFrame(rows)

@@ -1,0 +1,298 @@
+"""Tests of the record store (hfkit.data.records): format, checksums, atomic writes, multi-file datasets."""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from hfkit.data.records import (
+    CorruptRecordError,
+    RecordDataset,
+    RecordReader,
+    RecordWriter,
+    decode_sample,
+    encode_sample,
+    validate,
+    validate_dir,
+)
+
+DTYPES = [
+    np.bool_,
+    np.int8,
+    np.uint8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint64,
+    np.float16,
+    np.float32,
+    np.float64,
+]
+
+
+def _random_sample(rng: np.random.Generator, i: int) -> dict[str, np.ndarray]:
+    sample: dict[str, np.ndarray] = {}
+    for dtype in DTYPES:
+        shape = tuple(int(s) for s in rng.integers(0, 5, size=rng.integers(0, 4)))
+        if np.dtype(dtype).kind == "f":
+            sample[np.dtype(dtype).name] = rng.normal(size=shape).astype(dtype)
+        else:
+            sample[np.dtype(dtype).name] = rng.integers(
+                0, 2 if dtype is np.bool_ else 100, size=shape
+            ).astype(dtype)
+    sample["index"] = np.array(i, dtype=np.int64)
+    sample["big"] = rng.normal(size=(64, 37, 3)).astype(np.float32)
+    sample["fortran"] = np.asfortranarray(rng.normal(size=(3, 5)))
+    return sample
+
+
+def _assert_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert set(a) == set(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype, key
+        assert a[key].shape == b[key].shape, key
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+@pytest.mark.parametrize("num_samples", [None, 7])
+def test_round_trip(tmp_path: Path, num_samples: int | None) -> None:
+    rng = np.random.default_rng(0)
+    samples = [_random_sample(rng, i) for i in range(7)]
+    path = tmp_path / "a.ffr"
+    with RecordWriter(path, num_samples=num_samples) as writer:
+        for s in samples:
+            writer.write(s)
+    assert sorted(os.listdir(tmp_path)) == ["a.ffr"]  # no temp files left
+    with RecordReader(path) as reader:
+        assert len(reader) == 7
+        for i, s in enumerate(samples):
+            _assert_same(reader[i], s)
+        _assert_same(reader[-1], samples[-1])
+        batch = reader.read_batch([5, 0, 5])
+        for got, i in zip(batch, [5, 0, 5], strict=True):
+            _assert_same(got, samples[i])
+        with pytest.raises(IndexError, match="a.ffr"):
+            reader[7]
+    assert validate(path).ok
+
+
+def test_file_layout_is_ffrecord(tmp_path: Path) -> None:
+    """Header = <meta crc u32><N u64><crc u32 x N><offset u64 x N>, payloads packed after it."""
+    path = tmp_path / "a.ffr"
+    payloads = [encode_sample({"x": np.arange(i + 1)}) for i in range(3)]
+    with RecordWriter(path) as writer:
+        for p in payloads:
+            writer.write_bytes(p)
+    raw = path.read_bytes()
+    meta_crc, n = struct.unpack_from("<IQ", raw, 0)
+    assert n == 3
+    crcs = struct.unpack_from("<3I", raw, 12)
+    offsets = struct.unpack_from("<3Q", raw, 24)
+    assert meta_crc == zlib.crc32(raw[4 : 12 + 12 * n])
+    assert list(crcs) == [zlib.crc32(p) for p in payloads]
+    assert offsets[0] == 12 + 12 * n
+    assert raw[offsets[0] :] == b"".join(payloads)
+
+
+def test_strings_and_scalars(tmp_path: Path) -> None:
+    sample = {
+        "chain_id": "2q2k_A",
+        "description": "héllo wörld",
+        "names": np.array(["a", "", "ccc"]),
+        "raw": np.array(b"bytes"),
+        "n": 5,
+        "res": 2.5,
+        "flag": True,
+        "np_scalar": np.float32(1.5),
+    }
+    got = decode_sample(encode_sample(sample))
+    assert str(got["chain_id"]) == "2q2k_A" and got["chain_id"].shape == ()
+    assert str(got["description"]) == "héllo wörld"
+    assert got["names"].tolist() == ["a", "", "ccc"]
+    assert str(got["raw"]) == "bytes"
+    assert got["n"].dtype == np.int64 and got["n"].shape == () and int(got["n"]) == 5
+    assert got["res"].dtype == np.float64 and float(got["res"]) == 2.5
+    assert got["flag"].dtype == np.bool_ and bool(got["flag"])
+    assert got["np_scalar"].dtype == np.float32 and got["np_scalar"].shape == ()
+
+
+def test_payload_corruption_names_record(tmp_path: Path) -> None:
+    path = tmp_path / "a.ffr"
+    with RecordWriter(path) as writer:
+        for i in range(4):
+            writer.write({"x": np.full(100, i, dtype=np.int32)})
+    with RecordReader(path) as reader:
+        start, end = int(reader.offsets[2]), int(reader.ends[2])
+    raw = bytearray(path.read_bytes())
+    raw[(start + end) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+    reader = RecordReader(path)  # the header is intact, so it opens
+    np.testing.assert_array_equal(reader[1]["x"], np.full(100, 1))
+    with pytest.raises(CorruptRecordError, match=r"a\.ffr: record 2") as info:
+        reader[2]
+    assert info.value.index == 2 and info.value.path == str(path)
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(CorruptRecordError):
+        reader.read_batch([0, 2])
+    reader.close()
+    # Without verification the flipped byte goes unnoticed by the reader (but decoding may still fail).
+    RecordReader(path, verify=False).read_bytes(2)
+
+    report = validate(path)
+    assert not report.ok and report.header_ok and report.bad_records == [2]
+    assert "record 2" in str(report)
+
+
+@pytest.mark.parametrize("where", ["count", "checksums", "offsets", "meta_crc"])
+def test_header_corruption_detected(tmp_path: Path, where: str) -> None:
+    path = tmp_path / "a.ffr"
+    with RecordWriter(path) as writer:
+        for i in range(3):
+            writer.write({"x": np.arange(10 + i)})
+    raw = bytearray(path.read_bytes())
+    pos = {"meta_crc": 1, "count": 4, "checksums": 12 + 5, "offsets": 12 + 12 + 9}[where]
+    raw[pos] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptRecordError, match="a.ffr") as info:
+        RecordReader(path)
+    assert info.value.index is None or where in ("count", "offsets")
+    report = validate(path)  # never raises
+    assert not report.ok and not report.header_ok
+
+
+def test_truncated_and_missing_files(tmp_path: Path) -> None:
+    path = tmp_path / "short.ffr"
+    path.write_bytes(b"\x00" * 5)
+    with pytest.raises(CorruptRecordError, match="shorter than the header"):
+        RecordReader(path)
+    assert not validate(path).ok
+    assert not validate(tmp_path / "missing.ffr").ok
+    with pytest.raises(FileNotFoundError):
+        RecordReader(tmp_path / "missing.ffr")
+
+
+class _Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("num_samples", [None, 3])
+@pytest.mark.parametrize("error", [_Boom, KeyboardInterrupt])
+def test_interrupted_write_leaves_nothing(tmp_path: Path, num_samples: int | None, error: type) -> None:
+    path = tmp_path / "a.ffr"
+    with pytest.raises(error), RecordWriter(path, num_samples=num_samples) as writer:
+        writer.write({"x": np.arange(3)})
+        assert writer.tmp_path.exists()
+        raise error()
+    assert os.listdir(tmp_path) == []
+
+
+def test_rewrite_keeps_old_file_until_complete(tmp_path: Path) -> None:
+    path = tmp_path / "a.ffr"
+    with RecordWriter(path) as writer:
+        writer.write({"v": np.array(1)})
+    with pytest.raises(_Boom), RecordWriter(path) as writer:
+        writer.write({"v": np.array(2)})
+        raise _Boom()
+    assert int(RecordReader(path)[0]["v"]) == 1  # the old complete file is untouched
+
+
+def test_wrong_sample_count(tmp_path: Path) -> None:
+    path = tmp_path / "a.ffr"
+    with pytest.raises(ValueError, match="num_samples=3"), RecordWriter(path, num_samples=3) as writer:
+        writer.write({"x": np.arange(2)})
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match="one more"), RecordWriter(path, num_samples=1) as writer:
+        writer.write({"x": np.arange(2)})
+        writer.write({"x": np.arange(2)})
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        (np.array([object(), 1], dtype=object), "'bad'.*dtype object"),
+        (np.array([1 + 2j]), "'bad'.*complex128"),
+        ([1, 2, 3], "'bad'.*list"),
+        (np.array([["a"]]), "'bad'.*0-d or 1-d"),
+    ],
+)
+def test_unsupported_values_rejected(tmp_path: Path, value: object, match: str) -> None:
+    path = tmp_path / "a.ffr"
+    with pytest.raises(ValueError, match=match), RecordWriter(path) as writer:
+        writer.write({"ok": np.arange(3), "bad": value})
+    assert os.listdir(tmp_path) == []
+
+
+def test_empty_store(tmp_path: Path) -> None:
+    path = tmp_path / "empty.ffr"
+    with RecordWriter(path):
+        pass
+    assert path.stat().st_size == 12
+    reader = RecordReader(path)
+    assert len(reader) == 0 and list(reader) == [] and reader.read_batch([]) == []
+    with pytest.raises(IndexError):
+        reader[0]
+    report = validate(path)
+    assert report.ok and report.num_samples == 0
+    with RecordWriter(tmp_path / "empty0.ffr", num_samples=0):
+        pass
+    assert len(RecordReader(tmp_path / "empty0.ffr")) == 0
+
+
+def _write_files(tmp_path: Path, counts: list[int]) -> list[Path]:
+    paths, k = [], 0
+    for f, count in enumerate(counts):
+        path = tmp_path / f"records-{f:05d}.ffr"
+        with RecordWriter(path) as writer:
+            for _ in range(count):
+                writer.write(
+                    {"global": np.array(k), "file": np.array(f), "x": np.full((2, 3), k, np.float32)}
+                )
+                k += 1
+        paths.append(path)
+    return paths
+
+
+def test_many_files_dataset(tmp_path: Path) -> None:
+    counts = [3, 0, 1, 5, 2]
+    paths = _write_files(tmp_path, counts)
+    ds = RecordDataset(paths)
+    assert len(ds) == sum(counts)
+    for k in range(len(ds)):
+        assert int(ds[k]["global"]) == k
+    assert ds.locate(3) == (2, 0) and ds.locate(-1) == (4, 1)
+    assert int(ds[-1]["global"]) == len(ds) - 1
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+    # A directory means its *.ffr files in name order.
+    assert len(RecordDataset(tmp_path)) == len(ds)
+    assert [r.ok for r in validate_dir(tmp_path)] == [True] * len(counts)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataset_through_dataloader(tmp_path: Path, workers: int) -> None:
+    paths = _write_files(tmp_path, [4, 3, 5])
+    ds = RecordDataset(paths)
+    ds[0]  # opens a reader (an mmap) in the parent before workers fork
+    loader = DataLoader(ds, batch_size=3, num_workers=workers, shuffle=False)
+    seen = torch.cat([batch["global"] for batch in loader])
+    assert seen.tolist() == list(range(12))
+
+
+def test_reader_after_fork_and_pickle(tmp_path: Path) -> None:
+    import pickle
+
+    (path,) = _write_files(tmp_path, [3])
+    reader = RecordReader(path)
+    clone = pickle.loads(pickle.dumps(reader))
+    assert int(clone[2]["global"]) == 2
+    ds = pickle.loads(pickle.dumps(RecordDataset([path])))
+    assert int(ds[1]["global"]) == 1
