@@ -11,6 +11,7 @@ from pathlib import Path
 import gemmi
 import numpy as np
 import pytest
+from fuzz_edits import EDIT_OPS, edit
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -338,10 +339,8 @@ def mutated_cif(draw) -> str:
     text = SMALL_CIF
     rnd = draw(st.randoms(use_true_random=True))  # uniform positions; integers() favours the start
     for _ in range(draw(st.integers(1, 4))):
-        ops = ["delete_line", "duplicate_line", "swap", "replace", "insert", "truncate"]
-        op = draw(st.sampled_from(ops + ["token"] * len(ops)))  # half the edits keep the CIF well-formed
+        op = draw(st.sampled_from([*EDIT_OPS, *["token"] * len(EDIT_OPS)]))  # half keep the CIF well-formed
         lines = text.split("\n")
-        i = rnd.randrange(max(len(text), 1))
         rows = [
             k for k, x in enumerate(lines) if x and x[0] not in "_#;'" and "'" not in x and x[:5] != "loop_"
         ]
@@ -351,18 +350,8 @@ def mutated_cif(draw) -> str:
             words[rnd.randrange(len(words))] = draw(st.sampled_from(CIF_TOKENS))
             lines[k] = " ".join(words)
             text = "\n".join(lines)
-        elif op in ("delete_line", "duplicate_line"):
-            k = rnd.randrange(len(lines))
-            lines[k : k + 1] = [] if op == "delete_line" else [lines[k], lines[k]]
-            text = "\n".join(lines)
-        elif op == "swap" and len(text) > 1:
-            i = min(i, len(text) - 2)
-            text = text[:i] + text[i + 1] + text[i] + text[i + 2 :]
-        elif op in ("replace", "insert"):
-            c = draw(st.sampled_from(CIF_SPECIAL) | st.characters())
-            text = text[:i] + c + text[i + (op == "replace") :]
-        elif op == "truncate":
-            text = text[:i]
+        else:
+            text = edit(text, op, draw, rnd, CIF_SPECIAL)
     return text
 
 

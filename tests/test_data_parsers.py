@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fuzz_edits import EDIT_OPS, edit
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -480,21 +481,7 @@ def mutated(draw, samples: list[str]) -> str:
     text = draw(st.sampled_from(samples))
     rnd = draw(st.randoms(use_true_random=True))  # uniform positions; integers() favours the start
     for _ in range(draw(st.integers(1, 4))):
-        op = draw(st.sampled_from(["delete_line", "duplicate_line", "swap", "replace", "insert", "truncate"]))
-        lines = text.split("\n")
-        i = rnd.randrange(max(len(text), 1))
-        if op in ("delete_line", "duplicate_line"):
-            k = rnd.randrange(len(lines))
-            lines[k : k + 1] = [] if op == "delete_line" else [lines[k], lines[k]]
-            text = "\n".join(lines)
-        elif op == "swap" and len(text) > 1:
-            i = min(i, len(text) - 2)
-            text = text[:i] + text[i + 1] + text[i] + text[i + 2 :]
-        elif op in ("replace", "insert"):
-            c = draw(st.sampled_from(SPECIAL) | st.characters())
-            text = text[:i] + c + text[i + (op == "replace") :]
-        elif op == "truncate":
-            text = text[:i]
+        text = edit(text, draw(st.sampled_from(EDIT_OPS)), draw, rnd, SPECIAL)
     return text
 
 

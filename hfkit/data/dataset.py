@@ -64,6 +64,21 @@ class _EpochMixin:
     def epoch(self) -> int:
         return int(self._epoch.value)
 
+    def _sample(self, index: int) -> dict[str, torch.Tensor]:
+        """Raw features of chain `index`, then `process_features` with this epoch's seed; stage times kept."""
+        timings: dict[str, float] = {}
+        raw = self.raw_features(index, timings)  # type: ignore[attr-defined]
+        t0 = time.perf_counter()
+        sample = process_features(
+            raw,
+            self.config,  # type: ignore[attr-defined]
+            sample_seed(self.seed, self.epoch, index),  # type: ignore[attr-defined]
+            train=self.train,  # type: ignore[attr-defined]
+        )
+        timings["process_features"] = time.perf_counter() - t0
+        self.last_timings = timings
+        return _with_timings(sample, timings) if self.timings else sample  # type: ignore[attr-defined]
+
     def set_epoch(self, epoch: int) -> None:
         """Use `epoch` in the seeds of the following samples (call before each epoch's iteration)."""
         self._epoch.value = int(epoch)
@@ -165,15 +180,7 @@ class OnTheFlyDataset(_EpochMixin, Dataset):
         return raw
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        timings: dict[str, float] = {}
-        raw = self.raw_features(index, timings)
-        t0 = time.perf_counter()
-        sample = process_features(
-            raw, self.config, sample_seed(self.seed, self.epoch, index), train=self.train
-        )
-        timings["process_features"] = time.perf_counter() - t0
-        self.last_timings = timings
-        return _with_timings(sample, timings) if self.timings else sample
+        return self._sample(index)
 
 
 class PreprocessedDataset(_EpochMixin, Dataset):
@@ -240,16 +247,7 @@ class PreprocessedDataset(_EpochMixin, Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not -len(self) <= index < len(self):
             raise IndexError(f"PreprocessedDataset: index {index} out of range for {len(self)} chains")
-        index %= len(self)
-        timings: dict[str, float] = {}
-        raw = self.raw_features(index, timings)
-        t0 = time.perf_counter()
-        sample = process_features(
-            raw, self.config, sample_seed(self.seed, self.epoch, index), train=self.train
-        )
-        timings["process_features"] = time.perf_counter() - t0
-        self.last_timings = timings
-        return _with_timings(sample, timings) if self.timings else sample
+        return self._sample(index % len(self))
 
 
 def collate_fixed(batch: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
