@@ -1,4 +1,4 @@
-"""The `hfkit` command line: `hfkit env`, `hfkit bench layernorm` and `hfkit preprocess`.
+"""The `hfkit` command line: `hfkit env`, `hfkit bench layernorm|data|comms` and `hfkit preprocess`.
 
 `main(argv)` is the entry point of both the `hfkit` console script and `python -m hfkit`; it returns
 the exit status instead of calling `sys.exit`, so tests can call it directly.
@@ -142,6 +142,45 @@ def _cmd_bench_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_comms(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from hfkit.bench import gpu_slug, results_dir, rows_to_frame
+    from hfkit.bench.ceilings import device_name
+    from hfkit.bench.comms import default_backends, hfreduce_available, run_comms_benchmark
+
+    slug = gpu_slug(device_name(None))
+    if slug != "cpu":
+        slug = f"{slug}x{args.nproc}"  # e.g. h200x8: results depend on the GPU count
+    out = Path(args.out) if args.out else results_dir() / slug / "comms.json"
+    backends = args.backends or default_backends()
+    if "hfreduce" in backends and not hfreduce_available():
+        print("hfkit bench comms: hfreduce is not available in hfkit.parallel yet; skipped", file=sys.stderr)
+        backends = [b for b in backends if b != "hfreduce"]
+    try:
+        rows = run_comms_benchmark(
+            nproc=args.nproc,
+            backends=backends,
+            max_bytes=args.max_bytes,
+            min_bytes=args.min_bytes,
+            ddp=args.ddp,
+            params=args.params,
+            ddp_reps=args.ddp_reps,
+            out=out,
+            command=args.command,
+            timeout_s=args.timeout,
+        )
+    except RuntimeError as err:
+        print(f"hfkit bench comms: {err}", file=sys.stderr)
+        return 1
+    frame = rows_to_frame(rows)
+    frame["busbw_gbps"] = [e.get("busbw_gbps") for e in frame["extra"]]
+    with pd.option_context("display.max_rows", None, "display.width", 200):
+        print(frame[["op", "provider", "mode", "shape_str", "p50_ms", "busbw_gbps"]].to_string(index=False))
+    print(f"\nwrote {len(rows)} rows to {out}")
+    return 0
+
+
 def _cmd_preprocess(args: argparse.Namespace) -> int:
     from hfkit.data.preprocess import SUMMARY_NAME, preprocess
 
@@ -216,6 +255,31 @@ def _parser() -> argparse.ArgumentParser:
     data.add_argument("--real-dir", default=None, help="OpenFold test data folder to measure as well")
     data.add_argument("--no-progress", action="store_true", help="no progress bar")
     data.set_defaults(func=_cmd_bench_data)
+
+    comms = bench_sub.add_parser(
+        "comms", help="allreduce bandwidth per backend and size, and the DDP step decomposition (torchrun)"
+    )
+    comms.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
+    comms.add_argument(
+        "--backends",
+        type=_choices(["nccl", "gloo", "hfreduce"]),
+        default=None,
+        help="comma list of nccl,gloo,hfreduce (default: all three on GPUs, gloo,hfreduce on CPU)",
+    )
+    comms.add_argument(
+        "--max-bytes", default=None, help="largest message, e.g. 64M (default: 1G GPU, 64M CPU)"
+    )
+    comms.add_argument("--min-bytes", default="4K", help="smallest message (default 4K)")
+    comms.add_argument(
+        "--ddp", action=argparse.BooleanOptionalAction, default=True, help="also the DDP step decomposition"
+    )
+    comms.add_argument("--params", type=int, default=93_200_000, help="DDP model parameters (default 93.2M)")
+    comms.add_argument("--ddp-reps", type=int, default=5, help="timed DDP steps per configuration")
+    comms.add_argument("--timeout", type=float, default=1800.0, help="kill the run after this many seconds")
+    comms.add_argument(
+        "--out", default=None, help="results JSON (default: data/results/<gpu>x<n>/comms.json)"
+    )
+    comms.set_defaults(func=_cmd_bench_comms)
 
     pre = sub.add_parser(
         "preprocess",

@@ -387,6 +387,79 @@ def test_cluster_all_extra_uses_rows_beyond_the_kept_ones() -> None:
     assert not torch.equal(a["msa_feat"][..., PROFILE], b["msa_feat"][..., PROFILE])
 
 
+def assert_samples_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: object) -> None:
+    """Same keys, dtypes and bits (floats compared as raw bytes, so -0.0 != 0.0 and NaN == NaN)."""
+    assert a.keys() == b.keys(), what
+    for key in a:
+        x, y = a[key], b[key]
+        assert x.dtype == y.dtype and x.shape == y.shape, (what, key)
+        if x.dtype.is_floating_point:
+            x, y = x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)
+        assert torch.equal(x, y), (what, key)
+
+
+def test_column_gather_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spatial crops gathered run by run, by numpy's column take, or windows: the same samples."""
+    from hfkit.data import msa_sampling
+
+    raw = synthetic_raw(21, depth=300, length=90)
+    config = FeatureConfig(crop_size=48, max_msa_clusters=16, max_extra_msa=64, spatial_crop_prob=1.0)
+    positions, mask = torch.from_numpy(raw["all_atom_positions"]), torch.from_numpy(raw["all_atom_mask"])
+    runs = [
+        msa_sampling._column_runs(choose_crop(90, 48, torch.Generator().manual_seed(s), 1.0, positions, mask))
+        for s in range(4)
+    ]
+    assert max(len(r) for r in runs) > 1  # the crops are not all one window
+    expected = [process_features(raw, config, seed) for seed in range(4)]
+    for max_runs in (0, 1, 1000):
+        monkeypatch.setattr(msa_sampling, "_MAX_RUNS", max_runs)
+        for seed in range(4):
+            assert_samples_equal(process_features(raw, config, seed), expected[seed], (max_runs, seed))
+
+
+def test_deletion_dtype_does_not_change_samples() -> None:
+    """uint16 deletion counts (summed per cluster in gathered order, exact below 2**24) and the same
+    counts as float32 (summed in raw row order) give bitwise equal samples."""
+    raw = dict(synthetic_raw(22, depth=700, length=30))
+    assert raw["deletion_matrix"].dtype == np.uint16
+    as_float = dict(raw, deletion_matrix=raw["deletion_matrix"].astype(np.float32))
+    config = FeatureConfig(crop_size=24, max_msa_clusters=2, max_extra_msa=16)
+    for seed in range(3):
+        assert_samples_equal(
+            process_features(raw, config, seed), process_features(as_float, config, seed), seed
+        )
+
+
+def test_deletion_sums_past_float_precision_keep_row_order() -> None:
+    """Sums past 2**24 round in float32 by summation order: they must be those of the raw row order."""
+    from hfkit.data.msa_sampling import _deletion_sums
+
+    rng = np.random.default_rng(0)
+    num_seq, num_res, num_clust = 800, 12, 2
+    deletions = torch.from_numpy(rng.integers(40001, 65536, (num_seq, num_res)).astype(np.uint16))
+    vote_rows = torch.from_numpy(rng.permutation(num_seq))  # gathered order differs from row order
+    assignment = torch.from_numpy(rng.integers(0, num_clust, num_seq))
+    cols = torch.arange(3, 11)
+    vote_del = deletions.float()[vote_rows][:, cols]
+    got = _deletion_sums(deletions, vote_del, vote_rows, assignment, num_clust, cols)
+    target = torch.empty(num_seq, dtype=torch.int64)
+    target[vote_rows] = assignment
+    row_order = torch.zeros(num_clust, num_res).index_add_(0, target, deletions.float())[:, cols]
+    gathered_order = torch.zeros(num_clust, len(cols)).index_add_(0, assignment, vote_del)
+    assert float(row_order.max()) > 2**24 and not torch.equal(gathered_order, row_order)  # order matters
+    assert torch.equal(got, row_order)
+
+
+def test_samples_do_not_alias_reused_buffers() -> None:
+    """Intermediates live in per-thread buffers reused across calls; no output may share them."""
+    config = FeatureConfig.tiny()
+    first = process_features(synthetic_raw(23, depth=200, length=60), config, 0)
+    saved = {k: v.clone() for k, v in first.items()}
+    process_features(synthetic_raw(24, depth=300, length=70), config, 1)
+    process_features(synthetic_raw(23, depth=200, length=60), config, 2, train=False)
+    assert_samples_equal(first, saved, "after later calls")
+
+
 # ----------------------------------------------------------------------------- masked MSA
 
 

@@ -14,12 +14,17 @@ Residues are cropped *first*, so every MSA-wide step touches crop_size columns, 
 [N_extra, N_clust] computed as an `embedding_bag` gather-sum of fp16 rows of a per-(column, residue)
 table -- N_extra * crop_size * N_clust adds, ~3 ms for 4,900 extra rows, crop 256 and 128 clusters
 on one CPU core, where OpenFold's dense one-hot matmul does 23x the work in float32 (~130 ms).
-The cluster profiles are one `index_add_` of N_extra * crop_size ones (~1.5 ms there).
+The cluster profiles are one `index_add_` of N_extra * crop_size ones (~1.3 ms there), indexed by
+the same int32 keys as the agreement table (both use msa_feat's channel layout). The [N, crop]
+intermediates live in per-thread buffers reused across calls (up to 128 MiB each; ~75 MiB in all
+for a 20,000-row MSA at crop 256): on a VM each fresh 4 KiB page costs a ~1.5 us fault, which for
+those intermediates cost as much as the arithmetic. Outputs are always fresh tensors.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -168,9 +173,15 @@ def deletion_value(deletions: torch.Tensor, out: torch.Tensor | None = None) -> 
         out = torch.empty(deletions.shape, dtype=torch.float32, device=deletions.device)
     if deletions.device.type != "cpu" or deletions.requires_grad:
         return out.copy_(torch.atan(deletions / 3.0) * (2.0 / math.pi))
-    values = np.arctan(deletions.detach().numpy().astype(np.float32, copy=False) / np.float32(3.0))
-    out.copy_(torch.from_numpy(np.asarray(values)).mul_(2.0 / math.pi))
-    return out
+    # In place in `out` (or a reused buffer for a strided `out`): no fresh temporaries.
+    direct = out.dtype == torch.float32 and out.is_contiguous() and not out.requires_grad
+    buffer = out if direct else _scratch("deletion_value", tuple(deletions.shape), torch.float32)
+    values = buffer.numpy()
+    np.copyto(values, deletions.detach().numpy(), casting="unsafe")
+    np.divide(values, np.float32(3.0), out=values)
+    np.arctan(values, out=values)
+    buffer.mul_(2.0 / math.pi)
+    return out if direct else out.copy_(buffer)
 
 
 def mask_msa(
@@ -210,24 +221,39 @@ def mask_msa(
     return corrupted, bert_mask
 
 
-def _column_keys(ids: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """ids [N, L] -> int32 column * num_classes + id: one flat slot per (column, class)."""
-    offsets = torch.arange(0, ids.shape[1] * num_classes, num_classes, dtype=torch.int32)
-    return ids.to(torch.int32) + offsets
+# Agreement tables and cluster-profile slots share one layout, that of msa_feat's last axis: the
+# slot of (column l, class a) is l * MSA_FEAT_DIM + _PROFILE_CHANNELS.start + a. One key matrix
+# then indexes the agreement table and, offset by its cluster, the flat msa_feat of the profiles.
+_SLOT_STRIDE = MSA_FEAT_DIM
+
+
+def _slot_offsets(num_res: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """[num_res] l * 49 + 25: the slot of (column l, class 0); class a's is a further + a."""
+    return torch.arange(
+        _PROFILE_CHANNELS.start, _PROFILE_CHANNELS.start + num_res * _SLOT_STRIDE, _SLOT_STRIDE, dtype=dtype
+    )
+
+
+def _column_keys(ids: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """ids [N, L] -> `dtype` slots l * 49 + 25 + id: one slot per (column, class)."""
+    return torch.empty(ids.shape, dtype=dtype).copy_(ids).add_(_slot_offsets(ids.shape[1], dtype))
 
 
 def _assign_from_keys(keys: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
-    """Nearest centre of each extra row; keys: `_column_keys(extra, 23)` [E, L], centres ids [C, L]."""
+    """Nearest centre of each extra row; keys: `_column_keys(extra)` [E, L], centres ids [C, L]."""
     num_centres, num_res = centres.shape
     # Counts never exceed num_res; fp16 holds integers exactly up to 2048 and halves the table
     # traffic of the gather-sum, which is memory bound.
     dtype = torch.float16 if num_res <= 2048 else torch.float32
-    # table[l * 23 + a, c] = 1 where centre c has residue (or X) a at column l. Gaps and the mask
-    # token weigh 0, as OpenFold's weights [1]*21 + [gap_agreement_weight = 0, 0] do.
-    table = torch.zeros(num_res * MSA_NUM_CLASSES, num_centres, dtype=dtype)
-    centre_ids = centres.T.long()
-    slots = centre_ids + torch.arange(0, num_res * MSA_NUM_CLASSES, MSA_NUM_CLASSES)[:, None]
-    table.scatter_(0, slots, (centre_ids < GAP_ID).to(dtype))
+    # table[slot(l, a), c] = 1 where centre c has residue (or X) a at column l. Gaps and the mask
+    # token weigh 0, as OpenFold's weights [1]*21 + [gap_agreement_weight = 0, 0] do. Rows of the
+    # other msa_feat channels are never indexed; they only space the class rows (same cache lines).
+    table = _scratch("table", (num_res * _SLOT_STRIDE, num_centres), dtype).zero_()
+    centre_ids = centres.long()
+    # Flat index of (slot(l, a), c), one per (c, l): an index_put_ of a flat view is several times
+    # faster than a dim-0 scatter_, which copies the table to restride it.
+    flat = (centre_ids + _slot_offsets(num_res)).mul_(num_centres).add_(torch.arange(num_centres)[:, None])
+    table.view(-1)[flat.view(-1)] = (centre_ids < GAP_ID).view(-1).to(dtype)
     # agreement[e, c] = sum_l table[keys[e, l], c]: the weighted Hamming agreement, one bag per row.
     agreement = F.embedding_bag(keys, table, mode="sum")
     # max(dim).indices: ties go to the first centre, like OpenFold's argmax, and unlike argmax it
@@ -249,7 +275,7 @@ def assign_clusters(centres: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
         )
     if extra.shape[0] == 0:
         return torch.zeros(0, dtype=torch.int64)
-    return _assign_from_keys(_column_keys(extra, MSA_NUM_CLASSES), centres)
+    return _assign_from_keys(_column_keys(extra), centres)
 
 
 def _as_tensor(value: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -261,24 +287,69 @@ def _as_tensor(value: np.ndarray | torch.Tensor) -> torch.Tensor:
         return torch.as_tensor(np.asarray(value))
 
 
-def _window_start(cols: torch.Tensor) -> int | None:
-    """The first index when sorted `cols` form one contiguous window, else None."""
-    n = cols.numel()
-    if n > 0 and int(cols[-1]) - int(cols[0]) + 1 == n:
-        return int(cols[0])
-    return None
+_MAX_RUNS = 32  # more runs of consecutive columns than this: numpy's column gather instead
 
 
-def _take(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, start: int | None) -> torch.Tensor:
-    """x[rows][:, cols] of a 2-D x, touching only the rows asked for.
+def _column_runs(cols: torch.Tensor) -> list[tuple[int, int, int]] | None:
+    """Sorted `cols` as runs of consecutive indices (source start, output start, length).
 
-    Rows are gathered first (contiguous copies), then the columns: a view of the window starting at
-    `start`, or numpy's `take` for scattered columns (4x faster than torch's int8 column gather).
+    None when there are more than `_MAX_RUNS` (a spatial crop has a few; a window one).
     """
-    block = x.index_select(0, rows)
-    if start is not None:
-        return block.narrow(1, start, cols.numel())
-    return torch.from_numpy(np.take(block.numpy(), cols.numpy(), axis=1))
+    n = cols.numel()
+    if n == 0:
+        return []
+    breaks = (cols[1:] != cols[:-1] + 1).nonzero().view(-1).add_(1).tolist()
+    if len(breaks) >= _MAX_RUNS:
+        return None
+    bounds = [0, *breaks, n]
+    values = cols.tolist()
+    return [(values[lo], lo, hi - lo) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+# Scratch buffers, kept per thread across calls. Fresh memory costs one page fault per 4 KiB page
+# (~1.5 us each on a VM), which for the [N, crop] intermediates of a deep MSA cost as much as all
+# the arithmetic; reused buffers are already mapped. Nothing returned ever aliases them.
+_SCRATCH = threading.local()
+_SCRATCH_MAX_BYTES = 128 * 2**20  # larger intermediates are allocated per call
+
+
+def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised `dtype` tensor of `shape` in this thread's reusable buffer `name`."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > _SCRATCH_MAX_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    buffers = getattr(_SCRATCH, "buffers", None)
+    if buffers is None:
+        buffers = _SCRATCH.buffers = {}
+    buffer = buffers.get(name)
+    if buffer is None or buffer.numel() < nbytes:
+        buffer = buffers[name] = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+    return buffer[:nbytes].view(dtype).view(shape)
+
+
+def _take(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    runs: list[tuple[int, int, int]] | None,
+    name: str,
+) -> torch.Tensor:
+    """x[rows][:, cols] of a 2-D x into scratch buffer `name`, touching only the rows asked for.
+
+    `runs` is `_column_runs(cols)`. One window of columns is gathered row by row from a view; a few
+    runs are copied run by run from the gathered full rows (5x faster than a column gather);
+    more, by numpy's `take` of the gathered full rows (4x faster than torch's int8 column gather).
+    """
+    out = _scratch(name, (rows.numel(), cols.numel()), x.dtype)
+    if runs is not None and len(runs) == 1:
+        return torch.index_select(x.narrow(1, runs[0][0], runs[0][2]), 0, rows, out=out)
+    block = torch.index_select(x, 0, rows, out=_scratch("take_rows", (rows.numel(), x.shape[1]), x.dtype))
+    if runs is None:
+        np.take(block.numpy(), cols.numpy(), axis=1, out=out.numpy())
+    else:
+        for source, target, length in runs:
+            out[:, target : target + length].copy_(block[:, source : source + length])
+    return out
 
 
 def _padded(shape: tuple[int, int], real: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
@@ -290,6 +361,31 @@ def _padded(shape: tuple[int, int], real: tuple[int, int], dtype: torch.dtype) -
     out[real[0] :].zero_()
     out[: real[0], real[1] :].zero_()
     return out
+
+
+def _deletion_sums(
+    deletions: torch.Tensor,
+    vote_del: torch.Tensor,
+    vote_rows: torch.Tensor,
+    assignment: torch.Tensor,
+    num_clust: int,
+    cols: torch.Tensor,
+) -> torch.Tensor:
+    """Per-cluster deletion sums [C, res] of the voting rows (`vote_del`: their float deletions).
+
+    Unsigned integer counts sum exactly in float32 while every sum stays below 2**24, whatever the
+    order, so the gathered rows are summed as they come. Otherwise (float or signed counts, or huge
+    sums) they are summed in the raw row order, as full rows cropped after, which fixes the rounding.
+    """
+    if deletions.dtype in (torch.uint8, torch.uint16):
+        sums = torch.zeros(num_clust, vote_del.shape[1]).index_add_(0, assignment, vote_del)
+        if float(sums.max()) < 2**24:
+            return sums
+    # Every row of the MSA gets a target cluster, rows that do not vote go to a dummy one.
+    target = torch.full((deletions.shape[0],), num_clust, dtype=torch.int64)
+    target[vote_rows] = assignment
+    sums = torch.zeros(num_clust + 1, deletions.shape[1]).index_add_(0, target, deletions.float())
+    return sums[:num_clust].index_select(1, cols)
 
 
 def process_features(
@@ -343,7 +439,7 @@ def process_features(
         cols = torch.arange(num_res)
         pad_res = num_res
     res = cols.numel()
-    start = _window_start(cols)
+    runs = _column_runs(cols)
     if "hhblits_profile" in raw:
         profile = _as_tensor(raw["hhblits_profile"]).index_select(0, cols).float()
     else:
@@ -355,59 +451,58 @@ def process_features(
         [torch.zeros(1, dtype=torch.int64), torch.randperm(num_seq - 1, generator=generator) + 1]
     )
     num_clust = min(config.max_msa_clusters, num_seq)
-    centre_rows, extra_rows = order[:num_clust], order[num_clust:]
+    extra_rows = order[num_clust:]
     num_extra = min(config.max_extra_msa, extra_rows.numel())
-    # OpenFold's crop_extra_msa keeps a random subset; the extra rows are already in random order.
-    kept_rows = extra_rows[:num_extra]
-    vote_rows = extra_rows if config.cluster_all_extra else kept_rows
+    # OpenFold's crop_extra_msa keeps a random subset (the first num_extra extra rows: they are
+    # already in random order); with cluster_all_extra all extra rows vote, else only those.
+    vote_rows = extra_rows if config.cluster_all_extra else extra_rows[:num_extra]
 
     # 3. Masked MSA on the centres, before clustering so profiles do not leak the hidden residues.
-    true_msa = _take(msa, centre_rows, cols, start).long()
+    # One gather of the centres, then the voting rows (whose first num_extra are the kept extra rows).
+    rows = order[: num_clust + vote_rows.numel()]
+    ids = _take(msa, rows, cols, runs, "ids")
+    row_del = _take(deletions, rows, cols, runs, "deletions")
+    if row_del.dtype != torch.float32:
+        row_del = _scratch("deletions_float", tuple(row_del.shape), torch.float32).copy_(row_del)
+    true_msa = ids[:num_clust].long()
     centres, bert_mask = mask_msa(true_msa, profile, config, generator)
-    centre_del = _take(deletions, centre_rows, cols, start).float()
+    centre_del, vote_ids, vote_del = row_del[:num_clust], ids[num_clust:], row_del[num_clust:]
 
     # 4. Nearest-neighbour clustering and cluster summaries (OpenFold's nearest_neighbor_clusters,
-    # summarize_clusters): profile and mean deletion over each centre and its assigned rows. The
-    # profile counts are accumulated straight into msa_feat's cluster_profile channels.
+    # summarize_clusters): profile and mean deletion over each centre and its assigned rows.
     out_msa, out_extra = config.max_msa_clusters, config.max_extra_msa
     msa_feat = torch.zeros(out_msa, pad_res, MSA_FEAT_DIM)
     feat = msa_feat[:num_clust, :res]
-    profile_out = feat[..., _PROFILE_CHANNELS]
+    # slots[r, l] = l * 49 + 25 + id for the centres (corrupted ids), then the voting rows: the row
+    # of the agreement table, and once c * pad_res * 49 is added for the row's cluster c, the flat
+    # msa_feat index of its (cluster, column, class) profile count.
+    index_dtype = torch.int32 if msa_feat.numel() < 2**31 else torch.int64
+    slots = _scratch("slots", (num_clust + vote_rows.numel(), res), index_dtype)
+    slots[:num_clust].copy_(centres)
+    slots[num_clust:].copy_(vote_ids)
+    slots.add_(_slot_offsets(res, index_dtype))
+    cluster_stride = pad_res * MSA_FEAT_DIM
     sizes = torch.ones(num_clust)
     del_sum = centre_del.clone()
-    vote_ids = _take(msa, vote_rows, cols, start)  # kept_rows are its first num_extra rows
     if vote_rows.numel() > 0:
-        keys = _column_keys(vote_ids, MSA_NUM_CLASSES)
-        assignment = _assign_from_keys(keys, centres)
+        assignment = _assign_from_keys(slots[num_clust:], centres)
         sizes += torch.bincount(assignment, minlength=num_clust)
-        # Flat msa_feat index of (cluster c, column l, class a): (c * pad_res + l) * 49 + 25 + a
-        # = keys + c * pad_res * 49 + l * 26 + 25, as keys = l * 23 + a.
-        index_dtype = torch.int32 if msa_feat.numel() < 2**31 else torch.int64
-        slots = keys.to(index_dtype)  # keys is not needed any more: reuse its memory
-        slots += (assignment.to(index_dtype) * (pad_res * MSA_FEAT_DIM))[:, None]
-        slots += torch.arange(
-            _PROFILE_CHANNELS.start,
-            _PROFILE_CHANNELS.start + res * (MSA_FEAT_DIM - MSA_NUM_CLASSES),
-            MSA_FEAT_DIM - MSA_NUM_CLASSES,
-            dtype=index_dtype,
-        )
-        msa_feat.view(-1).index_add_(0, slots.view(-1), torch.ones(1).expand(slots.numel()))
-        # Deletion sums in the raw row order: every row of the MSA gets a target cluster, rows
-        # that do not vote go to a dummy one, so the [N, L] float matrix is never gathered.
-        target = torch.full((num_seq,), num_clust, dtype=torch.int64)
-        target[vote_rows] = assignment
-        # Summed over full rows and cropped after: index_add_ of contiguous rows is 10x faster.
-        sums = torch.zeros(num_clust + 1, num_res).index_add_(0, target, deletions.float())
-        del_sum += sums[:num_clust].index_select(1, cols)
+        slots[num_clust:] += (assignment.to(index_dtype) * cluster_stride)[:, None]
+        del_sum += _deletion_sums(deletions, vote_del, vote_rows, assignment, num_clust, cols)
+    centre_offsets = torch.arange(0, num_clust * cluster_stride, cluster_stride, dtype=index_dtype)
+    slots[:num_clust] += centre_offsets[:, None]
+    # Profile counts (each centre counts in its own cluster) straight into the cluster_profile
+    # channels, then the centres' one-hot (channels 0..22, 25 slots lower): flat index_add_ and
+    # index_put_, not scatters into strided views (4x slower).
+    flat_feat = msa_feat.view(-1)
+    flat_feat.index_add_(0, slots.view(-1), torch.ones(1).expand(slots.numel()))
+    flat_feat[slots[:num_clust].reshape(-1) - _PROFILE_CHANNELS.start] = 1.0
+    feat[..., _PROFILE_CHANNELS].div_(sizes[:, None, None])
 
     # 5. Outputs, written straight into zero-padded buffers.
-    one_hot = feat[..., :MSA_NUM_CLASSES]
-    one_hot.scatter_(-1, centres.unsqueeze(-1), 1.0)
     feat[..., MSA_NUM_CLASSES] = centre_del.clamp(0.0, 1.0)
     deletion_value(centre_del, out=feat[..., MSA_NUM_CLASSES + 1])
-    denom = sizes[:, None, None]
-    profile_out.add_(one_hot).div_(denom)  # the centre counts in its own cluster
-    deletion_value(del_sum / denom[..., 0], out=feat[..., MSA_FEAT_DIM - 1])
+    deletion_value(del_sum / sizes[:, None], out=feat[..., MSA_FEAT_DIM - 1])
 
     out: dict[str, torch.Tensor] = {}
     out["aatype"] = torch.zeros(pad_res, dtype=torch.int64)
@@ -434,7 +529,7 @@ def process_features(
     out["bert_mask"] = torch.zeros(out_msa, pad_res)
     out["bert_mask"][:num_clust, :res] = bert_mask
 
-    extra_del = _take(deletions, kept_rows, cols, start).float()
+    extra_del = vote_del[:num_extra]
     real_extra = (num_extra, res)
     out["extra_msa"] = _padded((out_extra, pad_res), real_extra, torch.int64)
     out["extra_msa"][:num_extra, :res] = vote_ids[:num_extra]

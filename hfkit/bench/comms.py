@@ -1,0 +1,504 @@
+"""Communication benchmark: allreduce bandwidth per backend and size, and the seed's DDP step decomposition.
+
+Run as a torchrun worker (`torchrun --standalone --nproc-per-node N -m hfkit.bench.comms ...`), or from
+Python with `run_comms_benchmark`, which launches that worker as a subprocess with a timeout and returns
+the rows rank 0 wrote. Allreduce rows (op "allreduce") give the median time per message size with
+nccl-tests' bandwidths: algbw = S/t and busbw = algbw·2(n-1)/n. DDP rows (op "ddp_step") repeat the
+seed's experiment on a stack of Linear layers with AlphaFold's 93.2M parameters (or a scaled-down count):
+backward alone on one process, backward on n processes without synchronization, and backward plus
+gradient synchronization per backend with overlap on and off; overhead = that minus backward alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hfkit.bench.results import ResultRow, environment_info, save_results
+
+__all__ = [
+    "AF2_PARAMS",
+    "algbw_gbps",
+    "busbw_gbps",
+    "build_param_model",
+    "default_backends",
+    "message_sizes",
+    "parse_bytes",
+    "run_comms_benchmark",
+    "main",
+]
+
+AF2_PARAMS = 93_200_000
+ROW_ENV_KEYS = ("gpu", "torch", "triton", "python", "commit", "command", "timestamp")
+GB = 1e9
+
+
+def algbw_gbps(nbytes: float, seconds: float) -> float:
+    """nccl-tests' algorithm bandwidth in GB/s: message size over time, S/t."""
+    return float("nan") if seconds <= 0 else nbytes / seconds / GB
+
+
+def busbw_gbps(nbytes: float, seconds: float, world_size: int) -> float:
+    """nccl-tests' bus bandwidth of an allreduce in GB/s: algbw·2(n-1)/n (0 on one rank).
+
+    A ring allreduce moves 2(n-1)/n·S through each rank's link, so busbw is comparable with the link's
+    own bandwidth whatever the rank count.
+    """
+    return algbw_gbps(nbytes, seconds) * 2 * (world_size - 1) / world_size
+
+
+def parse_bytes(text: str | int) -> int:
+    """'64M', '64MB', '4K', '1G', '65536' -> bytes (binary multiples: K = 1024)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgKMG]?)(?:i?[bB])?\s*", text)
+    if not m:
+        raise ValueError(f"expected a size such as 4K, 64M, 1G or 65536, got {text!r}")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+def message_sizes(min_bytes: int = 4 << 10, max_bytes: int = 64 << 20, factor: int = 4) -> list[int]:
+    """Sizes from `min_bytes` up to `max_bytes` by `factor` (powers of 4 by default), `max_bytes` included."""
+    if min_bytes < 4 or max_bytes < min_bytes or factor < 2:
+        raise ValueError(f"message_sizes: bad range {min_bytes}..{max_bytes} by {factor}")
+    sizes, s = [], min_bytes
+    while s <= max_bytes:
+        sizes.append(s)
+        s *= factor
+    if sizes[-1] != max_bytes:
+        sizes.append(max_bytes)
+    return sizes
+
+
+def default_backends() -> list[str]:
+    """nccl, gloo, hfreduce where CUDA is present; gloo, hfreduce on a CPU."""
+    return ["nccl", "gloo", "hfreduce"] if torch.cuda.is_available() else ["gloo", "hfreduce"]
+
+
+def hfreduce_available() -> bool:
+    """Whether `hfkit.parallel` offers the hfreduce backend (allreduce and DDP) in this checkout."""
+    try:
+        from hfkit.parallel import DistributedDataParallel, allreduce  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_param_model(n_params: int, width: int = 2048) -> nn.Sequential:
+    """A stack of Linear(width, width) layers plus one narrower last layer totalling ≈ `n_params`.
+
+    The last layer's output width is chosen so the total lands within one layer row of `n_params`;
+    read the exact count from `sum(p.numel() for p in model.parameters())`. For small counts the width
+    shrinks so that there are at least 8 layers (DDP needs several buckets to overlap anything).
+    """
+    if n_params < 16:
+        raise ValueError(f"n_params: expected >= 16, got {n_params}")
+    width = max(2, min(width, int((n_params / 8) ** 0.5)))
+    per = width * width + width
+    layers: list[nn.Module] = []
+    full = max(0, (n_params - width - 1) // per)
+    for _ in range(full):
+        layers.append(nn.Linear(width, width))
+    rest = n_params - full * per
+    out = max(1, rest // (width + 1))
+    layers.append(nn.Linear(width, out))
+    return nn.Sequential(*layers)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The worker (runs under torchrun)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _max_over_ranks(values: Sequence[float], group: Any) -> list[float]:
+    # A collective finishes on the slowest rank: report per repetition the maximum across ranks.
+    t = torch.tensor(list(values), dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+class _Comm:
+    """One allreduce per backend: nccl/gloo on their own process groups, hfreduce via hfkit.parallel."""
+
+    def __init__(self, backend: str, device: torch.device) -> None:
+        self.backend = backend
+        self.device = device if backend in ("nccl", "hfreduce") else torch.device("cpu")
+        self.group = dist.new_group(backend=backend) if backend in ("nccl", "gloo") else None
+        if backend == "hfreduce":
+            from hfkit.parallel import allreduce
+
+            self._hf = allreduce
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        if self.group is not None:
+            dist.all_reduce(tensor, group=self.group)
+        else:
+            self._hf(tensor, "hfreduce")
+
+
+def _time_allreduce(
+    comm: _Comm, nbytes: int, warmup: int, max_reps: int, budget_s: float, ctrl: Any
+) -> tuple[list[float], int]:
+    """Per-call seconds for each repetition (slowest rank), and the calls per repetition.
+
+    As in nccl-tests, a repetition times `inner` back-to-back calls after a barrier and divides by
+    `inner`: for small messages one call is shorter than the skew with which ranks leave the barrier.
+    """
+    x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=comm.device)
+    for _ in range(warmup):
+        comm(x)
+    _sync(comm.device)
+    # Estimate one call to choose calls per repetition (>= ~20 ms) and repetitions within the budget;
+    # the estimate is the slowest rank's, so every rank makes the same choice.
+    dist.barrier(group=ctrl)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        comm(x)
+    _sync(comm.device)
+    est = _max_over_ranks([(time.perf_counter() - t0) / 3], ctrl)[0]
+    inner = int(min(200, max(1, 0.02 / max(est, 1e-7))))
+    reps = int(min(max_reps, max(3, budget_s / max(est * inner, 1e-6))))
+    times = []
+    for _ in range(reps):
+        dist.barrier(group=ctrl)
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            comm(x)
+        _sync(comm.device)
+        times.append((time.perf_counter() - t0) / inner)
+    return _max_over_ranks(times, ctrl), inner
+
+
+def _row(
+    env: dict[str, Any],
+    op: str,
+    provider: str,
+    mode: str,
+    shape: list[int],
+    times_s: Sequence[float],
+    nbytes: int,
+    gbps: float,
+    extra: dict[str, Any],
+) -> ResultRow:
+    ms = np.asarray(times_s, dtype=np.float64) * 1e3
+    p20, p50, p80 = np.quantile(ms, [0.2, 0.5, 0.8])
+    return ResultRow(
+        **env, op=op, provider=provider, mode=mode, shape=shape, dtype="fp32",
+        p20_ms=float(p20), p50_ms=float(p50), p80_ms=float(p80), method="wall", n_reps=len(ms),
+        bytes=nbytes, gbps=gbps, pct_copy=None, extra=extra,
+    )  # fmt: skip
+
+
+def _allreduce_rows(args: argparse.Namespace, env: dict[str, Any], device: torch.device, ctrl: Any,
+                    log: Callable[[str], None]) -> list[ResultRow]:  # fmt: skip
+    world = dist.get_world_size()
+    nodes = max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    rows = []
+    for backend in args.backends:
+        comm = _Comm(backend, device)
+        for nbytes in message_sizes(args.min_bytes, args.max_bytes, args.factor):
+            times, inner = _time_allreduce(comm, nbytes, args.warmup, args.reps, args.budget_s, ctrl)
+            t = float(np.median(times))
+            extra = {
+                "algbw_gbps": algbw_gbps(nbytes, t),
+                "busbw_gbps": busbw_gbps(nbytes, t, world),
+                "world_size": world,
+                "nodes": nodes,
+                "device": str(comm.device.type),
+                "calls_per_rep": inner,
+            }
+            rows.append(_row(env, "allreduce", backend, "allreduce", [nbytes], times, nbytes,
+                             extra["algbw_gbps"], extra))  # fmt: skip
+            log(
+                f"allreduce {backend:9s} {nbytes:>11,d} B  {t * 1e3:9.3f} ms"
+                f"  busbw {extra['busbw_gbps']:.2f} GB/s"
+            )
+    return rows
+
+
+def _step_times(model: nn.Module, x: torch.Tensor, reps: int, ctrl: Any, device: torch.device,
+                after_backward: Callable[[], None] | None = None,
+                split: bool = False) -> tuple[list[float], list[float]]:  # fmt: skip
+    """Per-rep (backward [+ sync]) and, with `split`, the sync part alone; forward is not timed."""
+    total, sync_part = [], []
+    for _ in range(reps + 1):  # the first repetition is a warm-up
+        model.zero_grad(set_to_none=False)
+        loss = model(x).square().mean()
+        _sync(device)
+        dist.barrier(group=ctrl)
+        t0 = time.perf_counter()
+        loss.backward()
+        _sync(device)
+        t1 = time.perf_counter()
+        if after_backward is not None:
+            after_backward()
+            _sync(device)
+        t2 = time.perf_counter()
+        total.append(t2 - t0)
+        sync_part.append(t2 - t1 if split else 0.0)
+    return _max_over_ranks(total[1:], ctrl), _max_over_ranks(sync_part[1:], ctrl)
+
+
+def _ddp_rows(args: argparse.Namespace, env: dict[str, Any], device: torch.device, ctrl: Any,
+              log: Callable[[str], None]) -> list[ResultRow]:  # fmt: skip
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = build_param_model(args.params).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    x = torch.randn(args.batch, model[0].in_features, device=device)
+    base = {
+        "world_size": world,
+        "params": n_params,
+        "layers": len(model),
+        "batch": args.batch,
+        "device": device.type,
+        "scaled_down": n_params < 0.99 * AF2_PARAMS,
+        "grad_bytes": n_params * 4,
+    }
+    shape = [n_params]
+    rows: list[ResultRow] = []
+
+    def add(provider: str, mode: str, times: Sequence[float], alone: float | None, **more: Any) -> None:
+        t = float(np.median(times))
+        extra = {**base, **more}
+        if alone is not None:
+            extra["comm_overhead_s"] = t - alone
+        rows.append(_row(env, "ddp_step", provider, mode, shape, times, n_params * 4, 0.0, extra))
+        log(
+            f"ddp_step {provider:9s} {mode:24s} {t:8.3f} s"
+            + (f"  overhead {t - alone:+.3f} s" if alone else "")
+        )
+
+    # Backward alone: rank 0 only, the others wait at a barrier (one process, as the seed's 1 GPU).
+    alone_times: list[float] = []
+    if rank == 0:
+        for i in range(args.ddp_reps + 1):
+            model.zero_grad(set_to_none=False)
+            loss = model(x).square().mean()
+            _sync(device)
+            t0 = time.perf_counter()
+            loss.backward()
+            _sync(device)
+            if i:
+                alone_times.append(time.perf_counter() - t0)
+    dist.barrier(group=ctrl)
+    buf = torch.tensor(alone_times if rank == 0 else [0.0] * args.ddp_reps, dtype=torch.float64)
+    dist.broadcast(buf, 0, group=ctrl)
+    alone_times = buf.tolist()
+    alone = float(np.median(alone_times))
+    add("none", "backward_alone", alone_times, None, processes=1)
+    # All ranks at once, no synchronization: what sharing the machine costs before any communication.
+    conc, _ = _step_times(model, x, args.ddp_reps, ctrl, device)
+    add("none", "backward_concurrent", conc, alone)
+
+    for backend in args.backends:
+        for overlap in (True, False):
+            ddp, impl = _wrap_ddp(model, backend, overlap, args.bucket_mb)
+            if ddp is None:
+                log(f"ddp_step {backend}: skipped ({impl})")
+                break
+            sync = getattr(ddp, "sync_grad", None)
+            total, sync_part = _step_times(ddp, x, args.ddp_reps, ctrl, device, after_backward=sync,
+                                           split=not overlap)  # fmt: skip
+            mode = "backward+sync_overlap" if overlap else "backward+sync_no_overlap"
+            add(backend, mode, total, alone, overlap=overlap, bucket_mb=args.bucket_mb, impl=impl)
+            if not overlap:
+                add(backend, "sync_only_no_overlap", sync_part, None, overlap=False,
+                    bucket_mb=args.bucket_mb, impl=impl)  # fmt: skip
+            # hfkit's DDP keeps hooks on the parameters until closed; the next wrap adds its own.
+            if hasattr(ddp, "close"):
+                ddp.close()
+            del ddp
+    return rows
+
+
+def _wrap_ddp(model: nn.Module, backend: str, overlap: bool, bucket_mb: float) -> tuple[Any, str]:
+    """hfkit's DDP when present; otherwise (nccl/gloo only) torch's DDP, overlap only."""
+    try:
+        from hfkit.parallel import DistributedDataParallel
+    except ImportError:
+        DistributedDataParallel = None  # noqa: N806
+    if DistributedDataParallel is not None:
+        return DistributedDataParallel(model, backend=backend, bucket_mb=bucket_mb, overlap=overlap), "hfkit"
+    if backend == "hfreduce" or not overlap:
+        return None, "hfkit.parallel.DistributedDataParallel not available"
+    group = dist.new_group(backend=backend)
+    wrapped = nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb)
+    return wrapped, "torch"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hfkit.bench.comms", description=__doc__.splitlines()[0])
+    p.add_argument("--backends", type=lambda t: [b for b in t.split(",") if b], default=None)
+    p.add_argument("--min-bytes", type=parse_bytes, default=4 << 10)
+    p.add_argument("--max-bytes", type=parse_bytes, default=None, help="default 1G on GPUs, 64M on CPU")
+    p.add_argument("--factor", type=int, default=4, help="size step (4: powers of 4)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=30, help="at most this many timed repetitions per size")
+    p.add_argument("--budget-s", type=float, default=1.0, help="time budget per size (fewer reps if slow)")
+    p.add_argument("--ddp", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--params", type=int, default=AF2_PARAMS, help="DDP model parameters (default 93.2M)")
+    p.add_argument("--batch", type=int, default=16, help="DDP model input rows")
+    p.add_argument("--ddp-reps", type=int, default=5)
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--timeout-s", type=float, default=600.0, help="every collective's timeout")
+    p.add_argument("--out", required=True)
+    p.add_argument("--command", default=None, help="the command stored with the results")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The torchrun worker: measure, then rank 0 writes the rows to `--out`; returns the exit status."""
+    args = _parser().parse_args(argv)
+    cuda = torch.cuda.is_available() and os.environ.get("HFKIT_COMMS_CPU") != "1"
+    args.backends = args.backends or default_backends()
+    if not cuda:
+        args.backends = [b for b in args.backends if b != "nccl"]
+    if args.max_bytes is None:
+        args.max_bytes = (1 << 30) if cuda else (64 << 20)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    n_gpus = torch.cuda.device_count() if cuda else 0
+    shared_gpu = cuda and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > n_gpus
+    if shared_gpu:
+        # More ranks than GPUs (e.g. 2 ranks on a 1-GPU machine): NCCL refuses two ranks on one
+        # device, so it is dropped; hfreduce and gloo still run, ranks sharing GPUs round-robin.
+        args.backends = [b for b in args.backends if b != "nccl"]
+    timeout = timedelta(seconds=args.timeout_s)
+    if cuda and not shared_gpu:
+        from hfkit.parallel.launch import init_distributed
+
+        init_distributed("nccl", timeout)  # sets the device from LOCAL_RANK, then env://
+    else:
+        if cuda:
+            torch.cuda.set_device(local_rank % n_gpus)
+        dist.init_process_group("gloo", init_method="env://", timeout=timeout)
+    rank = dist.get_rank()
+    device = torch.device("cuda", local_rank % n_gpus) if cuda else torch.device("cpu")
+    if shared_gpu and rank == 0:
+        print(f"{dist.get_world_size()} ranks on {n_gpus} GPU(s): nccl skipped", flush=True)
+    # Timings, maxima and barriers travel on a gloo group: cheap, and independent of the measured one.
+    ctrl = dist.new_group(backend="gloo")
+    if "hfreduce" in args.backends and not hfreduce_available():
+        args.backends = [b for b in args.backends if b != "hfreduce"]
+        if rank == 0:
+            print("hfreduce: hfkit.parallel has no hfreduce backend yet; skipped", flush=True)
+    env_all = environment_info(device, args.command)
+    env = {k: env_all[k] for k in ROW_ENV_KEYS}
+    log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
+    rows = _allreduce_rows(args, env, device, ctrl, log)
+    if args.ddp:
+        rows += _ddp_rows(args, env, device, ctrl, log)
+    if rank == 0:
+        meta = {**env_all, "world_size": dist.get_world_size(), "backends": args.backends}
+        save_results(rows, args.out, meta=meta)
+        print(f"wrote {len(rows)} rows to {args.out}", flush=True)
+    dist.barrier(group=ctrl)
+    dist.destroy_process_group()
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# The driver
+
+
+def run_comms_benchmark(
+    nproc: int = 2,
+    backends: Sequence[str] | None = None,
+    max_bytes: int | str | None = None,
+    min_bytes: int | str = 4 << 10,
+    factor: int = 4,
+    ddp: bool = True,
+    params: int = AF2_PARAMS,
+    ddp_reps: int = 5,
+    batch: int = 16,
+    reps: int = 30,
+    budget_s: float = 1.0,
+    out: str | os.PathLike[str] | None = None,
+    command: str | None = None,
+    timeout_s: float = 600.0,
+    cpu: bool = False,
+    log: Callable[[str], None] | None = print,
+) -> list[dict[str, Any]]:
+    """Launch the worker under torchrun (`nproc` local ranks) and return the rows it wrote (dicts).
+
+    The worker runs as `python -m torch.distributed.run --standalone --nproc-per-node N -m
+    hfkit.bench.comms ...` in a subprocess, killed after `timeout_s` (then a RuntimeError with its
+    output tail). `out` keeps the JSON (default: a temporary file, deleted). `cpu` forces CPU tensors
+    and gloo even where CUDA exists. The stored command is `command`, else the torchrun line.
+    """
+    backends = list(backends) if backends is not None else default_backends()
+    tmp = None
+    if out is None:
+        tmp = tempfile.TemporaryDirectory(prefix="hfkit-comms-")
+        out = Path(tmp.name) / "comms.json"
+    worker = [
+        "--backends", ",".join(backends), "--min-bytes", str(parse_bytes(min_bytes)),
+        "--factor", str(factor), "--params", str(params), "--ddp-reps", str(ddp_reps),
+        "--batch", str(batch), "--reps", str(reps), "--budget-s", str(budget_s), "--out", str(out),
+        "--timeout-s", str(max(30.0, timeout_s - 30)), "--ddp" if ddp else "--no-ddp",
+    ]  # fmt: skip
+    if max_bytes is not None:
+        worker += ["--max-bytes", str(parse_bytes(max_bytes))]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = [*launcher, "-m", "hfkit.bench.comms", *worker]
+    worker += ["--command", command or shlex.join(["torchrun", *cmd[3:]])]
+    cmd = [*launcher, "-m", "hfkit.bench.comms", *worker]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # N ranks share the cores; torchrun would set it anyway
+    if cpu:
+        env["HFKIT_COMMS_CPU"] = "1"
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        lines: list[str] = []
+        deadline = time.monotonic() + timeout_s
+        assert proc.stdout is not None
+        os.set_blocking(proc.stdout.fileno(), False)
+        while True:
+            chunk = proc.stdout.readline()
+            if chunk:
+                lines.append(chunk)
+                if log is not None and not chunk.startswith(("W1", "[W", "WARNING", "*****")):
+                    log(chunk.rstrip())
+                continue
+            if proc.poll() is not None:
+                rest = proc.stdout.read() or ""
+                lines += rest.splitlines(keepends=True)
+                break
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                tail = "".join(lines[-40:])
+                raise RuntimeError(f"comms benchmark: killed after {timeout_s:.0f} s; output tail:\n{tail}")
+            time.sleep(0.05)
+        if proc.returncode != 0:
+            tail = "".join(lines[-60:])
+            raise RuntimeError(f"comms benchmark failed (exit {proc.returncode}); output tail:\n{tail}")
+        return list(json.loads(Path(out).read_text())["rows"])
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,19 @@
+"""Distributed training: `DistributedDataParallel` (backends nccl | gloo | hfreduce), `HostReduce`
+(host-staged all-reduce), the one-call `allreduce` used by the comms benchmark, and launch helpers.
+"""
+
+from hfkit.parallel.ddp import DistributedDataParallel, check_same_model
+from hfkit.parallel.hfreduce import HostReduce, allreduce, close_cached
+from hfkit.parallel.launch import RankError, free_port, init_distributed, spawn_local
+
+__all__ = [
+    "DistributedDataParallel",
+    "HostReduce",
+    "RankError",
+    "allreduce",
+    "check_same_model",
+    "close_cached",
+    "free_port",
+    "init_distributed",
+    "spawn_local",
+]

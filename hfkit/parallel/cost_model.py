@@ -1,0 +1,292 @@
+"""An alpha-beta cost model of gradient allreduce: NCCL's ring against hfreduce's host-staged reduction.
+
+`ClusterSpec` describes a cluster (GPUs per node, nodes, link bandwidths, latency); `predict` gives the
+time of one allreduce of `nbytes` for a backend: `"ring"`/`"nccl"` (one ring through every GPU, bounded
+by its slowest hop: NVLink or PCIe peer copies inside a node, the node's NIC between nodes) or
+`"hfreduce"` (per chunk: device-to-host over PCIe, a sum in host memory, an allreduce among node
+leaders over a double binary tree, host-to-device; pipelined by chunk). `calibrate` fits latency and
+bandwidth to measured (size, time) pairs by least squares, and `seed_comparison` sets the model's
+prediction for AlphaFold's 93.2M fp32 gradients on 128 A100 PCIe GPUs next to the seed's measurement.
+Bandwidths are in GB/s (1e9 bytes/s, one direction), latencies in microseconds, sizes in bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = [
+    "AF2_PARAMS",
+    "SEED_MEASURED",
+    "Backend",
+    "ClusterSpec",
+    "Calibration",
+    "a100_pcie_fireflyer",
+    "h200_nvlink",
+    "calibrate",
+    "hfreduce_stages",
+    "predict",
+    "ring_allreduce_time",
+    "seed_comparison",
+]
+
+Backend = Literal["ring", "nccl", "gloo", "hfreduce"]
+
+# AlphaFold's parameter count and the seed's measured DDP communication overhead on 128 A100s
+# (backward 5.63 s alone; 6.03 s with NCCL; 5.91 s with hfreduce).
+AF2_PARAMS = 93_200_000
+SEED_MEASURED: dict[str, float] = {"backward_alone_s": 5.63, "nccl": 0.40, "hfreduce": 0.28}
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A cluster for the cost model: shape, per-link bandwidths (GB/s, one direction) and latency.
+
+    `pcie_gbps`: one GPU's device<->host copy rate; `gpus_per_pcie_switch` GPUs share one uplink.
+    `nvlink_gbps`: per-GPU NVLink rate NCCL's ring reaches inside a node (None: no NVLink). Without
+    NVLink a ring hop inside a node is a PCIe peer copy through the CPU's root complex, at
+    `p2p_gbps` (default `pcie_gbps`), which is what NCCL really gets between GPUs on different root
+    ports or sockets. `nic_gbps`: a node's network rate (all its NICs). `host_mem_gbps`: the node's
+    achievable host memory bandwidth. `alpha_us`: per-message latency of one ring step or tree level.
+    `chunk_bytes`: hfreduce's pipeline chunk. `notes`: where the numbers come from.
+    """
+
+    name: str
+    gpus_per_node: int
+    nodes: int
+    pcie_gbps: float
+    nvlink_gbps: float | None
+    nic_gbps: float
+    host_mem_gbps: float
+    alpha_us: float
+    p2p_gbps: float | None = None
+    gpus_per_pcie_switch: int = 1
+    chunk_bytes: int = 4 << 20
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("gpus_per_node", "nodes", "gpus_per_pcie_switch", "chunk_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ClusterSpec.{name}: expected >= 1, got {getattr(self, name)}")
+        for name in ("pcie_gbps", "nic_gbps", "host_mem_gbps", "nvlink_gbps", "p2p_gbps"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"ClusterSpec.{name}: expected a positive bandwidth, got {value}")
+        if self.alpha_us < 0:
+            raise ValueError(f"ClusterSpec.alpha_us: expected >= 0, got {self.alpha_us}")
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def intra_gbps(self) -> float:
+        """The bandwidth of a ring hop between two GPUs of one node: NVLink if present, else PCIe peer."""
+        if self.nvlink_gbps is not None:
+            return self.nvlink_gbps
+        return self.p2p_gbps if self.p2p_gbps is not None else self.pcie_gbps
+
+    def with_(self, **changes: Any) -> ClusterSpec:
+        """A copy with some fields changed (e.g. `spec.with_(nodes=4)`)."""
+        return replace(self, **changes)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def a100_pcie_fireflyer(nodes: int = 16) -> ClusterSpec:
+    """The seed's cluster (Fire-Flyer 2, arXiv 2408.14158): 8 A100 PCIe per node, no NVLink, 1×200 Gb/s IB.
+
+    Hardware per the paper: GPUs attach straight to the CPUs' root ports (no PCIe switch), one
+    200 Gb/s InfiniBand NIC per node on its own root complex, 2 AMD EPYC CPUs with 16 DDR4-3200
+    channels (409.6 GB/s peak; 300 GB/s assumed achievable). PCIe 4.0 x16 copies: 24 GB/s assumed.
+    `p2p_gbps` = 4.8 GB/s is an *effective* value, not a link spec: the paper reports NCCL reaching
+    only 1.6-4.8 GB/s on this cluster (186 MiB allreduce) against HFReduce's 6.3-8.1 GB/s, because
+    ring hops between GPUs on different root complexes (and GPU to NIC) cross the CPU fabric; we take
+    the top of NCCL's range as the rate of its slowest ring hop.
+    """
+    return ClusterSpec(
+        name="A100 PCIe ×8/node, no NVLink, 1×200 Gb/s IB (Fire-Flyer 2)",
+        gpus_per_node=8,
+        nodes=nodes,
+        pcie_gbps=24.0,
+        nvlink_gbps=None,
+        nic_gbps=200 / 8 * 0.92,  # 200 Gb/s = 25 GB/s line rate; ~92% after IB encoding and headers
+        host_mem_gbps=300.0,
+        alpha_us=20.0,
+        p2p_gbps=4.8,
+        gpus_per_pcie_switch=1,
+        notes="arXiv 2408.14158; p2p_gbps effective (top of NCCL's measured 1.6-4.8 GB/s)",
+    )
+
+
+def h200_nvlink(nodes: int = 16) -> ClusterSpec:
+    """8 H200 SXM per node with NVLink (900 GB/s bidirectional, 450 one way) and 8×400 Gb/s NICs.
+
+    PCIe 5.0 x16 copies at 50 GB/s assumed, two GPUs per PCIe switch (HGX boards pair GPUs behind a
+    switch that also holds their NICs), 2-socket DDR5 host memory at 450 GB/s achievable (assumed).
+    """
+    return ClusterSpec(
+        name="H200 SXM ×8/node, NVLink 900 GB/s, 8×400 Gb/s",
+        gpus_per_node=8,
+        nodes=nodes,
+        pcie_gbps=50.0,
+        nvlink_gbps=450.0,
+        nic_gbps=8 * 400 / 8 * 0.92,
+        host_mem_gbps=450.0,
+        alpha_us=5.0,
+        gpus_per_pcie_switch=2,
+        notes="vendor link rates; PCIe, host memory and efficiencies assumed",
+    )
+
+
+def ring_allreduce_time(nbytes: float, n: int, alpha_us: float, bw_gbps: float) -> float:
+    """Seconds for a ring allreduce of `nbytes` over `n` ranks: 2(n-1)·α + 2(n-1)/n · S/B.
+
+    The ring does n-1 reduce-scatter and n-1 all-gather steps, each a latency α and a 1/n slice of S
+    over the slowest hop (bandwidth B). One rank takes no time.
+    """
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) * alpha_us * 1e-6 + 2 * (n - 1) / n * nbytes / (bw_gbps * GB)
+
+
+def _ring_bandwidth(spec: ClusterSpec) -> float:
+    # The ring crosses each node boundary once per direction, so with several nodes its slowest hop
+    # is min(intra-node hop, the node's NIC); inside one node only the intra hop counts.
+    if spec.nodes > 1:
+        return min(spec.intra_gbps, spec.nic_gbps)
+    return spec.intra_gbps
+
+
+def hfreduce_stages(spec: ClusterSpec, chunk: float) -> dict[str, float]:
+    """Seconds per pipeline stage for one hfreduce chunk of `chunk` bytes per GPU.
+
+    d2h: the chunk over PCIe (GPUs behind one switch share its uplink); reduce: the host sums the
+    node's g chunks (reads g·c, writes c at host memory bandwidth); inter: allreduce among node leaders
+    on a double binary tree (≈2·c/B_nic + log2(nodes)·α; zero on one node); h2d: the result back.
+    """
+    g = spec.gpus_per_node
+    share = min(spec.gpus_per_pcie_switch, g)
+    d2h = share * chunk / (spec.pcie_gbps * GB)
+    reduce = (g + 1) * chunk / (spec.host_mem_gbps * GB)
+    inter = 0.0
+    if spec.nodes > 1:
+        inter = 2 * chunk / (spec.nic_gbps * GB) + math.ceil(math.log2(spec.nodes)) * spec.alpha_us * 1e-6
+    return {"d2h": d2h, "reduce": reduce, "inter": inter, "h2d": d2h}
+
+
+def _hfreduce_time(spec: ClusterSpec, nbytes: float) -> float:
+    if spec.world_size <= 1 or nbytes <= 0:
+        return 0.0
+    chunks = max(1, math.ceil(nbytes / spec.chunk_bytes))
+    chunk = nbytes / chunks
+    stages = hfreduce_stages(spec, chunk)
+    # Pipelined: the first chunk passes every stage, then one chunk leaves per slowest stage.
+    return sum(stages.values()) + (chunks - 1) * max(stages.values())
+
+
+def predict(spec: ClusterSpec, nbytes: float, backend: str) -> float:
+    """Predicted seconds of one allreduce of `nbytes` per GPU on `spec` with `backend`.
+
+    `"ring"`, `"nccl"` and `"gloo"` use the ring (gloo on a GPU cluster is slower in practice; it is a
+    ring over host copies, not modelled separately); `"hfreduce"` the host-staged pipeline.
+    """
+    if nbytes < 0:
+        raise ValueError(f"nbytes: expected >= 0, got {nbytes}")
+    if backend in ("ring", "nccl", "gloo"):
+        return ring_allreduce_time(nbytes, spec.world_size, spec.alpha_us, _ring_bandwidth(spec))
+    if backend == "hfreduce":
+        return _hfreduce_time(spec, nbytes)
+    raise ValueError(f"backend: expected ring, nccl, gloo or hfreduce, got {backend!r}")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A fitted ring model: latency α (µs), bandwidth B (GB/s), the rank count and the fit's rms error."""
+
+    alpha_us: float
+    bw_gbps: float
+    n: int
+    rel_rms: float
+
+    def predict(self, nbytes: float) -> float:
+        return ring_allreduce_time(nbytes, self.n, self.alpha_us, self.bw_gbps)
+
+
+def calibrate(sizes: Sequence[float], times_s: Sequence[float], n: int) -> Calibration:
+    """Fit the ring formula's α and B to measured allreduce times by least squares.
+
+    t = a + b·S is linear in a = 2(n-1)·α and b = 2(n-1)/(n·B); rows are weighted by 1/t so that small
+    and large messages count alike (a relative-error fit). Coefficients are kept positive (a tiny
+    floor) so that the fitted α and B are physical. `rel_rms` is the rms relative residual.
+    """
+    s = np.asarray(sizes, dtype=np.float64)
+    t = np.asarray(times_s, dtype=np.float64)
+    if s.shape != t.shape or s.size < 2:
+        raise ValueError(f"calibrate: expected >= 2 matching sizes and times, got {s.size} and {t.size}")
+    if n < 2:
+        raise ValueError(f"calibrate: a ring needs n >= 2 ranks, got {n}")
+    if np.any(t <= 0):
+        raise ValueError("calibrate: times must be positive")
+    w = 1.0 / t
+    design = np.stack([np.ones_like(s), s], axis=1) * w[:, None]
+    (a, b), *_ = np.linalg.lstsq(design, t * w, rcond=None)
+    a, b = max(float(a), 1e-12), max(float(b), 1e-18)
+    alpha_us = a / (2 * (n - 1)) * 1e6
+    bw_gbps = 2 * (n - 1) / (n * b) / GB
+    rel = (a + b * s - t) / t
+    return Calibration(alpha_us, bw_gbps, n, float(np.sqrt(np.mean(rel**2))))
+
+
+def seed_comparison(params: int = AF2_PARAMS, bucket_mb: float = 25.0) -> pd.DataFrame:
+    """Model against seed: 93.2M fp32 gradients on 16 nodes × 8 A100 PCIe, NCCL ring vs hfreduce.
+
+    Mapping: DDP overlaps bucket allreduces with backward, so the measured overhead (backward+sync −
+    backward alone) lies between the last bucket's allreduce (`exposed_min_s`: everything else hidden)
+    and the whole allreduce (`allreduce_s`: nothing hidden), plus waiting on slower ranks, which no
+    backend removes. That waiting is common to both backends, so the *difference* NCCL − hfreduce is
+    the comparable number (`saving_s`: model vs the seed's 0.40 − 0.28 = 0.12 s). With NVLink (H200
+    preset, same shape) the ordering flips; both clusters are in the table.
+    """
+    import pandas as pd
+
+    nbytes = params * 4
+    bucket = min(nbytes, bucket_mb * (1 << 20))
+    rows = []
+    for spec in (a100_pcie_fireflyer(16), h200_nvlink(16)):
+        times = {b: predict(spec, nbytes, b) for b in ("nccl", "hfreduce")}
+        for backend, t in times.items():
+            measured = SEED_MEASURED[backend] if spec.nvlink_gbps is None else None
+            rows.append(
+                {
+                    "cluster": spec.name,
+                    "gpus": spec.world_size,
+                    "backend": backend,
+                    "allreduce_s": t,
+                    "exposed_min_s": predict(spec, bucket, backend),
+                    "busbw_gbps": busbw(nbytes, t, spec.world_size),
+                    "saving_s": times["nccl"] - times["hfreduce"],
+                    "seed_overhead_s": measured,
+                    "seed_saving_s": SEED_MEASURED["nccl"] - SEED_MEASURED["hfreduce"]
+                    if measured is not None
+                    else None,
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def busbw(nbytes: float, seconds: float, n: int) -> float:
+    """nccl-tests' bus bandwidth of an allreduce in GB/s: S/t · 2(n-1)/n."""
+    if seconds <= 0:
+        return float("nan")
+    return nbytes / seconds / GB * 2 * (n - 1) / n

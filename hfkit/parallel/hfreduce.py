@@ -1,0 +1,338 @@
+"""hfreduce: `HostReduce`, an all-reduce staged through pinned host memory shared by a node's ranks.
+
+After the Fire-Flyer AI-HPC paper (arXiv 2408.14158): a tensor is cut into chunks; each rank copies a
+chunk device→host (async, side stream) into its slot of a node-wide shared-memory segment; every local
+rank sums its slice of the chunk over all local slots (a reduce-scatter on the CPU, vectorized torch);
+the node sums are all-reduced across nodes over gloo; every rank copies the summed chunk host→device.
+One PCIe crossing each way and no GPU kernels. Chunks are double-buffered so that chunk k+1's copy
+overlaps chunk k's reduction. CPU tensors skip the device copies: their data is written to and read
+from the shared slots directly.
+
+Also `allreduce(tensor, backend)`, the one-call all-reduce (nccl | gloo | hfreduce) used by the comms
+benchmark.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import math
+import os
+import secrets
+import tempfile
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+# Chunk sizes are rounded down to this many bytes so that every dtype's view of a slot is aligned.
+_ALIGN = 64
+
+
+def _shm_dir() -> str:
+    """Directory for the shared segment: /dev/shm (RAM-backed tmpfs) where it exists."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+class HostReduce:
+    """Sum-all-reduce of tensors through node-shared host memory (see the module docstring).
+
+    Collective: every rank of `process_group` constructs it, and calls `allreduce_` with tensors of the
+    same numel and dtype, in the same order. Node layout: ranks `[n*L, (n+1)*L)` form node n, where
+    L = `local_world_size` (default: env HFKIT_LOCAL_WORLD_SIZE — a simulated layout for tests — else
+    torchrun's LOCAL_WORLD_SIZE, else the whole group on one node). Cross-node sums run on gloo
+    "rail" groups (the ranks with the same local index on every node): each local rank is the leader
+    of its slice, so node leaders' all-reduce is spread over all of a node's ranks and cores.
+    Local synchronization is a gloo barrier on a node group made with `timeout`, so a dead or late peer
+    raises a RuntimeError within `timeout` instead of hanging.
+
+    Shared memory: one segment per node, named from MASTER_PORT and a run id chosen by the node leader,
+    created in /dev/shm, mapped by every local rank, then unlinked at once (the mappings outlive the
+    name), so nothing is left in /dev/shm even if a rank is killed later. Where CUDA is present the
+    segment is pinned (cudaHostRegister) the first time a CUDA tensor is reduced.
+    """
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        chunk_mb: float = 4.0,
+        local_world_size: int | None = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("HostReduce: torch.distributed is not initialized (call init_distributed)")
+        if chunk_mb <= 0:
+            raise ValueError(f"chunk_mb: expected > 0, got {chunk_mb}")
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.timeout = timeout
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        simulated = local_world_size or _env_int("HFKIT_LOCAL_WORLD_SIZE")
+        lws = simulated or _env_int("LOCAL_WORLD_SIZE") or self.world_size
+        if lws < 1 or self.world_size % lws:
+            raise ValueError(
+                f"local_world_size {lws} does not divide the group's world size {self.world_size} "
+                "(HostReduce needs the same number of ranks on every node)"
+            )
+        self.local_world_size = lws
+        self.num_nodes = self.world_size // lws
+        self.node, self.local_rank = divmod(self.rank, lws)
+        env_local = _env_int("LOCAL_RANK")
+        if (
+            not simulated
+            and env_local is not None
+            and self.group is dist.group.WORLD
+            and env_local != self.local_rank
+        ):
+            raise ValueError(
+                f"rank {self.rank}: LOCAL_RANK={env_local} but HostReduce expects {self.local_rank}; "
+                "it needs torchrun's contiguous layout (global rank = node * LOCAL_WORLD_SIZE + LOCAL_RANK)"
+            )
+        self.chunk_bytes = max(_ALIGN, int(chunk_mb * 2**20) // _ALIGN * _ALIGN)
+        self._pinned = False
+        self._closed = False
+        self._side_stream: torch.cuda.Stream | None = None
+
+        ranks = [self._global(r) for r in range(self.world_size)]
+        # On the default group every rank must call new_group for every group, in the same order; on a
+        # subgroup only members call, hence local synchronization there.
+        local_sync = self.group is not dist.group.WORLD
+        self._node_group: dist.ProcessGroup | None = None
+        self._rail_group: dist.ProcessGroup | None = None
+        for n in range(self.num_nodes):
+            members = ranks[n * lws : (n + 1) * lws]
+            if local_sync and n != self.node:
+                continue
+            g = dist.new_group(members, timeout=timeout, backend="gloo", use_local_synchronization=local_sync)
+            if n == self.node:
+                self._node_group = g
+        if self.num_nodes > 1:
+            for i in range(lws):
+                members = [ranks[n * lws + i] for n in range(self.num_nodes)]
+                if local_sync and i != self.local_rank:
+                    continue
+                g = dist.new_group(
+                    members, timeout=timeout, backend="gloo", use_local_synchronization=local_sync
+                )
+                if i == self.local_rank:
+                    self._rail_group = g
+        self._leader = ranks[self.node * lws]
+        self._buf = self._map_segment()
+
+    # ---------------------------------------------------------------- set-up and tear-down
+
+    def _global(self, group_rank: int) -> int:
+        if self.group is dist.group.WORLD:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    def _map_segment(self) -> torch.Tensor:
+        """Create (leader), map (all) and unlink (leader) the node's segment; returns it as uint8.
+
+        Layout: slots [L, 2, chunk_bytes] (each rank's double-buffered input chunk), then results
+        [2, chunk_bytes] (the summed chunk, double-buffered).
+        """
+        nbytes = (self.local_world_size + 1) * 2 * self.chunk_bytes
+        run_id = [secrets.token_hex(6) if self.local_rank == 0 else None]
+        dist.broadcast_object_list(run_id, src=self._leader, group=self._node_group)
+        name = f"hfkit-hfreduce-{os.environ.get('MASTER_PORT', '0')}-{run_id[0]}-n{self.node}"
+        path = os.path.join(_shm_dir(), name)
+        try:
+            if self.local_rank == 0:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                try:
+                    os.ftruncate(fd, nbytes)
+                finally:
+                    os.close(fd)
+            self._barrier("creating the shared segment")
+            buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+            self._barrier("mapping the shared segment")
+        finally:
+            if self.local_rank == 0:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        return buf
+
+    def _pin(self) -> None:
+        """Page-lock the segment so that device↔host copies are true async DMA (CUDA only)."""
+        if self._pinned or not torch.cuda.is_available():
+            return
+        err = torch.cuda.cudart().cudaHostRegister(self._buf.data_ptr(), self._buf.numel(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"HostReduce: cudaHostRegister failed with error {int(err)}")
+        self._pinned = True
+
+    def close(self) -> None:
+        """Unpin and drop the shared mapping (the name was unlinked at construction). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pinned:
+            with contextlib.suppress(Exception):
+                torch.cuda.cudart().cudaHostUnregister(self._buf.data_ptr())
+            self._pinned = False
+        self._buf = torch.empty(0, dtype=torch.uint8)
+
+    def __enter__(self) -> HostReduce:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- synchronization
+
+    def _barrier(self, what: str) -> None:
+        try:
+            dist.barrier(group=self._node_group)
+        except Exception as e:
+            raise RuntimeError(
+                f"HostReduce (rank {self.rank}, node {self.node}): node barrier failed while {what}: a local "
+                f"peer died or did not arrive within the {self.timeout} timeout ({type(e).__name__}: {e})"
+            ) from e
+
+    def _cross_node(self, t: torch.Tensor) -> None:
+        try:
+            dist.all_reduce(t, group=self._rail_group)
+        except Exception as e:
+            raise RuntimeError(
+                f"HostReduce (rank {self.rank}, node {self.node}): cross-node all-reduce failed: a peer node "
+                f"died or did not answer within the {self.timeout} timeout ({type(e).__name__}: {e})"
+            ) from e
+
+    # ---------------------------------------------------------------- the all-reduce
+
+    def allreduce_(self, tensor: torch.Tensor, ready_event: torch.cuda.Event | None = None) -> torch.Tensor:
+        """Sum `tensor` (any shape, float or int dtype, CPU or CUDA) over the group, in place; returns it.
+
+        ready_event: for a CUDA tensor produced on another thread's stream, the event after which its
+        values are final (default: the current stream is waited on). Returns once the result is in
+        `tensor` (CUDA: the host waits for the last host→device copy).
+        """
+        if self._closed:
+            raise RuntimeError("HostReduce: allreduce_ after close()")
+        if tensor.is_sparse or tensor.is_complex():
+            raise ValueError("HostReduce: dense real tensors only")
+        if not tensor.is_contiguous():
+            tmp = tensor.contiguous()
+            self.allreduce_(tmp, ready_event)
+            tensor.copy_(tmp)
+            return tensor
+        flat = tensor.view(-1)
+        n = flat.numel()
+        if n == 0:
+            return tensor
+        itemsize = flat.element_size()
+        cap = self.chunk_bytes // itemsize  # elements per chunk
+        L = self.local_world_size
+        split = L * 2 * self.chunk_bytes
+        # [L, 2, cap] input slots and [2, cap] results, viewed in the tensor's dtype.
+        slots = self._buf[:split].view(flat.dtype).view(L, 2, cap)
+        results = self._buf[split:].view(flat.dtype).view(2, cap)
+        nchunks = math.ceil(n / cap)
+        cuda = flat.is_cuda
+        side: torch.cuda.Stream | None = None
+        if cuda:
+            self._pin()
+            if self._side_stream is None or self._side_stream.device != flat.device:
+                self._side_stream = torch.cuda.Stream(device=flat.device)
+            side = self._side_stream
+            if ready_event is not None:
+                side.wait_event(ready_event)
+            else:
+                side.wait_stream(torch.cuda.current_stream(flat.device))
+
+        def span(k: int) -> tuple[int, int]:
+            return k * cap, min(n, (k + 1) * cap)
+
+        def write(k: int) -> None:  # my chunk k → my slot (device→host on the side stream)
+            lo, hi = span(k)
+            dst = slots[self.local_rank, k % 2, : hi - lo]
+            if side is not None:
+                with torch.cuda.stream(side):
+                    dst.copy_(flat[lo:hi], non_blocking=True)
+            else:
+                dst.copy_(flat[lo:hi])
+
+        def read(k: int) -> None:  # summed chunk k → my tensor (host→device on the side stream)
+            lo, hi = span(k)
+            src = results[k % 2, : hi - lo]
+            if side is not None:
+                with torch.cuda.stream(side):
+                    flat[lo:hi].copy_(src, non_blocking=True)
+            else:
+                flat[lo:hi].copy_(src)
+
+        def reduce(k: int) -> None:  # my slice of chunk k: sum over local slots, then across nodes
+            lo, hi = span(k)
+            m = hi - lo
+            a, b = self.local_rank * m // L, (self.local_rank + 1) * m // L
+            if a == b:
+                return
+            out = results[k % 2, a:b]
+            torch.sum(slots[:, k % 2, a:b], dim=0, out=out)
+            if self._rail_group is not None:
+                self._cross_node(out)
+
+        # One barrier per step s certifies: every rank's chunk s is in its slot, every slice of chunk
+        # s-1 is summed, and every copy issued before it is complete. Hence, with double buffers, after
+        # barrier s a rank may read result s-1, overwrite slot (s+1)%2 (last read when summing s-1) and
+        # write result s%2 (last read by the copy-back of s-2, finished before this barrier).
+        write(0)
+        for s in range(nchunks + 1):
+            if side is not None:
+                side.synchronize()  # my device→host of chunk s and host→device of s-2 are done
+            self._barrier(f"reducing chunk {s} of {nchunks}")
+            if s > 0:
+                read(s - 1)
+            if s + 1 < nchunks:
+                write(s + 1)  # overlaps (CUDA) with the reduction of chunk s below
+            if s < nchunks:
+                reduce(s)
+        if side is not None:
+            side.synchronize()
+        return tensor
+
+
+# ---------------------------------------------------------------- one-call all-reduce
+
+_CACHE: dict[tuple[int, float, int | None], HostReduce] = {}
+
+
+def allreduce(
+    tensor: torch.Tensor,
+    backend: str = "gloo",
+    group: dist.ProcessGroup | None = None,
+    chunk_mb: float = 4.0,
+    local_world_size: int | None = None,
+) -> torch.Tensor:
+    """Sum `tensor` over `group` in place with backend "nccl" | "gloo" (dist.all_reduce on that group,
+    whose backend must match) or "hfreduce" (a HostReduce cached per group/chunk size). Returns it.
+
+    Collective: all ranks call it with the same backend, shape and dtype, in the same order.
+    """
+    if backend in ("nccl", "gloo"):
+        dist.all_reduce(tensor, group=group)
+        return tensor
+    if backend != "hfreduce":
+        raise ValueError(f"backend: expected 'nccl', 'gloo' or 'hfreduce', got {backend!r}")
+    key = (id(group), float(chunk_mb), local_world_size)
+    reducer = _CACHE.get(key)
+    if reducer is None:
+        reducer = _CACHE[key] = HostReduce(group, chunk_mb=chunk_mb, local_world_size=local_world_size)
+    return reducer.allreduce_(tensor)
+
+
+def close_cached() -> None:
+    """Close the HostReduce objects cached by `allreduce` (call before destroying the process group)."""
+    for reducer in _CACHE.values():
+        reducer.close()
+    _CACHE.clear()
+
+
+atexit.register(close_cached)

@@ -1,0 +1,132 @@
+"""Tests of the comms benchmark: bandwidth formulas, sizes, the model, the torchrun worker, viz, the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hfkit.bench.comms import (
+    algbw_gbps,
+    build_param_model,
+    busbw_gbps,
+    hfreduce_available,
+    message_sizes,
+    parse_bytes,
+    run_comms_benchmark,
+)
+from hfkit.bench.results import ROW_FIELDS
+from hfkit.cli import _parser, main
+
+
+def test_bandwidth_formulas_match_nccl_tests():
+    # 1 GB in 0.5 s: algbw 2 GB/s; busbw ×2(n-1)/n: n=2 -> 2, n=8 -> 3.5.
+    assert algbw_gbps(1e9, 0.5) == pytest.approx(2.0)
+    assert busbw_gbps(1e9, 0.5, 2) == pytest.approx(2.0)
+    assert busbw_gbps(1e9, 0.5, 8) == pytest.approx(3.5)
+
+
+def test_sizes_and_parse_bytes():
+    assert parse_bytes("64K") == 65536 and parse_bytes("64MB") == 64 << 20 and parse_bytes("1G") == 1 << 30
+    assert parse_bytes("4096") == 4096
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+    assert message_sizes(4096, 65536) == [4096, 16384, 65536]
+    assert message_sizes(4096, 32768, factor=4) == [4096, 16384, 32768]
+    assert message_sizes(4 << 10, 1 << 30)[-1] == 1 << 30
+
+
+def test_param_model_counts():
+    model = build_param_model(93_200_000)
+    n = sum(p.numel() for p in model.parameters())
+    assert abs(n - 93_200_000) < 2049 + 1
+    small = build_param_model(100_000)
+    assert abs(sum(p.numel() for p in small.parameters()) - 100_000) < 200
+    assert len(small) >= 8
+
+
+@pytest.fixture(scope="module")
+def worker_rows(tmp_path_factory):
+    backends = ["gloo"] + (["hfreduce"] if hfreduce_available() else [])
+    out = tmp_path_factory.mktemp("comms") / "comms.json"
+    rows = run_comms_benchmark(
+        nproc=2,
+        backends=backends,
+        max_bytes="64K",
+        params=100_000,
+        ddp_reps=2,
+        budget_s=0.1,
+        reps=5,
+        out=out,
+        timeout_s=120,
+        cpu=True,
+        log=None,
+    )
+    return backends, rows, json.loads(out.read_text())
+
+
+def test_worker_allreduce_rows(worker_rows):
+    backends, rows, doc = worker_rows
+    assert doc["meta"]["world_size"] == 2 and "torchrun" in doc["meta"]["command"]
+    ar = [r for r in rows if r["op"] == "allreduce"]
+    assert {r["provider"] for r in ar} == set(backends)
+    for r in ar:
+        assert set(ROW_FIELDS) <= set(r)
+        assert r["mode"] == "allreduce" and r["dtype"] == "fp32" and r["shape"][0] in (4096, 16384, 65536)
+        assert 0 < r["p20_ms"] <= r["p50_ms"] <= r["p80_ms"]
+        e = r["extra"]
+        assert e["world_size"] == 2 and e["nodes"] == 1 and e["device"] == "cpu"
+        assert e["busbw_gbps"] == pytest.approx(busbw_gbps(r["shape"][0], r["p50_ms"] / 1e3, 2), rel=1e-6)
+
+
+def test_worker_ddp_rows(worker_rows):
+    backends, rows, _ = worker_rows
+    ddp = [r for r in rows if r["op"] == "ddp_step"]
+    modes = {(r["provider"], r["mode"]) for r in ddp}
+    assert ("none", "backward_alone") in modes and ("none", "backward_concurrent") in modes
+    assert ("gloo", "backward+sync_overlap") in modes
+    for r in ddp:
+        assert r["extra"]["params"] == r["shape"][0] and r["extra"]["scaled_down"]
+        if r["mode"].startswith("backward+sync"):
+            assert r["extra"]["comm_overhead_s"] == pytest.approx(r["p50_ms"] / 1e3 - ddp[0]["p50_ms"] / 1e3)
+    if hfreduce_available():
+        assert ("hfreduce", "backward+sync_no_overlap") in modes
+
+
+def test_cli_parses_comms():
+    args = _parser().parse_args(["bench", "comms", "--backends", "gloo", "--max-bytes", "64K", "--no-ddp"])
+    assert args.nproc == 2 and args.backends == ["gloo"] and args.max_bytes == "64K" and args.ddp is False
+    assert _parser().parse_args(["bench", "comms"]).ddp is True
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["bench", "comms", "--backends", "mpi"])
+
+
+def test_cli_comms_runs(tmp_path, capsys):
+    out = tmp_path / "c.json"
+    argv = ["bench", "comms", "--backends", "gloo", "--max-bytes", "16K", "--no-ddp", "--out", str(out)]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["command"].startswith("hfkit bench comms")
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_viz_frames_and_panel(worker_rows):
+    from hfkit.bench.results import rows_to_frame
+    from hfkit.viz.comms import CostModelPanel, allreduce_frame, busbw_figure, ddp_figure, ddp_table
+
+    _, rows, _ = worker_rows
+    frame = rows_to_frame(rows)
+    ar = allreduce_frame(frame, source="test")
+    assert ar["series"].str.endswith(" · test").all() and (ar["busbw_gbps"] > 0).all()
+    assert len(busbw_figure(ar).data) == ar["series"].nunique()
+    table = ddp_table(frame)
+    assert table["mode"].iloc[0] == "backward_alone" and table["ranks"].iloc[0] == 1
+    assert len(ddp_figure(table).data) >= 1
+    panel = CostModelPanel()
+    pcie = panel.update("A100 PCIe (seed)").set_index("backend")["allreduce_ms"]
+    assert pcie["hfreduce"] < pcie["nccl"]
+    nvl = panel.update("H200 NVLink", nodes=2).set_index("backend")["allreduce_ms"]
+    assert nvl["nccl"] < nvl["hfreduce"]
+    # A faster PCIe peer path (the slider's link) closes NCCL's gap on the PCIe cluster.
+    faster = panel.update("A100 PCIe (seed)", link_gbps=24.0).set_index("backend")["allreduce_ms"]
+    assert faster["nccl"] < pcie["nccl"]

@@ -1,0 +1,193 @@
+"""hfkit DistributedDataParallel on gloo (2 and 4 CPU ranks): averaged gradients equal single-process
+full-batch gradients for backends gloo and hfreduce, overlap on and off, many small buckets, bf16
+compression; parameters broadcast from rank 0; mismatched models and dead ranks fail clearly."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hfkit.parallel import DistributedDataParallel, RankError, spawn_local
+
+BATCH = 12  # divisible by 2 and 4 ranks: equal shards, so the mean of shard means is the full mean
+
+
+def _mlp(out: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, out))
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 3, generator=g)
+
+
+def _full_batch_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _ddp_errors(rank: int, configs: list[tuple[str, bool, str | None]]) -> dict[str, float]:
+    """For each (backend, overlap, compress): max |DDP grad - full-batch grad| over two steps."""
+    world = dist.get_world_size()
+    x, y = _data()
+    shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    errors: dict[str, float] = {}
+    for backend, overlap, compress in configs:
+        model = _mlp()
+        if rank != 0:
+            with torch.no_grad():  # rank 0's weights must win: they are broadcast at construction
+                for p in model.parameters():
+                    p.add_(1.0)
+        # 200 bytes per bucket: 50 fp32 elements, so the MLP (435 parameters) spans many buckets.
+        ddp = DistributedDataParallel(
+            model,
+            backend=backend,
+            bucket_mb=200 / 2**20,
+            overlap=overlap,
+            compress=compress,
+            timeout=timedelta(seconds=30),
+            chunk_mb=0.0001,
+        )
+        assert len(ddp.bucket_sizes) >= 5
+        # Reverse registration order: the last layer's gradients (ready first in backward) go first.
+        assert ddp.bucket_sizes[:2] == [3, 3 * 16]
+        ref_model = _mlp()
+        key = f"{backend} overlap={overlap} compress={compress}"
+        errors[key] = 0.0
+        for _step in range(2):
+            expected = _full_batch_grads(ref_model, x, y)
+            ddp.zero_grad()
+            loss = nn.functional.mse_loss(ddp(x[shard]), y[shard])
+            loss.backward()
+            if not overlap:
+                # Nothing was communicated during backward: the gradients are still this shard's own.
+                local = [p.grad.clone() for p in model.parameters()]
+                ddp.sync_grad()
+                assert any(not torch.equal(a, p.grad) for a, p in zip(local, model.parameters(), strict=True))
+            else:
+                # Most buckets were launched while backward was still running.
+                assert ddp.overlapped_buckets >= len(ddp.bucket_sizes) // 2
+                ddp.sync_grad()  # a no-op after an overlapped backward
+            for p, e in zip(model.parameters(), expected, strict=True):
+                errors[key] = max(
+                    errors[key], float((p.grad - e).abs().max() / e.abs().max().clamp_min(1e-6))
+                )
+            # Take an SGD step on both so that step 2 checks the state reset between backwards.
+            with torch.no_grad():
+                for p, q, e in zip(model.parameters(), ref_model.parameters(), expected, strict=True):
+                    p.sub_(0.1 * e)
+                    q.sub_(0.1 * e)
+        ddp.close()
+    # PyTorch's own DDP on the same shards, as the reference it is meant to match.
+    model = _mlp()
+    torch_ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=200 / 2**20)
+    expected = _full_batch_grads(_mlp(), x, y)
+    nn.functional.mse_loss(torch_ddp(x[shard]), y[shard]).backward()
+    errors["torch DDP"] = max(
+        float((p.grad - e).abs().max() / e.abs().max())
+        for p, e in zip(model.parameters(), expected, strict=True)
+    )
+    return errors
+
+
+CONFIGS = [(backend, overlap, None) for backend in ("gloo", "hfreduce") for overlap in (True, False)] + [
+    ("gloo", True, "bf16"),
+    ("hfreduce", False, "bf16"),
+]
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_ddp_gradients_match_full_batch(nprocs: int) -> None:
+    env = {"HFKIT_LOCAL_WORLD_SIZE": "2"} if nprocs == 4 else None  # 4 ranks: 2 simulated nodes × 2
+    for errors in spawn_local(_ddp_errors, nprocs, CONFIGS, timeout_s=60, env=env):
+        for key, err in errors.items():
+            # fp32: the rounding of summing in another order; bf16: 8 mantissa bits on the wire.
+            assert err < (2e-2 if "bf16" in key else 1e-5), (key, err)
+
+
+def _mismatch(rank: int) -> None:
+    DistributedDataParallel(_mlp(out=3 if rank == 0 else 4), backend="gloo")
+
+
+def test_ddp_mismatched_models_raise() -> None:
+    results = spawn_local(_mismatch, 2, timeout_s=30, return_exceptions=True)
+    for r in results:
+        assert isinstance(r, RankError) and r.type_name == "ValueError", r
+        assert "differs between ranks" in r.message and "'4.weight'" in r.message
+        assert "(3, 16)" in r.message and "(4, 16)" in r.message and "rank 1" in r.message
+
+
+def _dead_rank(rank: int, backend: str, overlap: bool, timeout_s: float) -> tuple[str, str, float]:
+    ddp = DistributedDataParallel(
+        _mlp(), backend=backend, overlap=overlap, bucket_mb=200 / 2**20, timeout=timedelta(seconds=timeout_s)
+    )
+    x, y = _data()
+    nn.functional.mse_loss(ddp(x), y).backward()
+    ddp.sync_grad()  # one good step
+    loss = nn.functional.mse_loss(ddp(x), y)
+    if rank == 1:
+        os._exit(3)  # dies inside the step, before its backward
+    start = time.monotonic()
+    try:
+        loss.backward()
+        ddp.sync_grad()
+    except RuntimeError as e:
+        return (type(e).__name__, str(e), time.monotonic() - start)
+    return ("no error", "", time.monotonic() - start)
+
+
+@pytest.mark.parametrize(("backend", "overlap"), [("gloo", True), ("hfreduce", True), ("hfreduce", False)])
+def test_ddp_dead_rank_fails_within_timeout(backend: str, overlap: bool) -> None:
+    timeout_s = 5.0
+    results = spawn_local(_dead_rank, 2, backend, overlap, timeout_s, timeout_s=30, return_exceptions=True)
+    kind, message, elapsed = results[0]
+    assert kind == "RuntimeError", results
+    assert "peer" in message and "timeout" in message
+    assert elapsed < timeout_s + 2.0
+    assert isinstance(results[1], RankError) and results[1].type_name == "ProcessDied"
+
+
+def test_ddp_requires_initialized_group() -> None:
+    with pytest.raises(RuntimeError, match="not initialized"):
+        DistributedDataParallel(_mlp())
+
+
+def _cuda_errors(rank: int, backend: str) -> dict[str, float]:
+    """Like `_ddp_errors`, on CUDA: DDP grads vs full-batch grads, overlap on and off."""
+    world = dist.get_world_size()
+    x, y = (t.cuda() for t in _data())
+    shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    errors = {}
+    for overlap in (True, False):
+        model = _mlp().cuda()
+        ddp = DistributedDataParallel(model, backend=backend, bucket_mb=200 / 2**20, overlap=overlap)
+        expected = _full_batch_grads(_mlp().cuda(), x, y)
+        nn.functional.mse_loss(ddp(x[shard]), y[shard]).backward()
+        ddp.sync_grad()
+        errors[f"{backend} {overlap=}"] = max(
+            float((p.grad - e).abs().max() / e.abs().max())
+            for p, e in zip(model.parameters(), expected, strict=True)
+        )
+        ddp.close()
+    return errors
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["nccl", "hfreduce"])
+def test_ddp_cuda(backend: str) -> None:
+    # NCCL needs one GPU per rank; hfreduce (gloo + host memory) lets two ranks share one GPU.
+    nprocs = min(2, torch.cuda.device_count()) if backend == "nccl" else 2
+    default = "nccl" if backend == "nccl" else "gloo"
+    for errors in spawn_local(
+        _cuda_errors, nprocs, backend, backend=default, timeout_s=120, start_method="spawn"
+    ):
+        for key, err in errors.items():
+            assert err < 1e-5, (key, err)

@@ -1,0 +1,173 @@
+"""HostReduce (hfreduce) against dist.all_reduce on gloo: odd sizes, chunks that don't divide the
+tensor, dtypes, the simulated 2 nodes × 2 layout, dead and late ranks, and no /dev/shm leaks."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hfkit.parallel import HostReduce, RankError, allreduce, close_cached, spawn_local
+
+SIZES = (1, 7, 1000003)
+
+
+def _shm_entries() -> set[str]:
+    return (
+        {n for n in os.listdir("/dev/shm") if n.startswith("hfkit-")} if os.path.isdir("/dev/shm") else set()
+    )
+
+
+@pytest.fixture(autouse=True)
+def no_shm_leak() -> Iterator[None]:
+    """Every test leaves /dev/shm as it found it."""
+    before = _shm_entries()
+    yield
+    assert _shm_entries() == before, "HostReduce left shared-memory segments behind"
+
+
+def _inputs(n: int, world: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The same per-rank inputs on every rank, from a seed that depends on n only."""
+    g = torch.Generator().manual_seed(n)
+    if dtype.is_floating_point:
+        return [torch.randn(n, generator=g).to(dtype) for _ in range(world)]
+    return [torch.randint(-1000, 1000, (n,), generator=g, dtype=dtype) for _ in range(world)]
+
+
+def _compare(rank: int, local_world_size: int | None) -> list[tuple[str, float]]:
+    """Max |hfreduce - dist.all_reduce| for each case, relative to the result's max magnitude."""
+    world = dist.get_world_size()
+    errors = []
+    # 0.01 MB = 2560 fp32 elements: no size above is a multiple of it; 1 MB leaves a 3-element tail.
+    for chunk_mb in (0.01, 1.0):
+        with HostReduce(chunk_mb=chunk_mb, local_world_size=local_world_size) as hr:
+            for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64):
+                for n in SIZES if dtype == torch.float32 else (7, 5003):
+                    x = _inputs(n, world, dtype)[rank].clone()
+                    ref = x.clone()
+                    assert hr.allreduce_(x) is x
+                    dist.all_reduce(ref)
+                    scale = max(1.0, float(ref.abs().max()))
+                    errors.append((f"{chunk_mb=} {dtype} {n=}", float((x - ref).abs().max()) / scale))
+            # Non-contiguous input: reduced through a contiguous copy, written back in place.
+            base = _inputs(35, world, torch.float32)[rank].view(5, 7)
+            x, ref = base.clone().t(), base.clone().t()
+            hr.allreduce_(x)
+            dist.all_reduce(ref)
+            errors.append(("transposed", float((x - ref).abs().max())))
+    # The benchmark's one-call API: gloo and hfreduce agree.
+    a = _inputs(1001, world, torch.float32)[rank].clone()
+    b = a.clone()
+    allreduce(a, "gloo")
+    allreduce(b, "hfreduce", chunk_mb=0.001, local_world_size=local_world_size)
+    close_cached()
+    errors.append(("allreduce()", float((a - b).abs().max())))
+    return errors
+
+
+def test_hfreduce_matches_allreduce_two_ranks() -> None:
+    # One node of two ranks: each element is summed in the same order as gloo, so results agree to
+    # fp32 rounding of a 2-term sum (in practice bit for bit).
+    for rank_errors in spawn_local(_compare, 2, None, timeout_s=60):
+        for case, err in rank_errors:
+            assert err <= 1e-6 if "bfloat16" not in case else err <= 1e-2, (case, err)
+
+
+def test_hfreduce_simulated_two_nodes() -> None:
+    # 4 ranks as 2 nodes × 2 (env HFKIT_LOCAL_WORLD_SIZE, as a test harness would set it): local sums on
+    # the host, then cross-node sums over gloo. Summation order differs from gloo's: fp32 rounding.
+    results = spawn_local(_compare, 4, None, timeout_s=60, env={"HFKIT_LOCAL_WORLD_SIZE": "2"})
+    for rank_errors in results:
+        for case, err in rank_errors:
+            assert err <= 1e-6 if "bfloat16" not in case else err <= 2e-2, (case, err)
+
+
+def _layout(rank: int) -> tuple[int, int, int]:
+    hr = HostReduce(local_world_size=2)
+    try:
+        with pytest.raises(ValueError, match="does not divide"):
+            HostReduce(local_world_size=3)
+        return hr.node, hr.local_rank, hr.num_nodes
+    finally:
+        hr.close()
+
+
+def test_hfreduce_layout() -> None:
+    assert spawn_local(_layout, 4, timeout_s=30) == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2)]
+
+
+def _dead_or_late(rank: int, mode: str, timeout_s: float) -> tuple[str, str, float]:
+    from datetime import timedelta
+
+    hr = HostReduce(chunk_mb=0.01, timeout=timedelta(seconds=timeout_s))
+    x = torch.ones(10000)
+    hr.allreduce_(x)  # one good step
+    if rank == 1:
+        if mode == "dead":
+            os._exit(3)  # dies mid-training without a word
+        time.sleep(timeout_s + 1)  # alive but late: the others must give up at the timeout
+        return ("late", "", 0.0)
+    start = time.monotonic()
+    try:
+        hr.allreduce_(x)
+    except RuntimeError as e:
+        return (type(e).__name__, str(e), time.monotonic() - start)
+    finally:
+        hr.close()
+    return ("no error", "", time.monotonic() - start)
+
+
+@pytest.mark.parametrize("mode", ["dead", "late"])
+def test_hfreduce_dead_or_late_rank_fails_within_timeout(mode: str) -> None:
+    timeout_s = 3.0
+    results = spawn_local(_dead_or_late, 2, mode, timeout_s, timeout_s=30, return_exceptions=True)
+    kind, message, elapsed = results[0]
+    assert kind == "RuntimeError", results
+    assert "HostReduce" in message and "timeout" in message and "peer" in message
+    assert elapsed < timeout_s + 2.0
+    if mode == "dead":
+        assert isinstance(results[1], RankError) and results[1].type_name == "ProcessDied"
+
+
+def _raise(rank: int) -> None:
+    if rank == 1:
+        raise KeyError("boom")
+
+
+def _hang(rank: int) -> None:
+    time.sleep(60)
+
+
+def test_spawn_local_reports_errors_and_kills_hung_ranks() -> None:
+    with pytest.raises(RuntimeError, match="rank 1: KeyError"):
+        spawn_local(_raise, 2, backend=None, timeout_s=10)
+    start = time.monotonic()
+    results = spawn_local(_hang, 2, backend=None, timeout_s=1.0, startup_s=1.0, return_exceptions=True)
+    assert time.monotonic() - start < 6
+    assert all(isinstance(r, RankError) and r.type_name == "Timeout" for r in results)
+
+
+def _cuda_compare(rank: int) -> list[tuple[str, float]]:
+    """HostReduce on CUDA tensors (device→host→device through the pinned shared slots) vs gloo on CPU."""
+    world = dist.get_world_size()
+    errors = []
+    with HostReduce(chunk_mb=1.0) as hr:
+        for n in SIZES:
+            cpu = _inputs(n, world, torch.float32)[rank].clone()
+            x = cpu.cuda()
+            hr.allreduce_(x)
+            dist.all_reduce(cpu)
+            errors.append((f"cuda {n=}", float((x.cpu() - cpu).abs().max())))
+    return errors
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hfreduce_cuda_tensors() -> None:
+    # Two ranks may share one GPU: HostReduce's transport is gloo plus host memory.
+    for rank_errors in spawn_local(_cuda_compare, 2, timeout_s=120, start_method="spawn"):
+        for case, err in rank_errors:
+            assert err <= 1e-6, (case, err)
