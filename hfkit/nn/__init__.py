@@ -4,7 +4,16 @@ Each module file registers its torch -> hfkit swap when imported; this package i
 `to_hfkit` sees every registered op once `hfkit.nn` is imported.
 """
 
+from hfkit.nn.attention import Attention, EvoformerAttention
 from hfkit.nn.convert import SwapReport, register_swap, to_hfkit, to_torch
 from hfkit.nn.layer_norm import LayerNorm
 
-__all__ = ["LayerNorm", "SwapReport", "register_swap", "to_hfkit", "to_torch"]
+__all__ = [
+    "Attention",
+    "EvoformerAttention",
+    "LayerNorm",
+    "SwapReport",
+    "register_swap",
+    "to_hfkit",
+    "to_torch",
+]

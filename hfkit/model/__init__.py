@@ -1,0 +1,74 @@
+"""A compact AlphaFold 2 Evoformer with OpenFold's parameter names and semantics, its heads and
+losses: plain torch modules built from `hfkit.nn` (swap in fused kernels with `hfkit.nn.to_hfkit`).
+
+One file per component, named after OpenFold's: `msa` (Alg. 7, 8, 19), `pair_transition` (Alg. 15),
+`outer_product_mean` (Alg. 10), `triangular_multiplicative_update` (Alg. 11, 12),
+`triangular_attention` (Alg. 13, 14), `evoformer` (Alg. 6, 9, 18), `embedders` (Alg. 3, 4), `heads` and
+`loss` (1.9.8, 1.9.9), `model` (`AlphaFoldLite`), `config` (`ModelConfig` presets).
+"""
+
+from hfkit.model.config import ModelConfig
+from hfkit.model.embedders import ExtraMSAEmbedder, InputEmbedder, build_extra_msa_feat
+from hfkit.model.evoformer import (
+    EvoformerBlock,
+    EvoformerBlockCore,
+    EvoformerStack,
+    ExtraMSABlock,
+    ExtraMSAStack,
+    MSATransition,
+    openfold_v2_to_v1_keys,
+)
+from hfkit.model.heads import AuxiliaryHeads, DistogramHead, MaskedMSAHead
+from hfkit.model.loss import distogram_loss, masked_msa_loss, pseudo_beta
+from hfkit.model.model import AlphaFoldLite
+from hfkit.model.msa import (
+    GlobalAttention,
+    MSAAttention,
+    MSAColumnAttention,
+    MSAColumnGlobalAttention,
+    MSARowAttentionWithPairBias,
+)
+from hfkit.model.outer_product_mean import OuterProductMean
+from hfkit.model.pair_transition import PairTransition
+from hfkit.model.triangular_attention import (
+    TriangleAttention,
+    TriangleAttentionEndingNode,
+    TriangleAttentionStartingNode,
+)
+from hfkit.model.triangular_multiplicative_update import (
+    TriangleMultiplicationIncoming,
+    TriangleMultiplicationOutgoing,
+)
+
+__all__ = [
+    "AlphaFoldLite",
+    "AuxiliaryHeads",
+    "DistogramHead",
+    "EvoformerBlock",
+    "EvoformerBlockCore",
+    "EvoformerStack",
+    "ExtraMSABlock",
+    "ExtraMSAEmbedder",
+    "ExtraMSAStack",
+    "GlobalAttention",
+    "InputEmbedder",
+    "MSAAttention",
+    "MSAColumnAttention",
+    "MSAColumnGlobalAttention",
+    "MSARowAttentionWithPairBias",
+    "MSATransition",
+    "MaskedMSAHead",
+    "ModelConfig",
+    "OuterProductMean",
+    "PairTransition",
+    "TriangleAttention",
+    "TriangleAttentionEndingNode",
+    "TriangleAttentionStartingNode",
+    "TriangleMultiplicationIncoming",
+    "TriangleMultiplicationOutgoing",
+    "build_extra_msa_feat",
+    "distogram_loss",
+    "masked_msa_loss",
+    "openfold_v2_to_v1_keys",
+    "pseudo_beta",
+]

@@ -1,0 +1,351 @@
+"""The Evoformer trunk (AF2 supplement Algorithm 6): `MSATransition` (Algorithm 9), the block
+(`EvoformerBlock` = MSA attention + `EvoformerBlockCore`) and the stack with its single projection;
+the extra-MSA stack (Algorithm 18: `ExtraMSABlock` with global column attention, `ExtraMSAStack`).
+
+Module nesting follows OpenFold's `EvoformerStack` (the `core` layout of its released weights), so
+that an OpenFold state_dict loads with strict=True: `blocks.{i}.msa_att_row`, `.msa_att_col`,
+`.core.{msa_transition, outer_product_mean, tri_mul_out, tri_mul_in, tri_att_start, tri_att_end,
+pair_transition}`, and `linear`. `openfold_v2_to_v1_keys` maps the flat keys of OpenFold >= 2.0
+(`msa_transition`, `pair_stack.tri_*`) onto them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hfkit.model.config import ModelConfig
+from hfkit.model.msa import MSAColumnAttention, MSAColumnGlobalAttention, MSARowAttentionWithPairBias
+from hfkit.model.outer_product_mean import OuterProductMean
+from hfkit.model.pair_transition import PairTransition, Transition
+from hfkit.model.primitives import DropoutColumnwise, DropoutRowwise, linear
+from hfkit.model.triangular_attention import TriangleAttentionEndingNode, TriangleAttentionStartingNode
+from hfkit.model.triangular_multiplicative_update import (
+    TriangleMultiplicationIncoming,
+    TriangleMultiplicationOutgoing,
+)
+
+__all__ = [
+    "EvoformerBlock",
+    "EvoformerBlockCore",
+    "EvoformerStack",
+    "ExtraMSABlock",
+    "ExtraMSAStack",
+    "MSATransition",
+    "openfold_v2_to_v1_keys",
+]
+
+
+class MSATransition(Transition):
+    """Algorithm 9: transition layer of the MSA representation (hidden n * c_m)."""
+
+    def __init__(self, c_m: int, n: int) -> None:
+        super().__init__(c_m, n)
+
+
+class EvoformerBlockCore(nn.Module):
+    """Algorithm 6 lines 6-12: MSA transition, outer product mean, triangle updates and attention,
+    pair transition. Pair dropout is row-wise (column-wise for the ending-node attention)."""
+
+    def __init__(
+        self,
+        c_m: int,
+        c_z: int,
+        c_hidden_opm: int,
+        c_hidden_mul: int,
+        c_hidden_pair_att: int,
+        no_heads_pair: int,
+        transition_n: int,
+        pair_dropout: float,
+        inf: float = 1e9,
+    ) -> None:
+        super().__init__()
+        self.msa_transition = MSATransition(c_m, transition_n)
+        self.outer_product_mean = OuterProductMean(c_m, c_z, c_hidden_opm)
+        self.tri_mul_out = TriangleMultiplicationOutgoing(c_z, c_hidden_mul)
+        self.tri_mul_in = TriangleMultiplicationIncoming(c_z, c_hidden_mul)
+        self.tri_att_start = TriangleAttentionStartingNode(c_z, c_hidden_pair_att, no_heads_pair, inf=inf)
+        self.tri_att_end = TriangleAttentionEndingNode(c_z, c_hidden_pair_att, no_heads_pair, inf=inf)
+        self.pair_transition = PairTransition(c_z, transition_n)
+        self.ps_dropout_row_layer = DropoutRowwise(pair_dropout)
+        self.ps_dropout_col_layer = DropoutColumnwise(pair_dropout)
+
+    def forward(
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        chunk_size: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        m = m + self.msa_transition(m, mask=msa_mask, chunk_size=chunk_size)
+        z = z + self.outer_product_mean(m, mask=msa_mask, chunk_size=chunk_size)
+        z = z + self.ps_dropout_row_layer(self.tri_mul_out(z, mask=pair_mask))
+        z = z + self.ps_dropout_row_layer(self.tri_mul_in(z, mask=pair_mask))
+        z = z + self.ps_dropout_row_layer(self.tri_att_start(z, mask=pair_mask, chunk_size=chunk_size))
+        z = z + self.ps_dropout_col_layer(self.tri_att_end(z, mask=pair_mask, chunk_size=chunk_size))
+        z = z + self.pair_transition(z, mask=pair_mask, chunk_size=chunk_size)
+        return m, z
+
+
+class EvoformerBlock(nn.Module):
+    """One Evoformer block (Algorithm 6 lines 2-12): MSA row attention with pair bias (row-wise
+    dropout), MSA column attention, then `core`."""
+
+    def __init__(
+        self,
+        c_m: int,
+        c_z: int,
+        c_hidden_msa_att: int,
+        c_hidden_opm: int,
+        c_hidden_mul: int,
+        c_hidden_pair_att: int,
+        no_heads_msa: int,
+        no_heads_pair: int,
+        transition_n: int,
+        msa_dropout: float,
+        pair_dropout: float,
+        inf: float = 1e9,
+    ) -> None:
+        super().__init__()
+        self.msa_att_row = MSARowAttentionWithPairBias(c_m, c_z, c_hidden_msa_att, no_heads_msa, inf=inf)
+        self.msa_att_col = self._column_attention(c_m, c_hidden_msa_att, no_heads_msa, inf)
+        self.msa_dropout_layer = DropoutRowwise(msa_dropout)
+        self.core = EvoformerBlockCore(
+            c_m=c_m,
+            c_z=c_z,
+            c_hidden_opm=c_hidden_opm,
+            c_hidden_mul=c_hidden_mul,
+            c_hidden_pair_att=c_hidden_pair_att,
+            no_heads_pair=no_heads_pair,
+            transition_n=transition_n,
+            pair_dropout=pair_dropout,
+            inf=inf,
+        )
+
+    @staticmethod
+    def _column_attention(c_m: int, c_hidden: int, no_heads: int, inf: float) -> nn.Module:
+        return MSAColumnAttention(c_m, c_hidden, no_heads, inf=inf)
+
+    def forward(
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        chunk_size: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """m: [*, S, N, C_m], z: [*, N, N, C_z], msa_mask: [*, S, N], pair_mask: [*, N, N] -> (m, z)."""
+        m = m + self.msa_dropout_layer(self.msa_att_row(m, z=z, mask=msa_mask, chunk_size=chunk_size))
+        m = m + self.msa_att_col(m, mask=msa_mask, chunk_size=chunk_size)
+        return self.core(m, z, msa_mask, pair_mask, chunk_size=chunk_size)
+
+
+class EvoformerStack(nn.Module):
+    """Algorithm 6: `no_blocks` Evoformer blocks, then the single representation s = Linear(m_1)
+    (`linear`, c_m -> c_s) from the first MSA row.
+
+    With `checkpoint`, each block is recomputed in backward (torch.utils.checkpoint,
+    use_reentrant=False; the RNG state is replayed, so dropout masks match).
+    """
+
+    def __init__(
+        self,
+        c_m: int,
+        c_z: int,
+        c_hidden_msa_att: int,
+        c_hidden_opm: int,
+        c_hidden_mul: int,
+        c_hidden_pair_att: int,
+        c_s: int,
+        no_heads_msa: int,
+        no_heads_pair: int,
+        no_blocks: int,
+        transition_n: int,
+        msa_dropout: float,
+        pair_dropout: float,
+        inf: float = 1e9,
+        checkpoint: bool = False,
+    ) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint
+        self.blocks = nn.ModuleList(
+            EvoformerBlock(
+                c_m=c_m,
+                c_z=c_z,
+                c_hidden_msa_att=c_hidden_msa_att,
+                c_hidden_opm=c_hidden_opm,
+                c_hidden_mul=c_hidden_mul,
+                c_hidden_pair_att=c_hidden_pair_att,
+                no_heads_msa=no_heads_msa,
+                no_heads_pair=no_heads_pair,
+                transition_n=transition_n,
+                msa_dropout=msa_dropout,
+                pair_dropout=pair_dropout,
+                inf=inf,
+            )
+            for _ in range(no_blocks)
+        )
+        self.linear = linear(c_m, c_s)
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> EvoformerStack:
+        """The stack of `config` (its sizes, dropout rates and `checkpoint` switch)."""
+        return cls(
+            c_m=config.c_m,
+            c_z=config.c_z,
+            c_hidden_msa_att=config.c_hidden_msa_att,
+            c_hidden_opm=config.c_hidden_opm,
+            c_hidden_mul=config.c_hidden_mul,
+            c_hidden_pair_att=config.c_hidden_pair_att,
+            c_s=config.c_s,
+            no_heads_msa=config.no_heads_msa,
+            no_heads_pair=config.no_heads_pair,
+            no_blocks=config.no_blocks,
+            transition_n=config.transition_n,
+            msa_dropout=config.msa_dropout,
+            pair_dropout=config.pair_dropout,
+            inf=config.inf,
+            checkpoint=config.checkpoint,
+        )
+
+    def forward(
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        chunk_size: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """m: [*, S, N, C_m], z: [*, N, N, C_z], msa_mask: [*, S, N], pair_mask: [*, N, N]
+        -> (m [*, S, N, C_m], z [*, N, N, C_z], s [*, N, C_s])."""
+        if m.shape[-2] != z.shape[-2] or z.shape[-2] != z.shape[-3]:
+            raise ValueError(
+                f"m, z: expected [*, S, N, C_m] and [*, N, N, C_z], got {tuple(m.shape)} and {tuple(z.shape)}"
+            )
+        m, z = _run_blocks(self.blocks, m, z, msa_mask, pair_mask, chunk_size, self.checkpoint)
+        s = self.linear(m[..., 0, :, :])
+        return m, z, s
+
+
+def _run_blocks(
+    blocks: nn.ModuleList,
+    m: torch.Tensor,
+    z: torch.Tensor,
+    msa_mask: torch.Tensor,
+    pair_mask: torch.Tensor,
+    chunk_size: int | None,
+    recompute: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks in order; with `recompute` (and autograd on), each under a non-reentrant checkpoint."""
+    recompute = recompute and torch.is_grad_enabled()
+    for block in blocks:
+        if recompute:
+            m, z = checkpoint(block, m, z, msa_mask, pair_mask, chunk_size, use_reentrant=False)
+        else:
+            m, z = block(m, z, msa_mask, pair_mask, chunk_size)
+    return m, z
+
+
+class ExtraMSABlock(EvoformerBlock):
+    """Algorithm 18 lines 2-12: an Evoformer block whose column attention is global (Algorithm 19),
+    cheap enough for thousands of extra MSA rows."""
+
+    @staticmethod
+    def _column_attention(c_m: int, c_hidden: int, no_heads: int, inf: float) -> nn.Module:
+        return MSAColumnGlobalAttention(c_m, c_hidden, no_heads, inf=inf)
+
+
+class ExtraMSAStack(nn.Module):
+    """Algorithm 18: `no_blocks` extra-MSA blocks; only the pair representation is kept."""
+
+    def __init__(
+        self,
+        c_m: int,
+        c_z: int,
+        c_hidden_msa_att: int,
+        c_hidden_opm: int,
+        c_hidden_mul: int,
+        c_hidden_pair_att: int,
+        no_heads_msa: int,
+        no_heads_pair: int,
+        no_blocks: int,
+        transition_n: int,
+        msa_dropout: float,
+        pair_dropout: float,
+        inf: float = 1e9,
+        checkpoint: bool = False,
+    ) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint
+        self.blocks = nn.ModuleList(
+            ExtraMSABlock(
+                c_m=c_m,
+                c_z=c_z,
+                c_hidden_msa_att=c_hidden_msa_att,
+                c_hidden_opm=c_hidden_opm,
+                c_hidden_mul=c_hidden_mul,
+                c_hidden_pair_att=c_hidden_pair_att,
+                no_heads_msa=no_heads_msa,
+                no_heads_pair=no_heads_pair,
+                transition_n=transition_n,
+                msa_dropout=msa_dropout,
+                pair_dropout=pair_dropout,
+                inf=inf,
+            )
+            for _ in range(no_blocks)
+        )
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> ExtraMSAStack:
+        """The extra-MSA stack of `config` (`c_e`, `extra_*` sizes; the pair sizes of the main stack)."""
+        return cls(
+            c_m=config.c_e,
+            c_z=config.c_z,
+            c_hidden_msa_att=config.extra_c_hidden_msa_att,
+            c_hidden_opm=config.c_hidden_opm,
+            c_hidden_mul=config.c_hidden_mul,
+            c_hidden_pair_att=config.c_hidden_pair_att,
+            no_heads_msa=config.extra_no_heads_msa,
+            no_heads_pair=config.no_heads_pair,
+            no_blocks=config.extra_no_blocks,
+            transition_n=config.transition_n,
+            msa_dropout=config.msa_dropout,
+            pair_dropout=config.pair_dropout,
+            inf=config.inf,
+            checkpoint=config.checkpoint,
+        )
+
+    def forward(
+        self,
+        a: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        chunk_size: int | None = None,
+    ) -> torch.Tensor:
+        """a: [*, S_extra, N, C_e], z: [*, N, N, C_z], msa_mask: [*, S_extra, N], pair_mask: [*, N, N]
+        -> z [*, N, N, C_z]."""
+        return _run_blocks(self.blocks, a, z, msa_mask, pair_mask, chunk_size, self.checkpoint)[1]
+
+
+_V2_TO_V1 = (
+    (re.compile(r"(blocks\.\d+\.)(msa_transition|outer_product_mean)\."), r"\1core.\2."),
+    (re.compile(r"(blocks\.\d+\.)pair_stack\."), r"\1core."),
+)
+
+
+def openfold_v2_to_v1_keys(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An OpenFold >= 2.0 EvoformerStack state_dict (`blocks.i.msa_transition`,
+    `blocks.i.pair_stack.tri_mul_out`, ...) renamed to the `core` layout used here (the inverse of
+    OpenFold's `convert_deprecated_v1_keys` for the Evoformer)."""
+    out = {}
+    for key, value in state_dict.items():
+        for pattern, repl in _V2_TO_V1:
+            key = pattern.sub(repl, key)
+        out[key] = value
+    return out

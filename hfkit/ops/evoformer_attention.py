@@ -1,0 +1,545 @@
+"""Evoformer attention: flash-style Triton kernels (forward and backward), a torch custom op, the reference.
+
+`evoformer_attention(q, k, v, bias, mask)` computes `softmax(q·kᵀ/√D + bias + (mask - 1)·1e9)·v` for
+q: [B, S, H, Q, D], k/v: [B, S, H, K, D], a pair bias broadcast over MSA rows ([B, 1, H, Q, K]) and a
+key mask ([B, S, 1, 1, K] or [B, S, K]): MSA row attention with pair bias, and with S = 1 or no bias
+the other Evoformer attentions. The forward keeps no [Q, K] logits: it walks key blocks with an online
+softmax and saves two float32 numbers per query row (the running max and the log of the sum). The
+backward recomputes the probabilities block by block from them: one kernel for dk/dv (a program per
+key block), one for dq (a program per query block) and one for dbias (a program per bias tile, which
+loops over the S rows the bias was broadcast over: deterministic, no atomics). Registered as the custom
+ops `hfkit::evoformer_attention_fwd` / `_bwd`; on CPU without `TRITON_INTERPRET=1` it runs
+`evoformer_attention_reference`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hfkit.ops.layer_norm import HAS_TRITON, _interpreting
+from hfkit.ops.softmax import MASK_INF
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+
+__all__ = ["MAX_HEAD_DIM", "evoformer_attention", "evoformer_attention_reference", "uses_triton"]
+
+# Head dims up to this are padded to a power of two (at least 16, the smallest tl.dot size).
+MAX_HEAD_DIM = 128
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def evoformer_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    *,
+    key_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain-torch Evoformer attention: the specification every fast path is tested against.
+
+    q: [B, S, H, Q, D], k, v: [B, S, H, K, D]; bias: broadcastable to [B, S, H, Q, K]; mask:
+    [B, S, K] or broadcastable to [B, S, 1, 1, K], bool or 0/1 (1 = keep). Computes
+    `softmax(q·kᵀ/√D + bias + (mask - 1)·1e9)·v` in float32 (float64 for float64 input), returned in
+    q's dtype. The mask bias is OpenFold's finite `inf = 1e9`, so a query row whose keys are all masked
+    gets (nearly) uniform weights in float32, the mean of v, never NaN. key_bias: [B|1, S|1, K], an
+    additive bias per key (e.g. OpenFold's mask bias `1e9 * (mask - 1)`), added last.
+    """
+    compute = torch.promote_types(q.dtype, torch.float32)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    a = torch.matmul(q.to(compute), k.to(compute).transpose(-1, -2)) * scale
+    if bias is not None:
+        a = a + bias.to(compute)
+    if mask is not None:
+        a = a + (_mask_5d(mask, q).to(compute) - 1.0) * MASK_INF
+    if key_bias is not None:
+        a = a + key_bias[:, :, None, None, :].to(compute)
+    return torch.matmul(torch.softmax(a, dim=-1), v.to(compute)).to(q.dtype)
+
+
+def _mask_5d(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    return mask[:, :, None, None, :] if mask.dim() == 3 and q.dim() == 5 else mask
+
+
+def _check_inputs(q, k, v, bias, mask) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 5:
+            raise ValueError(f"{name}: expected 5 dims [B, S, H, N, D], got shape {list(t.shape)}")
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"{name}: expected a floating-point dtype, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: on {t.device}, but q is on {q.device}; put them on one device")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+    b, s, h, n_q, d = q.shape
+    n_k = k.shape[3]
+    if tuple(k.shape) != (b, s, h, n_k, d):
+        raise ValueError(f"k: expected shape [{b}, {s}, {h}, K, {d}] to match q, got {list(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v: expected k's shape {list(k.shape)}, got {list(v.shape)}")
+    logits = (b, s, h, n_q, n_k)
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise ValueError(f"bias: expected a torch.Tensor or None, got {type(bias).__name__}")
+        if not bias.dtype.is_floating_point:
+            raise ValueError(f"bias: expected a floating-point dtype, got {bias.dtype}")
+        if bias.device != q.device:
+            raise ValueError(f"bias: on {bias.device}, but q is on {q.device}; put them on one device")
+        if bias.dim() != 5 or any(x not in (1, y) for x, y in zip(bias.shape, logits, strict=True)):
+            raise ValueError(
+                f"bias: expected shape [B|1, S|1, H|1, Q|1, K|1] broadcastable to {list(logits)}, "
+                f"got {list(bias.shape)}"
+            )
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise ValueError(f"mask: expected a torch.Tensor or None, got {type(mask).__name__}")
+        if mask.device != q.device:
+            raise ValueError(f"mask: on {mask.device}, but q is on {q.device}; put them on one device")
+        ok = (mask.dim() == 3 and _bcast(mask.shape, (b, s, n_k))) or (
+            mask.dim() == 5 and mask.shape[2:4] == (1, 1) and _bcast(mask.shape, (b, s, 1, 1, n_k))
+        )
+        if not ok:
+            raise ValueError(
+                f"mask: expected shape [B, S, K] or [B, S, 1, 1, K] (B, S may be 1) with B={b}, S={s}, "
+                f"K={n_k}, got {list(mask.shape)}"
+            )
+
+
+def _bcast(shape, target) -> bool:
+    return all(x in (1, y) for x, y in zip(shape, target, strict=True))
+
+
+def uses_triton(q: torch.Tensor) -> bool:
+    """Whether `evoformer_attention` takes the Triton path for q (CUDA, or CPU under
+    TRITON_INTERPRET=1 outside torch.compile; float32/bfloat16/float16; head dim ≤ `MAX_HEAD_DIM`)."""
+    if not HAS_TRITON or q.dtype not in _TRITON_DTYPES or q.shape[-1] > MAX_HEAD_DIM:
+        return False
+    if q.is_cuda:
+        return True
+    if torch.compiler.is_compiling():
+        return False
+    return q.device.type == "cpu" and _interpreting()
+
+
+def evoformer_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    *,
+    key_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Fused, memory-efficient `softmax(q·kᵀ/√D + bias + (mask - 1)·1e9)·v`, with autograd.
+
+    q: [B, S, H, Q, D], k, v: [B, S, H, K, D] (float32, bfloat16 or float16, one dtype; any strides),
+    D ≤ 128 (16, 32, 64, 128 need no padding); bias: [B|1, S|1, H|1, Q|1, K|1], e.g. a pair bias
+    [B, 1, H, Q, K], any floating dtype, its gradient summed over broadcast dims; mask: [B, S, K] or
+    [B, S, 1, 1, K] (B, S may be 1), bool or 0/1, 1 = keep, no gradient; key_bias: [B|1, S|1, K], an
+    additive float bias per key such as OpenFold's mask bias `1e9 * (mask - 1)` (no gradient: one
+    that requires grad raises ValueError). Scale 1/√D applied inside; softmax statistics and
+    accumulation in float32; output [B, S, H, Q, D] in q's dtype. Raises ValueError naming the
+    argument on bad shapes, dtypes or devices.
+    """
+    _check_inputs(q, k, v, bias, mask)
+    _check_key_bias(key_bias, q, k)
+    if not uses_triton(q) or q.numel() == 0 or k.shape[3] == 0:
+        return evoformer_attention_reference(q, k, v, bias, mask, key_bias=key_bias)
+    # The kernels take one additive float32 key bias [B|1, S|1, K]: the mask's and key_bias's sum.
+    add = None
+    if mask is not None:
+        if mask.dim() == 5:
+            mask = mask[:, :, 0, 0, :]
+        add = (mask.detach().to(torch.float32) - 1.0) * MASK_INF
+    if key_bias is not None:
+        add = key_bias.to(torch.float32) if add is None else add + key_bias.to(torch.float32)
+    o, _, _ = torch.ops.hfkit.evoformer_attention_fwd(q, k, v, bias, add)
+    return o
+
+
+def _check_key_bias(key_bias: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> None:
+    if key_bias is None:
+        return
+    if not isinstance(key_bias, torch.Tensor):
+        raise ValueError(f"key_bias: expected a torch.Tensor or None, got {type(key_bias).__name__}")
+    if not key_bias.dtype.is_floating_point:
+        raise ValueError(f"key_bias: expected a floating-point dtype, got {key_bias.dtype}")
+    if key_bias.device != q.device:
+        raise ValueError(f"key_bias: on {key_bias.device}, but q is on {q.device}; put them on one device")
+    b, s, _, _, _ = q.shape
+    if key_bias.dim() != 3 or not _bcast(key_bias.shape, (b, s, k.shape[3])):
+        raise ValueError(
+            f"key_bias: expected shape [B|1, S|1, K] with B={b}, S={s}, K={k.shape[3]}, "
+            f"got {list(key_bias.shape)}"
+        )
+    if key_bias.requires_grad:
+        raise ValueError("key_bias: gets no gradient from evoformer_attention, but requires grad; detach it")
+
+
+def _bias_strides(bias: torch.Tensor | None) -> list[int]:
+    # Strides over [B, S, H, Q, K], 0 along broadcast dims.
+    if bias is None:
+        return [0] * 5
+    return [st if sz != 1 else 0 for st, sz in zip(bias.stride(), bias.shape, strict=True)]
+
+
+def _key_bias_strides(key_bias: torch.Tensor | None) -> list[int]:
+    # Strides over [B, S, K], 0 along broadcast dims.
+    if key_bias is None:
+        return [0] * 3
+    return [st if sz != 1 else 0 for st, sz in zip(key_bias.stride(), key_bias.shape, strict=True)]
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _mm(a, b, DOT: tl.constexpr):
+        # DOT 0: tl.dot in the input dtype; 1: float32 inputs, full precision (not tf32); 2: upcast
+        # first (the interpreter cannot multiply bfloat16; products of bf16 are exact in float32).
+        if DOT == 2:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        elif DOT == 1:
+            return tl.dot(a, b, input_precision="ieee")
+        else:
+            return tl.dot(a, b)
+
+    @triton.jit
+    def _logits(
+        q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
+        k_ok_d, b_off, kb_off, sbq, sbk, skb_k,
+        HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr,
+    ):  # fmt: skip
+        # One [BLOCK_M, BLOCK_N] tile of logits in float32; keys past n_k are -inf (weight exactly 0).
+        k_ok = offs_n < n_k
+        kt = tl.load(k_ptrs, mask=k_ok[None, :] & k_ok_d, other=0.0)
+        s = _mm(q, kt, DOT) * qk_scale
+        if HAS_BIAS:
+            ok = (offs_m < n_q)[:, None] & k_ok[None, :]
+            b_ptrs = Bias + b_off + offs_m[:, None] * sbq + offs_n[None, :] * sbk
+            s += tl.load(b_ptrs, mask=ok, other=0.0).to(tl.float32)
+        if HAS_KEY_BIAS:
+            s += tl.load(KeyBias + kb_off + offs_n * skb_k, mask=k_ok, other=0.0)[None, :]
+        return tl.where(k_ok[None, :], s, float("-inf"))
+
+    @triton.jit
+    def _evo_fwd_kernel(
+        Q, K, V, Bias, KeyBias, O, Mx, Lg,
+        S, H, n_q, n_k, d, qk_scale,
+        sqb, sqs, sqh, sqn, skb, sks, skh, skn, svb, svs, svh, svn,
+        sbb, sbs, sbh, sbq, sbk, skb_b, skb_s, skb_k,
+        HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        # Grid (query blocks, B*S*H). Traffic: q and o once; k, v (and the bias rows) once per query
+        # block. Registers hold the q tile, the [BLOCK_M, BLOCK_D] float32 accumulator and one logits
+        # tile; o is contiguous [B*S*H, Q, D], the statistics [B*S*H, Q].
+        pid_m = tl.program_id(0)
+        bsh = tl.program_id(1)
+        h = bsh % H
+        s_ = (bsh // H) % S
+        b = bsh // (H * S)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < d
+        m_ok = offs_m < n_q
+        q_base = Q + b.to(tl.int64) * sqb + s_ * sqs + h * sqh
+        q = tl.load(
+            q_base + offs_m[:, None] * sqn + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0
+        )
+        k_base = K + b.to(tl.int64) * skb + s_ * sks + h * skh
+        v_base = V + b.to(tl.int64) * svb + s_ * svs + h * svh
+        b_off = b.to(tl.int64) * sbb + s_ * sbs + h * sbh
+        kb_off = b.to(tl.int64) * skb_b + s_ * skb_s
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for start in range(0, n_k, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            k_ptrs = k_base + offs_n[None, :] * skn + offs_d[:, None]
+            s = _logits(
+                q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
+                d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, HAS_BIAS, HAS_KEY_BIAS, DOT,
+            )  # fmt: skip
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vt = tl.load(
+                v_base + offs_n[:, None] * svn + offs_d[None, :],
+                mask=(offs_n < n_k)[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + _mm(p.to(vt.dtype), vt, DOT)
+            m_i = m_new
+        o = acc / l_i[:, None]
+        o_ptrs = O + bsh.to(tl.int64) * n_q * d + offs_m[:, None] * d + offs_d[None, :]
+        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+        # Max and log-sum apart, not their sum: with every key masked both are about -1e9 and log(l)
+        # would vanish in the float32 sum, turning p = 1/K into p = 1 in the backward.
+        tl.store(Mx + bsh.to(tl.int64) * n_q + offs_m, m_i, mask=m_ok)
+        tl.store(Lg + bsh.to(tl.int64) * n_q + offs_m, tl.log(l_i), mask=m_ok)
+
+    @triton.jit
+    def _probs_and_dlogits(
+        q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
+        k_ok_d, b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta,
+        HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr,
+    ):  # fmt: skip
+        # p = softmax probabilities of one tile (0 outside the valid rows/keys) and ds = dL/dlogits.
+        s = _logits(
+            q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
+            k_ok_d, b_off, kb_off, sbq, sbk, skb_k, HAS_BIAS, HAS_KEY_BIAS, DOT,
+        )  # fmt: skip
+        ok = (offs_m < n_q)[:, None] & (offs_n < n_k)[None, :]
+        p = tl.where(ok, tl.exp((s - mx[:, None]) - lg[:, None]), 0.0)
+        vt = tl.load(vt_ptrs, mask=(offs_n < n_k)[None, :] & k_ok_d, other=0.0)
+        dp = _mm(do, vt, DOT)
+        ds = p * (dp - delta[:, None])
+        return p, ds
+
+    @triton.jit
+    def _evo_bwd_kernel(
+        Q, K, V, Bias, KeyBias, DO, Mx, Lg, Delta, DQ, DK, DV, DB,
+        B, S, H, n_q, n_k, d, qk_scale,
+        sqb, sqs, sqh, sqn, skb, sks, skh, skn, svb, svs, svh, svn,
+        sbb, sbs, sbh, sbq, sbk, skb_b, skb_s, skb_k,
+        nb_b, nb_s, nb_h,
+        MODE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        # MODE 0 (dk, dv): grid (key blocks, B*S*H); walks the query blocks.
+        # MODE 1 (dq):     grid (query blocks, B*S*H); walks the key blocks.
+        # MODE 2 (dbias):  grid (query blocks * key blocks, bias B*S*H); walks the B, S, H rows the bias
+        #                  was broadcast over and sums their dlogits in float32 registers.
+        # Each tile recomputes its logits from q, k, bias, mask and the saved row statistics; do, dq,
+        # dk, dv are contiguous [B*S*H, N, D], the statistics and delta = rowsum(do * o) [B*S*H, Q].
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < d
+        n_mb = tl.cdiv(n_q, BLOCK_M)
+        if MODE == 2:
+            pid_m = tl.program_id(0) % n_mb
+            pid_n = tl.program_id(0) // n_mb
+            reps = (B // nb_b) * (S // nb_s) * (H // nb_h)
+        else:
+            pid_m = tl.program_id(0)
+            pid_n = tl.program_id(0)
+            reps = 1
+        tile_a = tl.program_id(1)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for r in range(0, reps):
+            if MODE == 2:
+                # Bias row (bb, sb, hb) covers every (b, s, h) equal to it where the bias is not
+                # broadcast; r counts through the broadcast ones.
+                hb = tile_a % nb_h
+                sb = (tile_a // nb_h) % nb_s
+                bb = tile_a // (nb_h * nb_s)
+                rh = H // nb_h
+                rs = S // nb_s
+                h = hb + r % rh
+                s_ = sb + (r // rh) % rs
+                b = bb + r // (rh * rs)
+                bsh = (b * S + s_) * H + h
+            else:
+                bsh = tile_a
+                h = bsh % H
+                s_ = (bsh // H) % S
+                b = bsh // (H * S)
+            q_base = Q + b.to(tl.int64) * sqb + s_ * sqs + h * sqh
+            k_base = K + b.to(tl.int64) * skb + s_ * sks + h * skh
+            v_base = V + b.to(tl.int64) * svb + s_ * svs + h * svh
+            b_off = b.to(tl.int64) * sbb + s_ * sbs + h * sbh
+            kb_off = b.to(tl.int64) * skb_b + s_ * skb_s
+            row0 = bsh.to(tl.int64) * n_q
+            if MODE == 0:
+                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < n_k
+                dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+                dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+                k_ptrs = k_base + offs_n[None, :] * skn + offs_d[:, None]
+                vt_ptrs = v_base + offs_n[None, :] * svn + offs_d[:, None]
+                for start in range(0, n_q, BLOCK_M):
+                    offs_m = start + tl.arange(0, BLOCK_M)
+                    m_ok = offs_m < n_q
+                    md = m_ok[:, None] & d_ok[None, :]
+                    q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :], mask=md, other=0.0)
+                    do = tl.load(DO + (row0 + offs_m[:, None]) * d + offs_d[None, :], mask=md, other=0.0)
+                    mx = tl.load(Mx + row0 + offs_m, mask=m_ok, other=0.0)
+                    lg = tl.load(Lg + row0 + offs_m, mask=m_ok, other=0.0)
+                    delta = tl.load(Delta + row0 + offs_m, mask=m_ok, other=0.0)
+                    p, ds = _probs_and_dlogits(
+                        q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
+                        d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta,
+                        HAS_BIAS, HAS_KEY_BIAS, DOT,
+                    )  # fmt: skip
+                    dv += _mm(tl.trans(p.to(do.dtype)), do, DOT)
+                    dk += _mm(tl.trans(ds.to(q.dtype)), q, DOT)
+                nd = n_ok[:, None] & d_ok[None, :]
+                out = (bsh.to(tl.int64) * n_k + offs_n[:, None]) * d + offs_d[None, :]
+                tl.store(DK + out, (dk * qk_scale).to(DK.dtype.element_ty), mask=nd)
+                tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=nd)
+            else:
+                offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+                m_ok = offs_m < n_q
+                md = m_ok[:, None] & d_ok[None, :]
+                q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :], mask=md, other=0.0)
+                do = tl.load(DO + (row0 + offs_m[:, None]) * d + offs_d[None, :], mask=md, other=0.0)
+                mx = tl.load(Mx + row0 + offs_m, mask=m_ok, other=0.0)
+                lg = tl.load(Lg + row0 + offs_m, mask=m_ok, other=0.0)
+                delta = tl.load(Delta + row0 + offs_m, mask=m_ok, other=0.0)
+                if MODE == 1:
+                    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                    for start in range(0, n_k, BLOCK_N):
+                        offs_n = start + tl.arange(0, BLOCK_N)
+                        k_ptrs = k_base + offs_n[None, :] * skn + offs_d[:, None]
+                        vt_ptrs = v_base + offs_n[None, :] * svn + offs_d[:, None]
+                        p, ds = _probs_and_dlogits(
+                            q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
+                            d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta,
+                            HAS_BIAS, HAS_KEY_BIAS, DOT,
+                        )  # fmt: skip
+                        kt = tl.load(k_ptrs, mask=(offs_n < n_k)[None, :] & d_ok[:, None], other=0.0)
+                        dq += _mm(ds.to(kt.dtype), tl.trans(kt), DOT)
+                    tl.store(
+                        DQ + (row0 + offs_m[:, None]) * d + offs_d[None, :],
+                        (dq * qk_scale).to(DQ.dtype.element_ty),
+                        mask=md,
+                    )
+                else:
+                    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                    k_ptrs = k_base + offs_n[None, :] * skn + offs_d[:, None]
+                    vt_ptrs = v_base + offs_n[None, :] * svn + offs_d[:, None]
+                    p, ds = _probs_and_dlogits(
+                        q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
+                        d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta,
+                        HAS_BIAS, HAS_KEY_BIAS, DOT,
+                    )  # fmt: skip
+                    acc += ds
+        if MODE == 2:
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            ok = (offs_m < n_q)[:, None] & (offs_n < n_k)[None, :]
+            # dbias is contiguous [nb_b * nb_s * nb_h, Q, K] in float32.
+            db_base = DB + tile_a.to(tl.int64) * n_q * n_k
+            tl.store(db_base + offs_m[:, None] * n_k + offs_n[None, :], acc, mask=ok)
+
+    def _blocks(d: int, device: torch.device) -> tuple[int, int, int, int]:
+        """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps); untuned: GPU tuning is still to do."""
+        block_d = max(16, triton.next_power_of_2(d))
+        if device.type != "cuda":
+            return 32, 32, block_d, 4  # small tiles so that tests cross block edges cheaply
+        block = 64 if block_d <= 64 else 32
+        return block, block, block_d, 4
+
+    def _dot_mode(q: torch.Tensor) -> int:
+        if q.dtype == torch.float32:
+            return 1
+        return 2 if q.dtype == torch.bfloat16 and not q.is_cuda else 0
+
+    def _qkv_strides(t: torch.Tensor) -> list[int]:
+        return list(t.stride()[:4])
+
+    def _unit_last(t: torch.Tensor) -> torch.Tensor:
+        return t if t.stride(-1) == 1 else t.contiguous()
+
+    @triton_op("hfkit::evoformer_attention_fwd", mutates_args=())
+    def _evo_fwd(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bias: torch.Tensor | None,
+        key_bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+        b, s, h, n_q, d = q.shape
+        n_k = k.shape[3]
+        o = torch.empty((b, s, h, n_q, d), dtype=q.dtype, device=q.device)
+        mx = torch.empty((b, s, h, n_q), dtype=torch.float32, device=q.device)
+        lg = torch.empty_like(mx)
+        block_m, block_n, block_d, warps = _blocks(d, q.device)
+        grid = (triton.cdiv(n_q, block_m), b * s * h)
+        wrap_triton(_evo_fwd_kernel)[grid](
+            q, k, v, bias, key_bias, o, mx, lg,
+            s, h, n_q, n_k, d, 1.0 / math.sqrt(d),
+            *_qkv_strides(q), *_qkv_strides(k), *_qkv_strides(v),
+            *_bias_strides(bias), *_key_bias_strides(key_bias),
+            HAS_BIAS=bias is not None, HAS_KEY_BIAS=key_bias is not None, DOT=_dot_mode(q),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
+        )  # fmt: skip
+        return o, mx, lg
+
+    @triton_op("hfkit::evoformer_attention_bwd", mutates_args=())
+    def _evo_bwd(
+        do: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bias: torch.Tensor | None,
+        key_bias: torch.Tensor | None,
+        o: torch.Tensor,
+        mx: torch.Tensor,
+        lg: torch.Tensor,
+        need_dbias: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns dq, dk, dv (q's dtype) and dbias in float32 with bias's shape ([0] if not needed)."""
+        q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+        do = do.contiguous()
+        b, s, h, n_q, d = q.shape
+        n_k = k.shape[3]
+        delta = (do.float() * o.float()).sum(-1)
+        dq = torch.empty((b, s, h, n_q, d), dtype=q.dtype, device=q.device)
+        dk = torch.empty((b, s, h, n_k, d), dtype=q.dtype, device=q.device)
+        dv = torch.empty_like(dk)
+        nb = list(bias.shape[:3]) if need_dbias and bias is not None else [1, 1, 1]
+        db = torch.empty(
+            (*nb, n_q, n_k) if need_dbias and bias is not None else (0,), dtype=torch.float32, device=q.device
+        )
+        block_m, block_n, block_d, warps = _blocks(d, q.device)
+        n_mb, n_nb = triton.cdiv(n_q, block_m), triton.cdiv(n_k, block_n)
+        common = (
+            q, k, v, bias, key_bias, do, mx, lg, delta, dq, dk, dv, db,
+            b, s, h, n_q, n_k, d, 1.0 / math.sqrt(d),
+            *_qkv_strides(q), *_qkv_strides(k), *_qkv_strides(v),
+            *_bias_strides(bias), *_key_bias_strides(key_bias),
+            *nb,
+        )  # fmt: skip
+        meta = dict(
+            HAS_BIAS=bias is not None, HAS_KEY_BIAS=key_bias is not None, DOT=_dot_mode(q),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
+        )  # fmt: skip
+        kernel = wrap_triton(_evo_bwd_kernel)
+        kernel[(n_nb, b * s * h)](*common, MODE=0, **meta)
+        kernel[(n_mb, b * s * h)](*common, MODE=1, **meta)
+        if db.dim() == 5:
+            kernel[(n_mb * n_nb, nb[0] * nb[1] * nb[2])](*common, MODE=2, **meta)
+        return dq, dk, dv, db
+
+    def _setup_context(ctx, inputs, output) -> None:
+        q, k, v, bias, key_bias = inputs
+        o, mx, lg = output
+        ctx.save_for_backward(q, k, v, bias, key_bias, o, mx, lg)
+        ctx.bias_meta = (bias.shape, bias.dtype) if bias is not None else None
+
+    def _backward(ctx, do, _dmx, _dlg):
+        q, k, v, bias, key_bias, o, mx, lg = ctx.saved_tensors
+        need_db = ctx.bias_meta is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, db = torch.ops.hfkit.evoformer_attention_bwd(
+            do, q, k, v, bias, key_bias, o, mx, lg, need_db
+        )
+        dbias = None
+        if need_db:
+            shape, dtype = ctx.bias_meta
+            # Q or K broadcast in the bias: sum those (the kernel covers B, S and H).
+            dims = [i for i in (3, 4) if shape[i] == 1 and db.shape[i] != 1]
+            dbias = (db.sum(dim=dims, keepdim=True) if dims else db).to(dtype)
+        needs = ctx.needs_input_grad
+        return (dq if needs[0] else None), (dk if needs[1] else None), (dv if needs[2] else None), dbias, None
+
+    torch.library.register_autograd("hfkit::evoformer_attention_fwd", _backward, setup_context=_setup_context)

@@ -1,0 +1,277 @@
+"""hfkit.ops.evoformer_attention and hfkit.nn.{Attention, EvoformerAttention} against their references.
+
+Op: forward and the gradients of q, k, v and the pair bias (summed over the MSA rows it is broadcast
+over) on odd sizes, head dims 16-128, masked keys and fully masked rows, float32 / bfloat16 / float16,
+against `evoformer_attention_reference` evaluated in float32. Modules: `EvoformerAttention` gives
+`Attention`'s output and gradients, and `to_hfkit` / `to_torch` swap them. On CPU the kernels run
+under TRITON_INTERPRET=1 (conftest.py); a GPU machine also runs them on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from hfkit.nn import Attention, EvoformerAttention, to_hfkit, to_torch
+from hfkit.ops import evoformer_attention, evoformer_attention_reference
+from hfkit.ops.evoformer_attention import uses_triton
+
+DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (
+    ["cuda"] if torch.cuda.is_available() else []
+)
+# Relative L2 error against the float32 reference: bf16/fp16 round p and ds before the matmuls.
+TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    assert torch.isfinite(actual).all(), "non-finite values in the result"
+    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+
+
+def run_both(q, k, v, bias=None, mask=None):
+    """Fused op and float32 reference on the same inputs; returns (name, actual, expected) triples."""
+    assert uses_triton(q)
+    names = [n for n, t in zip("qkv", (q, k, v), strict=True)] + (["bias"] if bias is not None else [])
+    params = [t.requires_grad_(True) for t in (q, k, v, bias) if t is not None]
+    o = evoformer_attention(q, k, v, bias, mask)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, params, do)
+    ref = [t.detach().float().requires_grad_(True) for t in params]
+    o_ref = evoformer_attention_reference(*ref[:3], ref[3] if bias is not None else None, mask)
+    ref_grads = torch.autograd.grad(o_ref, ref, do.float())
+    assert o.dtype == q.dtype and o.shape == q.shape
+    for g, p in zip(grads, params, strict=True):
+        assert g.dtype == p.dtype and g.shape == p.shape
+    return [("o", o, o_ref)] + list(zip([f"d{n}" for n in names], grads, ref_grads, strict=True))
+
+
+def qkv(b, s, h, n_q, n_k, d, dtype, device):
+    q = torch.randn(b, s, h, n_q, d, device=device, dtype=dtype)
+    k = torch.randn(b, s, h, n_k, d, device=device, dtype=dtype)
+    v = torch.randn(b, s, h, n_k, d, device=device, dtype=dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "b, s, h, n, d, dtype",
+    [
+        (1, 2, 2, 37, 16, torch.float32),
+        (2, 3, 1, 33, 32, torch.bfloat16),  # one key past a 32-wide block
+        (1, 2, 2, 37, 64, torch.float32),
+        (1, 2, 1, 17, 128, torch.float32),
+        (1, 2, 1, 37, 64, torch.bfloat16),
+        (1, 2, 1, 20, 32, torch.float16),
+    ],
+    ids=str,
+)
+def test_msa_row_attention_with_pair_bias(b, s, h, n, d, dtype, device, seed):
+    q, k, v = qkv(b, s, h, n, n, d, dtype, device)
+    bias = torch.randn(b, 1, h, n, n, device=device, dtype=dtype)  # summed over S in the gradient
+    mask = torch.rand(b, s, n, device=device) > 0.25
+    mask[0, s - 1] = False  # a fully masked MSA row: uniform weights, not NaN
+    for name, actual, expected in run_both(q, k, v, bias, mask):
+        assert rel_err(actual, expected) < TOL[dtype], name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "bias_shape, mask_kind",
+    [
+        ((2, 3, 2, 19, 37), "5d"),  # a bias per MSA row: no reduction
+        ((1, 1, 2, 19, 37), "3d"),  # broadcast over B and S: summed over both
+        ((2, 1, 1, 1, 37), None),  # a key bias broadcast over S, H, Q
+        (None, "bool5d"),
+    ],
+    ids=str,
+)
+def test_bias_broadcasts_masks_and_unequal_lengths(bias_shape, mask_kind, device, seed):
+    q, k, v = qkv(2, 3, 2, 19, 37, 16, torch.float32, device)
+    bias = torch.randn(bias_shape, device=device) if bias_shape else None
+    mask = None
+    if mask_kind == "3d":
+        mask = (torch.rand(2, 3, 37, device=device) > 0.3).float()
+    elif mask_kind == "5d":
+        mask = (torch.rand(2, 3, 1, 1, 37, device=device) > 0.3).float()
+    elif mask_kind == "bool5d":
+        mask = torch.rand(1, 3, 1, 1, 37, device=device) > 0.3
+    for name, actual, expected in run_both(q, k, v, bias, mask):
+        assert rel_err(actual, expected) < TOL[torch.float32], name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_inputs_and_fully_masked_rows(device, seed):
+    # q, k, v as OpenFold's projections give them: [B, S, N, H, D] viewed as [B, S, H, N, D].
+    q, k, v = (t.transpose(2, 3) for t in qkv(1, 2, 21, 3, 3, 32, torch.float32, device))
+    assert not q.is_contiguous()
+    mask = torch.ones(1, 2, 21, device=device)
+    mask[0, 1] = 0
+    o = evoformer_attention(q, k, v, None, mask)
+    torch.testing.assert_close(o[0, 1], v[0, 1].mean(dim=-2, keepdim=True).expand_as(o[0, 1]))
+    for name, actual, expected in run_both(q.detach(), k.detach(), v.detach(), None, mask):
+        assert rel_err(actual, expected) < TOL[torch.float32], name
+
+
+def test_float64_runs_the_reference(seed):
+    q, k, v = qkv(1, 1, 1, 5, 5, 8, torch.float64, "cpu")
+    assert not uses_triton(q)
+    torch.testing.assert_close(evoformer_attention(q, k, v), evoformer_attention_reference(q, k, v))
+
+
+def _bad(**kw):
+    args = dict(zip("qkv", qkv(1, 2, 2, 5, 5, 16, torch.float32, "cpu"), strict=True))
+    args.update(kw)
+    return args
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(q=torch.ones(2, 5, 16)), "q"),
+        (dict(k=torch.ones(1, 2, 2, 5, 8)), "k"),
+        (dict(v=torch.ones(1, 2, 2, 6, 16)), "v"),
+        (dict(k=torch.ones(1, 2, 2, 5, 16, dtype=torch.float64)), "k"),
+        (dict(bias=torch.ones(1, 2, 2, 5, 4)), "bias"),
+        (dict(bias=torch.ones(2, 5, 5)), "bias"),
+        (dict(mask=torch.ones(1, 2, 4)), "mask"),
+        (dict(mask=torch.ones(1, 2, 2, 1, 5)), "mask"),
+        (dict(key_bias=torch.zeros(1, 2, 5, requires_grad=True)), "key_bias"),
+        (dict(q="q"), "q"),
+    ],
+)
+def test_bad_inputs_raise(kwargs, name):
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        evoformer_attention(**_bad(**kwargs))
+
+
+# --- modules -----------------------------------------------------------------------------------------
+
+
+def _modules(c=24, c_hidden=16, heads=3, gating=True):
+    torch.manual_seed(1234)
+    ref = Attention(c, c, c, c_hidden, heads, gating=gating)
+    with torch.no_grad():  # OpenFold's init zeroes linear_o and linear_g; use random weights instead
+        for p in ref.parameters():
+            p.normal_(0, 0.3)
+    fused = EvoformerAttention(c, c, c, c_hidden, heads, gating=gating)
+    fused.load_state_dict(ref.state_dict())
+    return ref, fused
+
+
+def _compare_modules(ref, fused, q_x, kv_x, biases, tol):
+    inputs = [t for t in (q_x, kv_x, *biases) if t.requires_grad]
+    outs, grads = [], []
+    for m in (ref, fused):
+        y = m(q_x, kv_x, biases)
+        outs.append(y)
+        grads.append(torch.autograd.grad(y, inputs + list(m.parameters()), torch.ones_like(y)))
+    assert rel_err(outs[1], outs[0]) < tol
+    for i, (a, b) in enumerate(zip(grads[1], grads[0], strict=True)):
+        assert rel_err(a, b) < tol, i
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gating", [True, False])
+def test_evoformer_attention_module_matches_attention(gating, device, seed):
+    # MSA row attention with pair bias: q_x = kv_x = m [B, S, N, c], biases = [mask bias, pair bias].
+    ref, fused = (m.to(device) for m in _modules(gating=gating))
+    b, s, n = 2, 3, 37
+    m = torch.randn(b, s, n, 24, device=device, requires_grad=True)
+    mask = (torch.rand(b, s, n, device=device) > 0.2).float()
+    mask[1, 0] = 0
+    mask_bias = (1e9 * (mask - 1))[..., None, None, :]
+    pair_bias = torch.randn(b, 1, 3, n, n, device=device, requires_grad=True)
+    _compare_modules(ref, fused, m, m, [mask_bias, pair_bias], 1e-5)
+
+
+@pytest.mark.parametrize(
+    "q_shape, kv_shape, bias_shapes",
+    [
+        ((17, 24), (9, 24), []),  # no leading dims, cross attention, no bias
+        ((3, 17, 24), (3, 17, 24), [(3, 1, 1, 17)]),  # one leading dim, mask bias only
+        ((2, 2, 2, 9, 24), (2, 2, 2, 9, 24), [(2, 2, 1, 1, 1, 9)]),  # three leading dims: fallback
+    ],
+)
+def test_evoformer_attention_module_other_layouts(q_shape, kv_shape, bias_shapes, seed):
+    ref, fused = _modules()
+    q_x = torch.randn(q_shape, requires_grad=True)
+    kv_x = torch.randn(kv_shape, requires_grad=True)
+    biases = [torch.randn(sh) for sh in bias_shapes]
+    _compare_modules(ref, fused, q_x, kv_x, biases, 1e-5)
+
+
+def test_to_hfkit_round_trip(seed):
+    ref, _ = _modules()
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(24, 24)
+            self.att = ref
+
+        def forward(self, x, biases):
+            h = self.proj(x)
+            return self.att(h, h, biases)
+
+    holder = Holder()
+    x = torch.randn(1, 2, 11, 24)
+    biases = [torch.randn(1, 1, 3, 11, 11)]
+    expected = holder(x, biases)
+    keys = {k: v.clone() for k, v in holder.state_dict().items()}
+    swapped, report = to_hfkit(holder, inplace=False, report=True)
+    assert type(swapped.att) is EvoformerAttention and type(holder.att) is Attention
+    assert report.counts() == {"Attention": 1}
+    assert swapped.state_dict().keys() == keys.keys()
+    assert all(torch.equal(swapped.state_dict()[k], v) for k, v in keys.items())
+    torch.testing.assert_close(swapped(x, biases), expected, rtol=1e-5, atol=1e-5)
+    back = to_torch(swapped)
+    assert type(back.att) is Attention
+
+
+def test_attention_init_and_bad_inputs():
+    att = Attention(8, 6, 6, 4, 2)
+    assert list(att.state_dict()) == [
+        "linear_q.weight",
+        "linear_k.weight",
+        "linear_v.weight",
+        "linear_o.weight",
+        "linear_o.bias",
+        "linear_g.weight",
+        "linear_g.bias",
+    ]
+    assert torch.all(att.linear_g.bias == 1) and torch.all(att.linear_o.weight == 0)
+    assert Attention(8, 6, 6, 4, 2, gating=False).linear_g is None
+    x, kv = torch.randn(3, 8), torch.randn(5, 6)
+    assert att(x, kv).shape == (3, 8)
+    with pytest.raises(ValueError, match="^q_x:"):
+        att(torch.randn(3, 7), kv)
+    with pytest.raises(ValueError, match="^kv_x:"):
+        att(x, torch.randn(5, 8))
+    with pytest.raises(ValueError, match="^biases:"):
+        att(x, kv, torch.zeros(2, 3, 5))
+    with pytest.raises(ValueError, match="^no_heads:"):
+        Attention(8, 6, 6, 4, 0)
+
+
+def test_compile_on_cpu_runs_the_reference(seed):
+    q, k, v = qkv(1, 2, 2, 7, 7, 16, torch.float32, "cpu")
+    bias, mask = torch.randn(1, 1, 2, 7, 7), torch.rand(1, 2, 7) > 0.3
+    f = torch.compile(lambda a, b, c: evoformer_attention(a, b, c, bias, mask), fullgraph=True)
+    torch.testing.assert_close(f(q, k, v), evoformer_attention_reference(q, k, v, bias, mask))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="custom-op checks need CUDA (not the interpreter)")
+def test_opcheck_and_compile_cuda():
+    q, k, v = (t.requires_grad_(True) for t in qkv(1, 2, 2, 37, 37, 32, torch.bfloat16, "cuda"))
+    bias = torch.randn(1, 1, 2, 37, 37, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    key_bias = (torch.rand(1, 2, 37, device="cuda") > 0.3).float() * 1e9 - 1e9
+    torch.library.opcheck(torch.ops.hfkit.evoformer_attention_fwd.default, (q, k, v, bias, key_bias))
+    loss = lambda *t: evoformer_attention(*t, key_bias=key_bias).float().square().sum()
+    f = torch.compile(loss, fullgraph=True)
+    got = torch.autograd.grad(f(q, k, v, bias), (q, k, v, bias))
+    want = torch.autograd.grad(loss(q, k, v, bias), (q, k, v, bias))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
