@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from hfkit.ops.layer_norm import HAS_TRITON, _interpreting
+from hfkit.ops._triton import HAS_TRITON, triton_can_run
 from hfkit.ops.softmax import MASK_INF
 
 if HAS_TRITON:
@@ -30,7 +30,6 @@ __all__ = ["MAX_HEAD_DIM", "evoformer_attention", "evoformer_attention_reference
 
 # Head dims up to this are padded to a power of two (at least 16, the smallest tl.dot size).
 MAX_HEAD_DIM = 128
-_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def evoformer_attention_reference(
@@ -120,13 +119,7 @@ def _bcast(shape, target) -> bool:
 def uses_triton(q: torch.Tensor) -> bool:
     """Whether `evoformer_attention` takes the Triton path for q (CUDA, or CPU under
     TRITON_INTERPRET=1 outside torch.compile; float32/bfloat16/float16; head dim ≤ `MAX_HEAD_DIM`)."""
-    if not HAS_TRITON or q.dtype not in _TRITON_DTYPES or q.shape[-1] > MAX_HEAD_DIM:
-        return False
-    if q.is_cuda:
-        return True
-    if torch.compiler.is_compiling():
-        return False
-    return q.device.type == "cpu" and _interpreting()
+    return q.shape[-1] <= MAX_HEAD_DIM and triton_can_run(q)
 
 
 def evoformer_attention(

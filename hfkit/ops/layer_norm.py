@@ -11,19 +11,16 @@ definition of the op. Statistics are always computed in float32.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 
 import torch
 
-try:
+from hfkit.ops._triton import HAS_TRITON, triton_can_run
+
+if HAS_TRITON:
     import triton
     import triton.language as tl
     from torch.library import triton_op, wrap_triton
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only on machines without Triton
-    HAS_TRITON = False
 
 __all__ = ["layer_norm", "layer_norm_reference", "MAX_FUSED_SIZE", "uses_triton"]
 
@@ -33,7 +30,6 @@ MAX_FUSED_SIZE = 16384
 # reductions (None: by dtype), and keep dweight/dbias partials per row slot until the end.
 BWD_PREFETCH: bool | None = None
 BWD_ACC2D = True
-_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 ShapeLike = int | Sequence[int] | torch.Size
 
@@ -113,10 +109,6 @@ def _check_inputs(
         raise ValueError(f"eps: expected a finite non-negative number, got {eps!r}")
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def uses_triton(x: torch.Tensor, normalized_size: int) -> bool:
     """Whether `layer_norm` takes the Triton path for `x` with this many normalized elements.
 
@@ -124,13 +116,7 @@ def uses_triton(x: torch.Tensor, normalized_size: int) -> bool:
     reference is what Inductor compiles on CPU), for float32/bfloat16/float16 and rows of at most
     `MAX_FUSED_SIZE` elements.
     """
-    if not HAS_TRITON or x.dtype not in _TRITON_DTYPES or normalized_size > MAX_FUSED_SIZE:
-        return False
-    if x.is_cuda:
-        return True
-    if torch.compiler.is_compiling():
-        return False
-    return x.device.type == "cpu" and _interpreting()
+    return normalized_size <= MAX_FUSED_SIZE and triton_can_run(x)
 
 
 def layer_norm(

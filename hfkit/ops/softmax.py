@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from hfkit.ops.layer_norm import HAS_TRITON, _interpreting
+from hfkit.ops._triton import HAS_TRITON, triton_can_run
 
 if HAS_TRITON:
     import triton
@@ -26,7 +26,6 @@ __all__ = ["MASK_INF", "MAX_FUSED_SIZE", "softmax", "softmax_reference", "uses_t
 MASK_INF = 1e9
 # One row lives in registers.
 MAX_FUSED_SIZE = 16384
-_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LEAD = 4  # leading dims the kernel indexes bias and mask by
 
 
@@ -73,13 +72,7 @@ def _check_inputs(x: torch.Tensor, bias: torch.Tensor | None, mask: torch.Tensor
 def uses_triton(x: torch.Tensor) -> bool:
     """Whether `softmax` takes the Triton path for x (CUDA, or CPU under TRITON_INTERPRET=1 outside
     torch.compile; float32/bfloat16/float16; rows of at most `MAX_FUSED_SIZE`)."""
-    if not HAS_TRITON or x.dtype not in _TRITON_DTYPES or x.shape[-1] > MAX_FUSED_SIZE:
-        return False
-    if x.is_cuda:
-        return True
-    if torch.compiler.is_compiling():
-        return False
-    return x.device.type == "cpu" and _interpreting()
+    return x.shape[-1] <= MAX_FUSED_SIZE and triton_can_run(x)
 
 
 def _lead_strides(x: torch.Tensor, t: torch.Tensor | None) -> tuple[list[int], int]:
