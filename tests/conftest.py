@@ -50,3 +50,13 @@ def seed(request: pytest.FixtureRequest) -> int:
     value = zlib.crc32(request.node.nodeid.encode())
     torch.manual_seed(value)
     return value
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a test module's torch ops on one thread: small models on a busy 2-core machine run several
+    times faster than with torch's default thread count, and timings stop depending on other jobs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -23,14 +23,7 @@ from hfkit.model import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine their spinning
-    makes these tests several times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 FIXTURE = Path(__file__).parent / "fixtures" / "openfold_evoformer_keys.txt"
