@@ -22,7 +22,6 @@ from hfkit.model import (
     pseudo_beta,
 )
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
