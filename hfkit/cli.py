@@ -147,16 +147,13 @@ def _cmd_bench_comms(args: argparse.Namespace) -> int:
 
     from hfkit.bench import gpu_slug, results_dir, rows_to_frame
     from hfkit.bench.ceilings import device_name
-    from hfkit.bench.comms import default_backends, hfreduce_available, run_comms_benchmark
+    from hfkit.bench.comms import default_backends, run_comms_benchmark
 
     slug = gpu_slug(device_name(None))
     if slug != "cpu":
         slug = f"{slug}x{args.nproc}"  # e.g. h200x8: results depend on the GPU count
     out = Path(args.out) if args.out else results_dir() / slug / "comms.json"
     backends = args.backends or default_backends()
-    if "hfreduce" in backends and not hfreduce_available():
-        print("hfkit bench comms: hfreduce is not available in hfkit.parallel yet; skipped", file=sys.stderr)
-        backends = [b for b in backends if b != "hfreduce"]
     try:
         rows = run_comms_benchmark(
             nproc=args.nproc,

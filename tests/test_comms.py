@@ -10,7 +10,6 @@ from hfkit.bench.comms import (
     algbw_gbps,
     build_param_model,
     busbw_gbps,
-    hfreduce_available,
     message_sizes,
     parse_bytes,
     run_comms_benchmark,
@@ -47,7 +46,7 @@ def test_param_model_counts():
 
 @pytest.fixture(scope="module")
 def worker_rows(tmp_path_factory):
-    backends = ["gloo"] + (["hfreduce"] if hfreduce_available() else [])
+    backends = ["gloo", "hfreduce"]
     out = tmp_path_factory.mktemp("comms") / "comms.json"
     rows = run_comms_benchmark(
         nproc=2,
@@ -89,8 +88,7 @@ def test_worker_ddp_rows(worker_rows):
         assert r["extra"]["params"] == r["shape"][0] and r["extra"]["scaled_down"]
         if r["mode"].startswith("backward+sync"):
             assert r["extra"]["comm_overhead_s"] == pytest.approx(r["p50_ms"] / 1e3 - ddp[0]["p50_ms"] / 1e3)
-    if hfreduce_available():
-        assert ("hfreduce", "backward+sync_no_overlap") in modes
+    assert ("hfreduce", "backward+sync_no_overlap") in modes
 
 
 def test_cli_parses_comms():

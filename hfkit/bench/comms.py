@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hfkit.bench.results import ResultRow, environment_info, save_results
+from hfkit.bench.timing import Timing
 
 __all__ = [
     "AF2_PARAMS",
@@ -90,15 +91,6 @@ def message_sizes(min_bytes: int = 4 << 10, max_bytes: int = 64 << 20, factor: i
 def default_backends() -> list[str]:
     """nccl, gloo, hfreduce where CUDA is present; gloo, hfreduce on a CPU."""
     return ["nccl", "gloo", "hfreduce"] if torch.cuda.is_available() else ["gloo", "hfreduce"]
-
-
-def hfreduce_available() -> bool:
-    """Whether `hfkit.parallel` offers the hfreduce backend (allreduce and DDP) in this checkout."""
-    try:
-        from hfkit.parallel import DistributedDataParallel, allreduce  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def build_param_model(n_params: int, width: int = 2048) -> nn.Sequential:
@@ -201,11 +193,10 @@ def _row(
     gbps: float,
     extra: dict[str, Any],
 ) -> ResultRow:
-    ms = np.asarray(times_s, dtype=np.float64) * 1e3
-    p20, p50, p80 = np.quantile(ms, [0.2, 0.5, 0.8])
+    t = Timing.from_samples([s * 1e3 for s in times_s], "wall")
     return ResultRow(
         **env, op=op, provider=provider, mode=mode, shape=shape, dtype="fp32",
-        p20_ms=float(p20), p50_ms=float(p50), p80_ms=float(p80), method="wall", n_reps=len(ms),
+        p20_ms=t.p20, p50_ms=t.p50, p80_ms=t.p80, method=t.method, n_reps=t.n,
         bytes=nbytes, gbps=gbps, pct_copy=None, extra=extra,
     )  # fmt: skip
 
@@ -399,10 +390,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{dist.get_world_size()} ranks on {n_gpus} GPU(s): nccl skipped", flush=True)
     # Timings, maxima and barriers travel on a gloo group: cheap, and independent of the measured one.
     ctrl = dist.new_group(backend="gloo")
-    if "hfreduce" in args.backends and not hfreduce_available():
-        args.backends = [b for b in args.backends if b != "hfreduce"]
-        if rank == 0:
-            print("hfreduce: hfkit.parallel has no hfreduce backend yet; skipped", flush=True)
     env_all = environment_info(device, args.command)
     env = {k: env_all[k] for k in ROW_ENV_KEYS}
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from hfkit.bench.results import ResultRow, environment_info
+from hfkit.bench.timing import Timing
 
 __all__ = ["DEFAULT_DEPTHS", "run_data_cost_benchmark", "data_cost_table"]
 
@@ -37,8 +38,7 @@ def _rows_for(
 ) -> list[ResultRow]:
     rows = []
     for stage in timings[0]:
-        values = np.array([t[stage] for t in timings]) * 1e3
-        p20, p50, p80 = np.quantile(values, [0.2, 0.5, 0.8])
+        t = Timing.from_samples([run[stage] * 1e3 for run in timings], "wall")
         rows.append(
             ResultRow(
                 **env,
@@ -47,11 +47,11 @@ def _rows_for(
                 mode=stage,
                 shape=shape,
                 dtype=kind,
-                p20_ms=float(p20),
-                p50_ms=float(p50),
-                p80_ms=float(p80),
-                method="wall",
-                n_reps=len(values),
+                p20_ms=t.p20,
+                p50_ms=t.p50,
+                p80_ms=t.p80,
+                method=t.method,
+                n_reps=t.n,
                 bytes=0,
                 gbps=0.0,
                 pct_copy=None,
