@@ -13,7 +13,6 @@ import argparse
 import importlib
 import itertools
 import json
-import statistics
 import sys
 
 import torch
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 
 import hfkit.ops  # noqa: F401  (registers the op module)
 from hfkit.bench.ceilings import measure_copy_bandwidth
+from hfkit.bench.timing import time_cuda
 
 # hfkit.ops re-exports the function `layer_norm`, which shadows the module of the same name.
 ln = importlib.import_module("hfkit.ops.layer_norm")
@@ -29,43 +29,25 @@ ln = importlib.import_module("hfkit.ops.layer_norm")
 SHAPES = [(1, 256, 256, 128), (1, 132, 256, 256), (1, 1024, 256, 64), (200, 128, 1024), (1, 256, 384)]
 SHAPES_BWD = SHAPES[:4]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# Backward programs per SM; the last value means one program per row block (no persistent loop).
 FWD_BLOCK_M = (1, 2, 4, 8, 16, 32, 64)
+# Backward variants: persistent programs per SM, next-block prefetch, per-slot weight-grad partials.
 PER_SM = (8, 16, 32)
 PREFETCH = (False, True)
 ACC2D = (False, True)
-QUICK_BWD = False  # --bwd-only: the default block shape only, to compare kernel variants
 
 
 def graph_time_ms(calls: list, replays: int = 20) -> float:
     """Median per-call time (ms) of `calls` run back to back inside one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    return statistics.median(times)
+    return time_cuda(lambda: [c() for c in calls], warmup=1, reps=replays, calls_per_graph=len(calls)).p50
 
 
 def sets_for(nbytes: int, budget: int = 768 << 20, most: int = 48) -> int:
     return max(2, min(most, budget // max(1, nbytes)))
 
 
-def tune_shape(shape: tuple[int, ...], dtype: torch.dtype) -> dict:
+def tune_shape(shape: tuple[int, ...], dtype: torch.dtype, bwd_only: bool = False) -> dict:
+    """Sweep one shape; `bwd_only` skips the forward and compares the backward variants at the default
+    block shape only (1-2 warps, 8 or 16 programs per SM)."""
     n = shape[-1]
     m = 1
     for d in shape[:-1]:
@@ -88,7 +70,7 @@ def tune_shape(shape: tuple[int, ...], dtype: torch.dtype) -> dict:
 
     block_n = 1 << (n - 1).bit_length()
     fwd = []
-    for block_m in FWD_BLOCK_M:
+    for block_m in () if bwd_only else FWD_BLOCK_M:
         if block_m * block_n > 16384:
             continue
         for warps in (1, 2, 4, 8, 16):
@@ -108,14 +90,15 @@ def tune_shape(shape: tuple[int, ...], dtype: torch.dtype) -> dict:
         ln._launch_fwd(xs[i], ys[i], w, b, means[i], rstds[i], 1e-5, ln._fwd_config(n, esize))
     bwd = []
     bm0 = ln._bwd_config(n, esize)[0]
-    for block_m in (bm0,) if QUICK_BWD else sorted({max(1, bm0 // 2), bm0, 2 * bm0}):
+    for block_m in (bm0,) if bwd_only else sorted({max(1, bm0 // 2), bm0, 2 * bm0}):
         if block_m * block_n > 16384:
             continue
-        for warps in (1, 2) if QUICK_BWD else (1, 2, 4):
+        for warps in (1, 2) if bwd_only else (1, 2, 4):
             if warps * 32 > block_m * block_n:
                 continue
             cfg = (block_m, block_n, warps)
-            for per_sm, prefetch, acc2d in itertools.product(PER_SM, PREFETCH, ACC2D):
+            per_sms = (8, 16) if bwd_only else PER_SM
+            for per_sm, prefetch, acc2d in itertools.product(per_sms, PREFETCH, ACC2D):
                 programs = ln._bwd_programs(m, cfg, dev, per_sm)
                 dwbs = [torch.empty(2, programs, n, device=dev) for _ in range(k)]
                 calls = [
@@ -144,11 +127,6 @@ def main() -> None:
     parser.add_argument("--out", default="tune_layer_norm.json")
     parser.add_argument("--bwd-only", action="store_true", help="skip the forward sweep")
     args = parser.parse_args()
-    if args.bwd_only:
-        global FWD_BLOCK_M, QUICK_BWD, PER_SM
-        FWD_BLOCK_M = ()
-        QUICK_BWD = True
-        PER_SM = (8, 16)
     shapes = SHAPES_BWD if args.bwd_only else SHAPES
     # Clocks idle low: a second of matrix products first, then the copy ceiling.
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -164,7 +142,7 @@ def main() -> None:
     del a
     for shape in shapes:
         for name, dtype in DTYPES.items():
-            r = tune_shape(shape, dtype)
+            r = tune_shape(shape, dtype, args.bwd_only)
             results["shapes"].append(r)
             f0 = r["fwd"][0] if r["fwd"] else {"ms": float("nan"), "gbps": 0, "block_m": 0, "warps": 0}
             b0 = r["bwd"][0]
