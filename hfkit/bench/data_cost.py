@@ -13,7 +13,7 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +23,74 @@ import torch
 from hfkit.bench.results import ResultRow, environment_info
 from hfkit.bench.timing import Timing
 
-__all__ = ["DEFAULT_DEPTHS", "run_data_cost_benchmark", "data_cost_table"]
+__all__ = [
+    "DEFAULT_DEPTHS",
+    "Inputs",
+    "data_cost_table",
+    "real_inputs",
+    "run_data_cost_benchmark",
+    "synthetic_inputs",
+]
 
 DEFAULT_DEPTHS: tuple[int, ...] = (1000, 5000, 20000)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """mmCIF and alignment folders in OpenFold's layout, and the record folder preprocessed from them."""
+
+    mmcifs: Path
+    alignments: Path
+    records: Path
+    preprocess_s: float  # wall time `hfkit preprocess` took for them (one process)
+
+    def datasets(self, config: Any, seed: int = 0) -> tuple[Any, Any]:
+        """(OnTheFlyDataset, PreprocessedDataset) over these inputs with `config`."""
+        from hfkit.data.dataset import OnTheFlyDataset, PreprocessedDataset
+
+        return (
+            OnTheFlyDataset(self.mmcifs, self.alignments, config, seed=seed),
+            PreprocessedDataset(self.records, config, seed=seed),
+        )
+
+
+def _preprocessed(mmcifs: Path, alignments: Path, records: Path, progress: bool) -> Inputs:
+    from hfkit.data.preprocess import preprocess
+
+    t0 = time.perf_counter()
+    summary = preprocess(mmcifs, alignments, records, workers=0, progress=progress)
+    if not summary.ok:
+        raise RuntimeError(f"preprocess failed on {mmcifs}:\n{summary.table()}")
+    return Inputs(mmcifs, alignments, records, time.perf_counter() - t0)
+
+
+def synthetic_inputs(
+    root: str | Path,
+    n_chains: int,
+    length: int | tuple[int, int],
+    depth: int,
+    seed: int = 0,
+    progress: bool = False,
+) -> Inputs:
+    """Write `n_chains` synthetic chains (`length` residues, or a (low, high) range; `depth` MSA rows)
+    under `root` and preprocess them into `root/records`. Results from them are labelled synthetic."""
+    from hfkit.data.synthetic import write_synthetic_dataset
+
+    root = Path(root)
+    write_synthetic_dataset(root, n_chains, length, depth, seed=seed)
+    return _preprocessed(root / "mmcifs", root / "alignments", root / "records", progress)
+
+
+def real_inputs(real_dir: str | Path, root: str | Path, progress: bool = False) -> Inputs:
+    """The OpenFold test data's entries that have alignments (2q2k), linked under `root` and preprocessed."""
+    real, root = Path(real_dir), Path(root)
+    mmcifs = root / "mmcifs"
+    mmcifs.mkdir(parents=True)
+    aligned = {p.name.split("_")[0].lower() for p in (real / "alignments").iterdir() if p.is_dir()}
+    for cif in (real / "mmcifs").glob("*.cif"):
+        if cif.stem.lower() in aligned:
+            (mmcifs / cif.name).symlink_to(cif.resolve())
+    return _preprocessed(mmcifs, real / "alignments", root / "records", progress)
 
 
 def _rows_for(
@@ -89,10 +154,7 @@ def run_data_cost_benchmark(
     summarised across the chains as p20/p50/p80. `real_dir` (OpenFold test data layout) adds rows
     for the real chains with alignments.
     """
-    from hfkit.data.dataset import OnTheFlyDataset, PreprocessedDataset
     from hfkit.data.msa_sampling import FeatureConfig
-    from hfkit.data.preprocess import preprocess
-    from hfkit.data.synthetic import write_synthetic_dataset
 
     config = config or FeatureConfig.af2_initial()
     env_all = environment_info(torch.device("cpu"), command)
@@ -109,26 +171,12 @@ def run_data_cost_benchmark(
     try:
         with tempfile.TemporaryDirectory(dir=workdir) as tmp:
             for depth in depths:
-                src = Path(tmp) / f"synthetic_d{depth}"
                 log(f"depth {depth}: writing {n_chains} synthetic chains of {length} residues")
-                write_synthetic_dataset(src, n_chains, length, depth, seed=depth)
-                out = Path(tmp) / f"records_d{depth}"
-                t0 = time.perf_counter()
-                summary = preprocess(src / "mmcifs", src / "alignments", out, workers=0, progress=progress)
-                per_chain = (time.perf_counter() - t0) / max(1, n_chains)
-                if not summary.ok:
-                    raise RuntimeError(f"preprocess failed on synthetic inputs:\n{summary.table()}")
+                inputs = synthetic_inputs(Path(tmp) / f"d{depth}", n_chains, length, depth, depth, progress)
                 extra = {**common, "synthetic": True, "note": "synthetic inputs (hfkit.data.synthetic)"}
-                rows += _rows_for(
-                    [{"preprocess_per_chain": per_chain}],
-                    "preprocess",
-                    [length, depth],
-                    "synthetic",
-                    env,
-                    extra,
-                )
-                fly = OnTheFlyDataset(src / "mmcifs", src / "alignments", config, seed=0)
-                pre = PreprocessedDataset(out, config, seed=0)
+                per_chain = [{"preprocess_per_chain": inputs.preprocess_s / max(1, n_chains)}]
+                rows += _rows_for(per_chain, "preprocess", [length, depth], "synthetic", env, extra)
+                fly, pre = inputs.datasets(config)
                 rows += _rows_for(
                     _profile(fly, repeats), "on_the_fly", [length, depth], "synthetic", env, extra
                 )
@@ -137,7 +185,7 @@ def run_data_cost_benchmark(
                 )
                 # The same with only the kept extra rows voting into the cluster profiles (not
                 # OpenFold's semantics, cheaper for deep MSAs): what the faithful clustering costs.
-                kept = PreprocessedDataset(out, replace(config, cluster_all_extra=False), seed=0)
+                _, kept = inputs.datasets(replace(config, cluster_all_extra=False))
                 kept_rows = _profile(kept, repeats)
                 shape = [length, depth]
                 rows += _rows_for(kept_rows, "preprocessed_kept_extra", shape, "synthetic", env, extra)
@@ -158,22 +206,7 @@ def _real_rows(
     common: dict[str, Any],
     progress: bool,
 ) -> list[ResultRow]:
-    from hfkit.data.dataset import OnTheFlyDataset, PreprocessedDataset
-    from hfkit.data.preprocess import preprocess
-
-    # Only the entries with an alignment folder (2q2k in the OpenFold test data).
-    mmcifs = tmp / "real_mmcifs"
-    mmcifs.mkdir()
-    aligned = {p.name.split("_")[0].lower() for p in (real / "alignments").iterdir() if p.is_dir()}
-    for cif in (real / "mmcifs").glob("*.cif"):
-        if cif.stem.lower() in aligned:
-            (mmcifs / cif.name).symlink_to(cif.resolve())
-    out = tmp / "real_records"
-    summary = preprocess(mmcifs, real / "alignments", out, workers=0, progress=progress)
-    if not summary.ok:
-        raise RuntimeError(f"preprocess failed on the real inputs:\n{summary.table()}")
-    fly = OnTheFlyDataset(mmcifs, real / "alignments", config, seed=0)
-    pre = PreprocessedDataset(out, config, seed=0)
+    fly, pre = real_inputs(real, tmp / "real", progress).datasets(config)
     rows: list[ResultRow] = []
     for i in range(len(pre)):
         raw = pre.raw_features(i)

@@ -106,16 +106,13 @@ class DataCostExplorer:
     _tmp: Any = None
 
     def _records(self, depth: int) -> Path:
-        from hfkit.data.preprocess import preprocess
-        from hfkit.data.synthetic import write_synthetic_dataset
+        from hfkit.bench.data_cost import synthetic_inputs
 
         if depth not in self._dirs:
             if self._tmp is None:
                 self._tmp = tempfile.TemporaryDirectory(prefix="hfkit-data-cost-")
-            root = Path(self._tmp.name) / f"d{depth}"
-            write_synthetic_dataset(root, 2, self.length, depth, seed=depth)
-            preprocess(root / "mmcifs", root / "alignments", root / "records", workers=0, progress=False)
-            self._dirs[depth] = root / "records"
+            inputs = synthetic_inputs(Path(self._tmp.name) / f"d{depth}", 2, self.length, depth, seed=depth)
+            self._dirs[depth] = inputs.records
         return self._dirs[depth]
 
     def run(self, crop: int, depth: int, workers: int, ranks: int) -> pd.DataFrame:
