@@ -65,6 +65,7 @@ def qkv(b, s, h, n_q, n_k, d, dtype, device):
         (1, 2, 1, 17, 128, torch.float32),
         (1, 2, 1, 37, 64, torch.bfloat16),
         (1, 2, 1, 20, 32, torch.float16),
+        (1, 2, 2, 64, 32, torch.bfloat16),  # whole tiles: the unmasked (EVEN) loads and stores
     ],
     ids=str,
 )

@@ -15,6 +15,7 @@ ops `hfkit::evoformer_attention_fwd` / `_bwd`; on CPU without `TRITON_INTERPRET=
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -28,8 +29,38 @@ if HAS_TRITON:
 
 __all__ = ["MAX_HEAD_DIM", "evoformer_attention", "evoformer_attention_reference", "uses_triton"]
 
+LOG2E = 1.4426950408889634  # the kernels work in base 2: exp2(x * log2(e)) = exp(x)
+
 # Head dims up to this are padded to a power of two (at least 16, the smallest tl.dot size).
 MAX_HEAD_DIM = 128
+
+
+class Config(NamedTuple):
+    """Tiles of one kernel pass: rows of queries and keys per tile, padded head dim, warps, stages."""
+
+    block_m: int
+    block_n: int
+    block_d: int
+    warps: int
+    stages: int
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per pass on CUDA, for padded head dims <= 32 and above;
+# from `python -m hfkit.bench.tune_attention` on an H200 (data/results/h200/tuning/attention.json).
+CONFIGS_SMALL_D: dict[str, tuple[int, int, int, int]] = {
+    "fwd": (128, 32, 4, 3),
+    "dkdv": (64, 64, 4, 3),
+    "dq": (64, 32, 4, 3),
+    "dbias": (128, 64, 4, 2),
+}
+CONFIGS_LARGE_D: dict[str, tuple[int, int, int, int]] = {
+    "fwd": (64, 64, 4, 2),
+    "dkdv": (32, 32, 4, 2),
+    "dq": (32, 32, 4, 2),
+    "dbias": (32, 32, 4, 2),
+}
+# Set by the tuning sweep only: pass -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for every head dim.
+CONFIG_OVERRIDE: dict[str, tuple[int, int, int, int]] = {}
 
 
 def evoformer_attention_reference(
@@ -205,22 +236,52 @@ if HAS_TRITON:
             return tl.dot(a, b)
 
     @triton.jit
+    def _ld(ptrs, mask, EVEN: tl.constexpr):
+        # EVEN: every tile is full (no ragged rows, keys or head dims), so no load needs a mask.
+        if EVEN:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=mask, other=0.0)
+
+    @triton.jit
+    def _st(ptrs, value, mask, EVEN: tl.constexpr):
+        if EVEN:
+            tl.store(ptrs, value)
+        else:
+            tl.store(ptrs, value, mask=mask)
+
+    @triton.jit
+    def _bias_tile(Bias, b_off, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN: tl.constexpr):
+        ok = (offs_m < n_q)[:, None] & (offs_n < n_k)[None, :]
+        return _ld(Bias + b_off + offs_m[:, None] * sbq + offs_n[None, :] * sbk, ok, EVEN).to(tl.float32)
+
+    @triton.jit
     def _logits(
         q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-        k_ok_d, b_off, kb_off, sbq, sbk, skb_k,
-        HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr,
+        k_ok_d, b_off, kb_off, sbq, sbk, skb_k, btile,
+        HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
+        BIAS_PRELOADED: tl.constexpr,
     ):  # fmt: skip
-        # One [BLOCK_M, BLOCK_N] tile of logits in float32; keys past n_k are -inf (weight exactly 0).
+        # One [BLOCK_M, BLOCK_N] tile of logits in float32, in base-2 units (natural logits times
+        # log2(e): qk_scale includes it, so the softmax is a bare exp2); keys past n_k are -inf.
+        # BIAS_PRELOADED: `btile` holds this tile's bias already (float32), else it is loaded here.
         k_ok = offs_n < n_k
-        kt = tl.load(k_ptrs, mask=k_ok[None, :] & k_ok_d, other=0.0)
-        s = _mm(q, kt, DOT) * qk_scale
-        if HAS_BIAS:
-            ok = (offs_m < n_q)[:, None] & k_ok[None, :]
-            b_ptrs = Bias + b_off + offs_m[:, None] * sbq + offs_n[None, :] * sbk
-            s += tl.load(b_ptrs, mask=ok, other=0.0).to(tl.float32)
-        if HAS_KEY_BIAS:
-            s += tl.load(KeyBias + kb_off + offs_n * skb_k, mask=k_ok, other=0.0)[None, :]
-        return tl.where(k_ok[None, :], s, float("-inf"))
+        kt = _ld(k_ptrs, k_ok[None, :] & k_ok_d, EVEN)
+        # (float32 explicitly: under torch.compile, Inductor may pass the scale as a float64 scalar.)
+        s = (_mm(q, kt, DOT) * qk_scale).to(tl.float32)
+        if HAS_BIAS or HAS_KEY_BIAS:
+            t = tl.zeros_like(s)
+            if HAS_BIAS:
+                if BIAS_PRELOADED:
+                    t = btile
+                else:
+                    t = _bias_tile(Bias, b_off, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN)
+            if HAS_KEY_BIAS:
+                t += _ld(KeyBias + kb_off + offs_n * skb_k, k_ok, EVEN)[None, :]
+            s += t * 1.4426950408889634  # LOG2E
+        if not EVEN:
+            s = tl.where(k_ok[None, :], s, float("-inf"))
+        return s
 
     @triton.jit
     def _evo_fwd_kernel(
@@ -228,7 +289,7 @@ if HAS_TRITON:
         S, H, n_q, n_k, d, qk_scale,
         sqb, sqs, sqh, sqn, skb, sks, skh, skn, svb, svs, svh, svn,
         sbb, sbs, sbh, sbq, sbk, skb_b, skb_s, skb_k,
-        HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         # Grid (query blocks, B*S*H). Traffic: q and o once; k, v (and the bias rows) once per query
@@ -244,9 +305,7 @@ if HAS_TRITON:
         d_ok = offs_d < d
         m_ok = offs_m < n_q
         q_base = Q + b.to(tl.int64) * sqb + s_ * sqs + h * sqh
-        q = tl.load(
-            q_base + offs_m[:, None] * sqn + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0
-        )
+        q = _ld(q_base + offs_m[:, None] * sqn + offs_d[None, :], m_ok[:, None] & d_ok[None, :], EVEN)
         k_base = K + b.to(tl.int64) * skb + s_ * sks + h * skh
         v_base = V + b.to(tl.int64) * svb + s_ * svs + h * svh
         b_off = b.to(tl.int64) * sbb + s_ * sbs + h * sbh
@@ -259,75 +318,91 @@ if HAS_TRITON:
             k_ptrs = k_base + offs_n[None, :] * skn + offs_d[:, None]
             s = _logits(
                 q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-                d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, HAS_BIAS, HAS_KEY_BIAS, DOT,
+                d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, 0, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, False,
             )  # fmt: skip
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            vt = tl.load(
+            vt = _ld(
                 v_base + offs_n[:, None] * svn + offs_d[None, :],
-                mask=(offs_n < n_k)[:, None] & d_ok[None, :],
-                other=0.0,
+                (offs_n < n_k)[:, None] & d_ok[None, :],
+                EVEN,
             )
             acc = acc * alpha[:, None] + _mm(p.to(vt.dtype), vt, DOT)
             m_i = m_new
         o = acc / l_i[:, None]
         o_ptrs = O + bsh.to(tl.int64) * n_q * d + offs_m[:, None] * d + offs_d[None, :]
-        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+        _st(o_ptrs, o.to(O.dtype.element_ty), m_ok[:, None] & d_ok[None, :], EVEN)
         # Max and log-sum apart, not their sum: with every key masked both are about -1e9 and log(l)
         # would vanish in the float32 sum, turning p = 1/K into p = 1 in the backward.
         tl.store(Mx + bsh.to(tl.int64) * n_q + offs_m, m_i, mask=m_ok)
-        tl.store(Lg + bsh.to(tl.int64) * n_q + offs_m, tl.log(l_i), mask=m_ok)
+        tl.store(Lg + bsh.to(tl.int64) * n_q + offs_m, tl.log2(l_i), mask=m_ok)
 
     @triton.jit
     def _probs_and_dlogits(
         q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-        k_ok_d, b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta,
-        HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr,
+        k_ok_d, b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta, btile,
+        HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
+        BIAS_PRELOADED: tl.constexpr,
     ):  # fmt: skip
-        # p = softmax probabilities of one tile (0 outside the valid rows/keys) and ds = dL/dlogits.
+        # p = softmax probabilities of one tile (0 outside the valid rows/keys) and ds = dL/dlogits
+        # (of the natural logits; mx and lg are base-2 like the logits `_logits` returns).
         s = _logits(
             q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-            k_ok_d, b_off, kb_off, sbq, sbk, skb_k, HAS_BIAS, HAS_KEY_BIAS, DOT,
+            k_ok_d, b_off, kb_off, sbq, sbk, skb_k, btile, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, BIAS_PRELOADED,
         )  # fmt: skip
-        ok = (offs_m < n_q)[:, None] & (offs_n < n_k)[None, :]
-        p = tl.where(ok, tl.exp((s - mx[:, None]) - lg[:, None]), 0.0)
-        vt = tl.load(vt_ptrs, mask=(offs_n < n_k)[None, :] & k_ok_d, other=0.0)
+        p = tl.exp2((s - mx[:, None]) - lg[:, None])
+        if not EVEN:
+            p = tl.where((offs_m < n_q)[:, None] & (offs_n < n_k)[None, :], p, 0.0)
+        vt = _ld(vt_ptrs, (offs_n < n_k)[None, :] & k_ok_d, EVEN)
         dp = _mm(do, vt, DOT)
         ds = p * (dp - delta[:, None])
         return p, ds
 
     @triton.jit
     def _evo_bwd_kernel(
-        Q, K, V, Bias, KeyBias, DO, Mx, Lg, Delta, DQ, DK, DV, DB,
-        B, S, H, n_q, n_k, d, qk_scale,
+        Q, K, V, Bias, KeyBias, O, DO, Mx, Lg, Delta, DQ, DK, DV, DB,
+        B, S, H, n_q, n_k, d, qk_scale, sm_scale, reps_per_split,
         sqb, sqs, sqh, sqn, skb, sks, skh, skn, svb, svs, svh, svn,
         sbb, sbs, sbh, sbq, sbk, skb_b, skb_s, skb_k,
         nb_b, nb_s, nb_h,
         MODE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
+        # MODE 1 (dq):     grid (query blocks, B*S*H); walks the key blocks. Runs first: it also writes
+        #                  delta = rowsum(do * o), which the other two passes read.
         # MODE 0 (dk, dv): grid (key blocks, B*S*H); walks the query blocks.
-        # MODE 1 (dq):     grid (query blocks, B*S*H); walks the key blocks.
-        # MODE 2 (dbias):  grid (query blocks * key blocks, bias B*S*H); walks the B, S, H rows the bias
-        #                  was broadcast over and sums their dlogits in float32 registers.
+        # MODE 2 (dbias):  grid (query blocks * key blocks, bias B*S*H, splits); each program walks
+        #                  `reps_per_split` of the B, S, H rows the bias was broadcast over, sums their
+        #                  dlogits in float32 registers and writes one partial sum per split (the host
+        #                  adds the splits in a fixed order: deterministic). Its bias tile is loaded once.
         # Each tile recomputes its logits from q, k, bias, mask and the saved row statistics; do, dq,
         # dk, dv are contiguous [B*S*H, N, D], the statistics and delta = rowsum(do * o) [B*S*H, Q].
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < d
         n_mb = tl.cdiv(n_q, BLOCK_M)
+        tile_a = tl.program_id(1)
+        btile = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if MODE == 2:
             pid_m = tl.program_id(0) % n_mb
             pid_n = tl.program_id(0) // n_mb
-            reps = (B // nb_b) * (S // nb_s) * (H // nb_h)
+            r_lo = tl.program_id(2) * reps_per_split
+            r_hi = tl.minimum(r_lo + reps_per_split, (B // nb_b) * (S // nb_s) * (H // nb_h))
+            if HAS_BIAS:
+                # Along its broadcast dims the bias strides are 0: one tile serves every row walked.
+                b0 = (tile_a // (nb_h * nb_s)).to(tl.int64) * sbb + ((tile_a // nb_h) % nb_s) * sbs
+                b0 += (tile_a % nb_h) * sbh
+                offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                btile = _bias_tile(Bias, b0, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN)
         else:
             pid_m = tl.program_id(0)
             pid_n = tl.program_id(0)
-            reps = 1
-        tile_a = tl.program_id(1)
+            r_lo = 0
+            r_hi = 1
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for r in range(0, reps):
+        for r in range(r_lo, r_hi):
             if MODE == 2:
                 # Bias row (bb, sb, hb) covers every (b, s, h) equal to it where the bias is not
                 # broadcast; r counts through the broadcast ones.
@@ -362,31 +437,36 @@ if HAS_TRITON:
                     offs_m = start + tl.arange(0, BLOCK_M)
                     m_ok = offs_m < n_q
                     md = m_ok[:, None] & d_ok[None, :]
-                    q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :], mask=md, other=0.0)
-                    do = tl.load(DO + (row0 + offs_m[:, None]) * d + offs_d[None, :], mask=md, other=0.0)
-                    mx = tl.load(Mx + row0 + offs_m, mask=m_ok, other=0.0)
-                    lg = tl.load(Lg + row0 + offs_m, mask=m_ok, other=0.0)
-                    delta = tl.load(Delta + row0 + offs_m, mask=m_ok, other=0.0)
+                    q = _ld(q_base + offs_m[:, None] * sqn + offs_d[None, :], md, EVEN)
+                    do = _ld(DO + (row0 + offs_m[:, None]) * d + offs_d[None, :], md, EVEN)
+                    mx = _ld(Mx + row0 + offs_m, m_ok, EVEN)
+                    lg = _ld(Lg + row0 + offs_m, m_ok, EVEN)
+                    delta = _ld(Delta + row0 + offs_m, m_ok, EVEN)
                     p, ds = _probs_and_dlogits(
                         q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-                        d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta,
-                        HAS_BIAS, HAS_KEY_BIAS, DOT,
+                        d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta, 0,
+                        HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, False,
                     )  # fmt: skip
                     dv += _mm(tl.trans(p.to(do.dtype)), do, DOT)
                     dk += _mm(tl.trans(ds.to(q.dtype)), q, DOT)
                 nd = n_ok[:, None] & d_ok[None, :]
                 out = (bsh.to(tl.int64) * n_k + offs_n[:, None]) * d + offs_d[None, :]
-                tl.store(DK + out, (dk * qk_scale).to(DK.dtype.element_ty), mask=nd)
-                tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=nd)
+                _st(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), nd, EVEN)
+                _st(DV + out, dv.to(DV.dtype.element_ty), nd, EVEN)
             else:
                 offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
                 m_ok = offs_m < n_q
                 md = m_ok[:, None] & d_ok[None, :]
-                q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :], mask=md, other=0.0)
-                do = tl.load(DO + (row0 + offs_m[:, None]) * d + offs_d[None, :], mask=md, other=0.0)
-                mx = tl.load(Mx + row0 + offs_m, mask=m_ok, other=0.0)
-                lg = tl.load(Lg + row0 + offs_m, mask=m_ok, other=0.0)
-                delta = tl.load(Delta + row0 + offs_m, mask=m_ok, other=0.0)
+                q = _ld(q_base + offs_m[:, None] * sqn + offs_d[None, :], md, EVEN)
+                do = _ld(DO + (row0 + offs_m[:, None]) * d + offs_d[None, :], md, EVEN)
+                mx = _ld(Mx + row0 + offs_m, m_ok, EVEN)
+                lg = _ld(Lg + row0 + offs_m, m_ok, EVEN)
+                if MODE == 1:
+                    o = _ld(O + (row0 + offs_m[:, None]) * d + offs_d[None, :], md, EVEN)
+                    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+                    _st(Delta + row0 + offs_m, delta, m_ok, EVEN)
+                else:
+                    delta = _ld(Delta + row0 + offs_m, m_ok, EVEN)
                 if MODE == 1:
                     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
                     for start in range(0, n_k, BLOCK_N):
@@ -395,15 +475,16 @@ if HAS_TRITON:
                         vt_ptrs = v_base + offs_n[None, :] * svn + offs_d[:, None]
                         p, ds = _probs_and_dlogits(
                             q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-                            d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta,
-                            HAS_BIAS, HAS_KEY_BIAS, DOT,
+                            d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta, 0,
+                            HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, False,
                         )  # fmt: skip
-                        kt = tl.load(k_ptrs, mask=(offs_n < n_k)[None, :] & d_ok[:, None], other=0.0)
+                        kt = _ld(k_ptrs, (offs_n < n_k)[None, :] & d_ok[:, None], EVEN)
                         dq += _mm(ds.to(kt.dtype), tl.trans(kt), DOT)
-                    tl.store(
+                    _st(
                         DQ + (row0 + offs_m[:, None]) * d + offs_d[None, :],
-                        (dq * qk_scale).to(DQ.dtype.element_ty),
-                        mask=md,
+                        (dq * sm_scale).to(DQ.dtype.element_ty),
+                        md,
+                        EVEN,
                     )
                 else:
                     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -411,25 +492,29 @@ if HAS_TRITON:
                     vt_ptrs = v_base + offs_n[None, :] * svn + offs_d[:, None]
                     p, ds = _probs_and_dlogits(
                         q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-                        d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta,
-                        HAS_BIAS, HAS_KEY_BIAS, DOT,
+                        d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta, btile,
+                        HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, True,
                     )  # fmt: skip
                     acc += ds
         if MODE == 2:
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             ok = (offs_m < n_q)[:, None] & (offs_n < n_k)[None, :]
-            # dbias is contiguous [nb_b * nb_s * nb_h, Q, K] in float32.
-            db_base = DB + tile_a.to(tl.int64) * n_q * n_k
-            tl.store(db_base + offs_m[:, None] * n_k + offs_n[None, :], acc, mask=ok)
+            # dbias partials are contiguous [splits, nb_b * nb_s * nb_h, Q, K] in float32.
+            db_base = DB + (tl.program_id(2) * tl.num_programs(1) + tile_a).to(tl.int64) * n_q * n_k
+            _st(db_base + offs_m[:, None] * n_k + offs_n[None, :], acc, ok, EVEN)
 
-    def _blocks(d: int, device: torch.device) -> tuple[int, int, int, int]:
-        """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps); untuned: GPU tuning is still to do."""
+    def _config(pass_: str, d: int, device: torch.device) -> Config:
+        """Tile configuration of one kernel pass ('fwd', 'dkdv', 'dq', 'dbias') for head dim d."""
         block_d = max(16, triton.next_power_of_2(d))
         if device.type != "cuda":
-            return 32, 32, block_d, 4  # small tiles so that tests cross block edges cheaply
-        block = 64 if block_d <= 64 else 32
-        return block, block, block_d, 4
+            return Config(32, 32, block_d, 4, 1)  # small tiles so that tests cross block edges cheaply
+        if pass_ in CONFIG_OVERRIDE:
+            bm, bn, warps, stages = CONFIG_OVERRIDE[pass_]
+            return Config(bm, bn, block_d, warps, stages)
+        table = CONFIGS_SMALL_D if block_d <= 32 else CONFIGS_LARGE_D
+        bm, bn, warps, stages = table[pass_]
+        return Config(bm, bn, block_d, warps, stages)
 
     def _dot_mode(q: torch.Tensor) -> int:
         if q.dtype == torch.float32:
@@ -442,6 +527,60 @@ if HAS_TRITON:
     def _unit_last(t: torch.Tensor) -> torch.Tensor:
         return t if t.stride(-1) == 1 else t.contiguous()
 
+    def _even(n_q: int, n_k: int, d: int, cfg: Config) -> bool:
+        return n_q % cfg.block_m == 0 and n_k % cfg.block_n == 0 and d == cfg.block_d
+
+    def launch_fwd(q, k, v, bias, key_bias, o, mx, lg, cfg: Config) -> None:
+        """Run the forward kernel with tiles `cfg` (q, k, v with unit-stride rows; o, mx, lg outputs)."""
+        b, s, h, n_q, d = q.shape
+        n_k = k.shape[3]
+        wrap_triton(_evo_fwd_kernel)[(triton.cdiv(n_q, cfg.block_m), b * s * h)](
+            q, k, v, bias, key_bias, o, mx, lg,
+            s, h, n_q, n_k, d, LOG2E / math.sqrt(d),
+            *_qkv_strides(q), *_qkv_strides(k), *_qkv_strides(v),
+            *_bias_strides(bias), *_key_bias_strides(key_bias),
+            HAS_BIAS=bias is not None, HAS_KEY_BIAS=key_bias is not None, DOT=_dot_mode(q),
+            EVEN=_even(n_q, n_k, d, cfg), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
+            num_warps=cfg.warps, num_stages=cfg.stages,
+        )  # fmt: skip
+
+    _MODES = {"dkdv": 0, "dq": 1, "dbias": 2}
+
+    def launch_bwd(pass_, q, k, v, bias, key_bias, o, do, mx, lg, delta, dq, dk, dv, db, cfg: Config) -> None:
+        """Run one backward pass ('dq', then 'dkdv' and 'dbias') with tiles `cfg`; db: float32
+        [splits, nb_b, nb_s, nb_h, Q, K] partial sums (or a dummy when there is no bias gradient)."""
+        b, s, h, n_q, d = q.shape
+        n_k = k.shape[3]
+        n_mb, n_nb = triton.cdiv(n_q, cfg.block_m), triton.cdiv(n_k, cfg.block_n)
+        nb = list(db.shape[1:4]) if db.dim() == 6 else [1, 1, 1]
+        splits = db.shape[0] if db.dim() == 6 else 1
+        reps = (b // nb[0]) * (s // nb[1]) * (h // nb[2])
+        grid = {
+            "dkdv": (n_nb, b * s * h, 1),
+            "dq": (n_mb, b * s * h, 1),
+            "dbias": (n_mb * n_nb, nb[0] * nb[1] * nb[2], splits),
+        }[pass_]
+        wrap_triton(_evo_bwd_kernel)[grid](
+            q, k, v, bias, key_bias, o, do, mx, lg, delta, dq, dk, dv, db,
+            b, s, h, n_q, n_k, d, LOG2E / math.sqrt(d), 1.0 / math.sqrt(d), triton.cdiv(reps, splits),
+            *_qkv_strides(q), *_qkv_strides(k), *_qkv_strides(v),
+            *_bias_strides(bias), *_key_bias_strides(key_bias),
+            *nb,
+            MODE=_MODES[pass_], HAS_BIAS=bias is not None, HAS_KEY_BIAS=key_bias is not None,
+            DOT=_dot_mode(q), EVEN=_even(n_q, n_k, d, cfg),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
+            num_warps=cfg.warps, num_stages=cfg.stages,
+        )  # fmt: skip
+
+    def dbias_splits(reps: int, tiles: int, device: torch.device) -> int:
+        """How many programs share the walk over the `reps` broadcast rows of each of `tiles` dbias
+        tiles: enough for about four programs per SM, each walking at least 16 rows."""
+        if device.type != "cuda":
+            return min(reps, 2)  # the interpreter: exercise the partial sums cheaply
+        want = triton.cdiv(4 * torch.cuda.get_device_properties(device).multi_processor_count, max(1, tiles))
+        per = max(16, triton.cdiv(reps, want))
+        return triton.cdiv(reps, per)
+
     @triton_op("hfkit::evoformer_attention_fwd", mutates_args=())
     def _evo_fwd(
         q: torch.Tensor,
@@ -452,20 +591,10 @@ if HAS_TRITON:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
         b, s, h, n_q, d = q.shape
-        n_k = k.shape[3]
         o = torch.empty((b, s, h, n_q, d), dtype=q.dtype, device=q.device)
         mx = torch.empty((b, s, h, n_q), dtype=torch.float32, device=q.device)
         lg = torch.empty_like(mx)
-        block_m, block_n, block_d, warps = _blocks(d, q.device)
-        grid = (triton.cdiv(n_q, block_m), b * s * h)
-        wrap_triton(_evo_fwd_kernel)[grid](
-            q, k, v, bias, key_bias, o, mx, lg,
-            s, h, n_q, n_k, d, 1.0 / math.sqrt(d),
-            *_qkv_strides(q), *_qkv_strides(k), *_qkv_strides(v),
-            *_bias_strides(bias), *_key_bias_strides(key_bias),
-            HAS_BIAS=bias is not None, HAS_KEY_BIAS=key_bias is not None, DOT=_dot_mode(q),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
-        )  # fmt: skip
+        launch_fwd(q, k, v, bias, key_bias, o, mx, lg, _config("fwd", d, q.device))
         return o, mx, lg
 
     @triton_op("hfkit::evoformer_attention_bwd", mutates_args=())
@@ -486,32 +615,24 @@ if HAS_TRITON:
         do = do.contiguous()
         b, s, h, n_q, d = q.shape
         n_k = k.shape[3]
-        delta = (do.float() * o.float()).sum(-1)
+        delta = torch.empty((b, s, h, n_q), dtype=torch.float32, device=q.device)
         dq = torch.empty((b, s, h, n_q, d), dtype=q.dtype, device=q.device)
         dk = torch.empty((b, s, h, n_k, d), dtype=q.dtype, device=q.device)
         dv = torch.empty_like(dk)
-        nb = list(bias.shape[:3]) if need_dbias and bias is not None else [1, 1, 1]
-        db = torch.empty(
-            (*nb, n_q, n_k) if need_dbias and bias is not None else (0,), dtype=torch.float32, device=q.device
-        )
-        block_m, block_n, block_d, warps = _blocks(d, q.device)
-        n_mb, n_nb = triton.cdiv(n_q, block_m), triton.cdiv(n_k, block_n)
-        common = (
-            q, k, v, bias, key_bias, do, mx, lg, delta, dq, dk, dv, db,
-            b, s, h, n_q, n_k, d, 1.0 / math.sqrt(d),
-            *_qkv_strides(q), *_qkv_strides(k), *_qkv_strides(v),
-            *_bias_strides(bias), *_key_bias_strides(key_bias),
-            *nb,
-        )  # fmt: skip
-        meta = dict(
-            HAS_BIAS=bias is not None, HAS_KEY_BIAS=key_bias is not None, DOT=_dot_mode(q),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
-        )  # fmt: skip
-        kernel = wrap_triton(_evo_bwd_kernel)
-        kernel[(n_nb, b * s * h)](*common, MODE=0, **meta)
-        kernel[(n_mb, b * s * h)](*common, MODE=1, **meta)
-        if db.dim() == 5:
-            kernel[(n_mb * n_nb, nb[0] * nb[1] * nb[2])](*common, MODE=2, **meta)
+        o = o.contiguous()
+        args = (q, k, v, bias, key_bias, o, do, mx, lg, delta, dq, dk, dv)
+        dummy = torch.empty((0,), dtype=torch.float32, device=q.device)
+        launch_bwd("dq", *args, dummy, _config("dq", d, q.device))
+        launch_bwd("dkdv", *args, dummy, _config("dkdv", d, q.device))
+        if not (need_dbias and bias is not None):
+            return dq, dk, dv, dummy
+        nb = list(bias.shape[:3])
+        cfg = _config("dbias", d, q.device)
+        tiles = triton.cdiv(n_q, cfg.block_m) * triton.cdiv(n_k, cfg.block_n) * nb[0] * nb[1] * nb[2]
+        splits = dbias_splits((b // nb[0]) * (s // nb[1]) * (h // nb[2]), tiles, q.device)
+        parts = torch.empty((splits, *nb, n_q, n_k), dtype=torch.float32, device=q.device)
+        launch_bwd("dbias", *args, parts, cfg)
+        db = parts[0] if splits == 1 else parts.sum(0)
         return dq, dk, dv, db
 
     def _setup_context(ctx, inputs, output) -> None:
