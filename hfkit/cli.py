@@ -1,4 +1,4 @@
-"""The `hfkit` command line: `hfkit env`, `hfkit bench layernorm|data|comms` and `hfkit preprocess`.
+"""The `hfkit` command line: `hfkit env`, `hfkit bench layernorm|data|comms|elementwise`, `hfkit preprocess`.
 
 `main(argv)` is the entry point of both the `hfkit` console script and `python -m hfkit`; it returns
 the exit status instead of calling `sys.exit`, so tests can call it directly.
@@ -114,6 +114,12 @@ def _cmd_bench_layernorm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_elementwise(args: argparse.Namespace) -> int:
+    from hfkit.bench.elementwise import run_from_cli
+
+    return run_from_cli(args)
+
+
 def _cmd_bench_data(args: argparse.Namespace) -> int:
     import pandas as pd
 
@@ -178,6 +184,98 @@ def _cmd_bench_comms(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_kernel_bench(args: argparse.Namespace, file_name: str, run: Callable[..., object]) -> int:
+    """Run one kernel benchmark (`run(device)` returns a `KernelBench`), save it and print its tables."""
+    import pandas as pd
+
+    from hfkit.bench import environment_info, gpu_slug, resolve_device, results_dir, save_results
+    from hfkit.bench.ceilings import device_name
+    from hfkit.bench.kernels import best_peer_table, kernel_summary
+    from hfkit.bench.peers import peer_status
+
+    device = resolve_device(args.device)
+    out = Path(args.out) if args.out else results_dir() / gpu_slug(device_name(device)) / file_name
+    result = run(device)
+    for line in result.skipped:
+        print(f"skipped: {line}", file=sys.stderr)
+    if not result.rows:
+        print("no rows measured (see the skipped providers above)", file=sys.stderr)
+        return 1
+    meta = environment_info(device, args.command)
+    meta.update(timestamp=result.rows[0].timestamp, skipped=result.skipped, peers=peer_status(device))
+    path = save_results(result.rows, out, ceilings=result.ceilings, meta=meta)
+    ceilings = result.ceilings
+    print(
+        f"\n{ceilings.device_name}: copy {ceilings.copy_gbps:,.1f} GB/s, "
+        f"matmul {ceilings.matmul_tflops:,.3f} TFLOP/s ({ceilings.matmul_dtype})"
+    )
+    with pd.option_context("display.max_rows", None, "display.width", 250, "display.max_columns", None):
+        print(kernel_summary(result.rows).to_string(index=False))
+        print("\nhfkit against the fastest other provider:")
+        print(best_peer_table(result.rows).to_string(index=False))
+    print(f"\nwrote {len(result.rows)} rows to {path}")
+    return 0
+
+
+def _cmd_bench_attention(args: argparse.Namespace) -> int:
+    from hfkit.bench.attention import attention_cases, run_attention_benchmark
+
+    def run(device):
+        cases = attention_cases(args.ops, args.sizes, device, args.quick)
+        return run_attention_benchmark(
+            device,
+            cases,
+            dtypes=args.dtypes,
+            modes=args.modes,
+            providers=args.providers,
+            progress=not args.no_progress,
+            command=args.command,
+            warmup=args.warmup,
+            reps=args.reps,
+        )
+
+    return _run_kernel_bench(args, "attention.json", run)
+
+
+def _cmd_bench_softmax(args: argparse.Namespace) -> int:
+    from hfkit.bench.softmax_bench import run_softmax_benchmark
+
+    def run(device):
+        return run_softmax_benchmark(
+            device,
+            args.shapes,
+            dtypes=args.dtypes,
+            modes=args.modes,
+            providers=args.providers,
+            progress=not args.no_progress,
+            quick=args.quick,
+            command=args.command,
+            warmup=args.warmup,
+            reps=args.reps,
+        )
+
+    return _run_kernel_bench(args, "softmax.json", run)
+
+
+def _cmd_bench_trimul(args: argparse.Namespace) -> int:
+    from hfkit.bench.trimul import run_trimul_benchmark, trimul_cases
+
+    def run(device):
+        return run_trimul_benchmark(
+            device,
+            trimul_cases(args.sizes, args.directions, device, args.quick),
+            precisions=args.precisions,
+            modes=args.modes,
+            providers=args.providers,
+            progress=not args.no_progress,
+            command=args.command,
+            warmup=args.warmup,
+            reps=args.reps,
+        )
+
+    return _run_kernel_bench(args, "triangle_multiplication.json", run)
+
+
 def _cmd_preprocess(args: argparse.Namespace) -> int:
     from hfkit.data.preprocess import SUMMARY_NAME, preprocess
 
@@ -204,6 +302,156 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
     print(summary.table())
     print(f"\nindex and records in {args.out}; this run's summary in {Path(args.out) / SUMMARY_NAME}")
     return 0 if summary.ok else 1
+
+
+def _add_kernel_benches(bench_sub: argparse._SubParsersAction) -> None:
+    """`hfkit bench attention|softmax|trimul`: the Evoformer kernels against their peers."""
+    from hfkit.bench import attention, softmax_bench, trimul
+
+    ints = lambda t: [int(v) for v in _csv(t)]  # noqa: E731
+    specs = [
+        ("attention", "triangle / MSA-row attention: hfkit vs eager, compile, SDPA, trifast, cuEquivariance",
+         _cmd_bench_attention, attention.PROVIDERS, ["bf16"], "attention.json"),
+        ("softmax", "fused softmax with pair bias and key mask: hfkit vs eager, compile",
+         _cmd_bench_softmax, softmax_bench.PROVIDERS, ["bf16", "fp32"], "softmax.json"),
+        ("trimul", "triangle multiplicative update: hfkit vs eager, compile, cuEquivariance",
+         _cmd_bench_trimul, trimul.PROVIDERS, None, "triangle_multiplication.json"),
+    ]  # fmt: skip
+    for name, help_text, func, providers, dtypes, file_name in specs:
+        p = bench_sub.add_parser(name, help=help_text)
+        p.add_argument("--out", default=None, help=f"results JSON (default: data/results/<gpu>/{file_name})")
+        p.add_argument(
+            "--providers",
+            type=_choices(providers),
+            default=list(providers),
+            help=f"comma list of {','.join(providers)}",
+        )
+        p.add_argument(
+            "--modes", type=_choices(["fwd", "fwd+bwd"]), default=["fwd", "fwd+bwd"], help="fwd,fwd+bwd"
+        )
+        if dtypes is not None:
+            p.add_argument(
+                "--dtypes", type=_choices(["fp32", "bf16", "fp16"]), default=dtypes, help="e.g. bf16,fp32"
+            )
+        p.add_argument("--quick", action="store_true", help="a few shapes (tiny ones on a CPU)")
+        p.add_argument("--warmup", type=int, default=None, help="warm-up calls per case (default 5 on a GPU)")
+        p.add_argument("--reps", type=int, default=None, help="timed replays per case")
+        p.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: the GPU if any)")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        p.set_defaults(func=func)
+        if name == "attention":
+            p.add_argument(
+                "--ops",
+                type=_choices(list(attention.OPS)),
+                default=list(attention.OPS),
+                help="triangle,msa_row",
+            )
+            p.add_argument(
+                "--sizes", type=ints, default=None, help="keep these N, e.g. 256,512 (default: all)"
+            )
+        elif name == "softmax":
+            p.add_argument(
+                "--shapes", type=_shapes, default=None, help="x shapes SxHxNxK, e.g. 128x8x256x256"
+            )
+        else:
+            p.add_argument("--sizes", type=ints, default=None, help="N values (default 256,384,512,1024)")
+            p.add_argument(
+                "--directions",
+                type=_choices(list(trimul.DIRECTIONS)),
+                default=None,
+                help="outgoing,incoming at every size (default: outgoing at all, incoming at the largest)",
+            )
+            p.add_argument(
+                "--precisions",
+                type=_choices(list(trimul.PRECISIONS)),
+                default=list(trimul.PRECISIONS),
+                help="amp-bf16 (fp32 params under bf16 autocast), bf16 (bf16 params)",
+            )
+
+
+def _cmd_bench_model(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from hfkit.bench import gpu_slug, resolve_device, results_dir
+    from hfkit.bench.ceilings import device_name
+    from hfkit.bench.model import run_model_benchmark, summary_table
+
+    device = resolve_device(args.device)
+    out = Path(args.out) if args.out else results_dir() / gpu_slug(device_name(device)) / "model.json"
+    rows = run_model_benchmark(
+        device,
+        parts=args.parts,
+        quick=args.quick,
+        variants=args.variants,
+        step_variants=args.step_variants,
+        shapes=args.shapes,
+        dtypes=args.dtypes,
+        stack_dtypes=args.stack_dtypes,
+        step_dtype=args.step_dtype,
+        checkpointing=args.checkpointing,
+        compile_backend=args.compile_backend,
+        compile_mode=args.compile_mode,
+        budget_s=args.budget_s,
+        out=out,
+        append=args.append,
+        command=args.command,
+        progress=not args.no_progress,
+    )
+    with pd.option_context("display.max_rows", None, "display.width", 250, "display.max_columns", None):
+        print(summary_table(rows).to_string(index=False))
+    failed = sum(r.method == "failed" for r in rows)
+    print(f"\nwrote {len(rows)} rows ({failed} failed or skipped: see 'error') to {out}")
+    return 0 if len(rows) > failed else 1
+
+
+def _add_model_bench(bench_sub: argparse._SubParsersAction) -> None:
+    """`hfkit bench model`: Evoformer block, 48-block stack and training step, eager/hfkit/compile."""
+    from hfkit.bench.model import PARTS, PRECISIONS, VARIANTS
+
+    on_off = {"off": False, "on": True}
+    p = bench_sub.add_parser(
+        "model", help="Evoformer block, 48-block stack and training step: eager, hfkit, compile, both"
+    )
+    p.add_argument("--out", default=None, help="results JSON (default: data/results/<gpu>/model.json)")
+    p.add_argument(
+        "--parts",
+        type=_choices(PARTS),
+        default=["block", "stack", "step"],
+        help=f"comma list of {','.join(PARTS)}",
+    )
+    p.add_argument(
+        "--variants", type=_choices(VARIANTS), default=list(VARIANTS), help="block and stack variants"
+    )
+    p.add_argument(
+        "--step-variants", type=_choices(VARIANTS), default=["eager", "hfkit"], help="step variants"
+    )
+    p.add_argument(
+        "--shapes",
+        type=lambda t: [tuple(int(d) for d in part.split("x")) for part in _csv(t)],
+        default=None,
+        help="block (S, N) as SxN list (default: 128x256,256x384,128x512)",
+    )
+    p.add_argument(
+        "--dtypes", type=_choices(list(PRECISIONS)), default=["bf16", "fp32"], help="block precisions"
+    )
+    p.add_argument(
+        "--stack-dtypes", type=_choices(list(PRECISIONS)), default=["bf16"], help="stack precisions"
+    )
+    p.add_argument("--step-dtype", choices=list(PRECISIONS), default="bf16_autocast", help="step precision")
+    p.add_argument(
+        "--checkpointing",
+        type=lambda t: [on_off[v] for v in _choices(list(on_off))(t)],
+        default=[False, True],
+        help="off,on: stack and step with/without per-block checkpointing",
+    )
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode (default: none)")
+    p.add_argument("--budget-s", type=float, default=None, help="skip configurations starting after this")
+    p.add_argument("--append", action="store_true", help="keep other configurations already in --out")
+    p.add_argument("--quick", action="store_true", help="tiny preset and shapes (a smoke run)")
+    p.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: the GPU if any)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_bench_model)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -277,6 +525,26 @@ def _parser() -> argparse.ArgumentParser:
         "--out", default=None, help="results JSON (default: data/results/<gpu>x<n>/comms.json)"
     )
     comms.set_defaults(func=_cmd_bench_comms)
+
+    ew = bench_sub.add_parser(
+        "elementwise", help="fused sigmoid gate and bias+dropout+residual vs eager vs torch.compile"
+    )
+    ew.add_argument("--out", default=None, help="results JSON (default: data/results/<gpu>/elementwise.json)")
+    ew.add_argument("--cases", type=_csv, default=None, help="comma list of case names (default: all)")
+    ew.add_argument("--dtypes", type=_choices(list(DTYPES)), default=["fp32", "bf16"], help="fp32,bf16,fp16")
+    ew.add_argument("--modes", type=_choices(MODES), default=["fwd", "fwd+bwd"], help="fwd,fwd+bwd")
+    ew.add_argument(
+        "--providers",
+        type=_choices(PROVIDERS),
+        default=["hfkit", "torch", "compile"],
+        help="hfkit,torch,compile",
+    )
+    ew.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: the GPU if any)")
+    ew.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ew.set_defaults(func=_cmd_bench_elementwise)
+
+    _add_kernel_benches(bench_sub)
+    _add_model_bench(bench_sub)
 
     pre = sub.add_parser(
         "preprocess",

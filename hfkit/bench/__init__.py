@@ -13,7 +13,9 @@ from hfkit.bench.ceilings import (
     measure_matmul_tflops,
     resolve_device,
 )
+from hfkit.bench.kernels import KernelBench, best_peer_table, kernel_frame, load_kernel_results
 from hfkit.bench.layernorm import layernorm_errors, run_layernorm_benchmark, summary_table
+from hfkit.bench.model import run_model_benchmark
 from hfkit.bench.results import (
     ResultRow,
     environment_info,
@@ -28,12 +30,16 @@ from hfkit.bench.timing import Timing, rotating, time_cpu, time_cuda, time_fn
 
 __all__ = [
     "Ceilings",
+    "KernelBench",
     "ResultRow",
     "Timing",
+    "best_peer_table",
     "device_name",
     "environment_info",
     "gpu_slug",
+    "kernel_frame",
     "layernorm_errors",
+    "load_kernel_results",
     "load_results",
     "measure_ceilings",
     "measure_copy_bandwidth",
@@ -43,6 +49,7 @@ __all__ = [
     "rotating",
     "rows_to_frame",
     "run_layernorm_benchmark",
+    "run_model_benchmark",
     "save_results",
     "summary_table",
     "time_cpu",

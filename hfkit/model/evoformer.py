@@ -84,10 +84,15 @@ class EvoformerBlockCore(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         m = m + self.msa_transition(m, mask=msa_mask, chunk_size=chunk_size)
         z = z + self.outer_product_mean(m, mask=msa_mask, chunk_size=chunk_size)
-        z = z + self.ps_dropout_row_layer(self.tri_mul_out(z, mask=pair_mask))
-        z = z + self.ps_dropout_row_layer(self.tri_mul_in(z, mask=pair_mask))
-        z = z + self.ps_dropout_row_layer(self.tri_att_start(z, mask=pair_mask, chunk_size=chunk_size))
-        z = z + self.ps_dropout_col_layer(self.tri_att_end(z, mask=pair_mask, chunk_size=chunk_size))
+        # `residual_add(z, u)` is z + dropout(u): one fused kernel once `to_hfkit` swaps the dropout.
+        z = self.ps_dropout_row_layer.residual_add(z, self.tri_mul_out(z, mask=pair_mask))
+        z = self.ps_dropout_row_layer.residual_add(z, self.tri_mul_in(z, mask=pair_mask))
+        z = self.ps_dropout_row_layer.residual_add(
+            z, self.tri_att_start(z, mask=pair_mask, chunk_size=chunk_size)
+        )
+        z = self.ps_dropout_col_layer.residual_add(
+            z, self.tri_att_end(z, mask=pair_mask, chunk_size=chunk_size)
+        )
         z = z + self.pair_transition(z, mask=pair_mask, chunk_size=chunk_size)
         return m, z
 
@@ -140,7 +145,9 @@ class EvoformerBlock(nn.Module):
         chunk_size: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """m: [*, S, N, C_m], z: [*, N, N, C_z], msa_mask: [*, S, N], pair_mask: [*, N, N] -> (m, z)."""
-        m = m + self.msa_dropout_layer(self.msa_att_row(m, z=z, mask=msa_mask, chunk_size=chunk_size))
+        m = self.msa_dropout_layer.residual_add(
+            m, self.msa_att_row(m, z=z, mask=msa_mask, chunk_size=chunk_size)
+        )
         m = m + self.msa_att_col(m, mask=msa_mask, chunk_size=chunk_size)
         return self.core(m, z, msa_mask, pair_mask, chunk_size=chunk_size)
 

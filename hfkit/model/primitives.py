@@ -2,7 +2,8 @@
 
 `linear` reproduces OpenFold's `primitives.Linear` initialisers (AF2 supplement section 1.11.4) on a
 plain `torch.nn.Linear`, so that state_dict keys stay `weight` / `bias`. `DropoutRowwise` and
-`DropoutColumnwise` share one mask along a row or column of the representation (supplement 1.11.6).
+`DropoutColumnwise` (from `hfkit.nn.fused`) share one mask along a row or column of the representation
+(supplement 1.11.6); the Evoformer adds their output to the residual with `residual_add`.
 `chunk_apply` runs a function on slices along a batch-like axis (inference memory, supplement 1.11.8).
 """
 
@@ -13,6 +14,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+
+# The shared-dropout modules live in hfkit.nn (with the fused versions `to_hfkit` swaps in).
+from hfkit.nn.fused import DropoutColumnwise, DropoutRowwise, SharedDropout
 
 __all__ = [
     "DropoutColumnwise",
@@ -55,42 +59,6 @@ def linear(c_in: int, c_out: int, bias: bool = True, init: str = "default") -> n
                 f"init: expected one of default, relu, glorot, normal, gating, final; got {init!r}"
             )
     return layer
-
-
-class SharedDropout(nn.Module):
-    """Dropout whose mask is shared along `shared_dim` (the mask has size 1 there); off in eval."""
-
-    def __init__(self, rate: float, shared_dim: int) -> None:
-        super().__init__()
-        if not 0.0 <= rate < 1.0:
-            raise ValueError(f"rate: expected a probability in [0, 1), got {rate}")
-        self.rate = rate
-        self.shared_dim = shared_dim
-
-    def extra_repr(self) -> str:
-        return f"rate={self.rate}, shared_dim={self.shared_dim}"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.rate == 0.0:
-            return x
-        shape = list(x.shape)
-        shape[self.shared_dim] = 1
-        keep = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1.0 - self.rate)
-        return x * keep / (1.0 - self.rate)
-
-
-class DropoutRowwise(SharedDropout):
-    """One dropout mask per row: shared along dim -3 of `[*, N_rows, N_cols, C]` (OpenFold's name)."""
-
-    def __init__(self, rate: float) -> None:
-        super().__init__(rate, shared_dim=-3)
-
-
-class DropoutColumnwise(SharedDropout):
-    """One dropout mask per column: shared along dim -2 of `[*, N_rows, N_cols, C]`."""
-
-    def __init__(self, rate: float) -> None:
-        super().__init__(rate, shared_dim=-2)
 
 
 def chunk_apply(

@@ -6,13 +6,30 @@ Each module file registers its torch -> hfkit swap when imported; this package i
 
 from hfkit.nn.attention import Attention, EvoformerAttention
 from hfkit.nn.convert import SwapReport, register_swap, to_hfkit, to_torch
+from hfkit.nn.fused import (
+    DropoutColumnwise,
+    DropoutRowwise,
+    FusedDropoutColumnwise,
+    FusedDropoutRowwise,
+    FusedSharedDropout,
+    SharedDropout,
+)
 from hfkit.nn.layer_norm import LayerNorm
+from hfkit.nn.triangle_multiplication import TriangleMultiplicationIncoming, TriangleMultiplicationOutgoing
 
 __all__ = [
     "Attention",
+    "DropoutColumnwise",
+    "DropoutRowwise",
     "EvoformerAttention",
+    "FusedDropoutColumnwise",
+    "FusedDropoutRowwise",
+    "FusedSharedDropout",
     "LayerNorm",
+    "SharedDropout",
     "SwapReport",
+    "TriangleMultiplicationIncoming",
+    "TriangleMultiplicationOutgoing",
     "register_swap",
     "to_hfkit",
     "to_torch",

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from hfkit.nn.convert import register_swap
+from hfkit.ops.elementwise import sigmoid_gate
 from hfkit.ops.evoformer_attention import evoformer_attention
 
 __all__ = ["Attention", "EvoformerAttention"]
@@ -162,6 +163,13 @@ class EvoformerAttention(Attention):
         o = evoformer_attention(to5(q), to5(k), to5(v), pair, key_bias=key)
         o = o.transpose(-2, -3).reshape(q.shape)
         return self._wrap_up(o, q_x)
+
+    def _wrap_up(self, o: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
+        """`Attention._wrap_up` with the gate `sigmoid(linear_g(q_x)) * o` as one fused kernel."""
+        if self.linear_g is not None:
+            g = self.linear_g(q_x).unflatten(-1, (self.no_heads, self.c_hidden))
+            o = sigmoid_gate(g, o)
+        return self.linear_o(o.flatten(-2))
 
 
 def _map_biases(

@@ -1,14 +1,27 @@
 """Fused ops: one file per op, each with Triton kernels, an autograd path and a plain-torch reference."""
 
+from hfkit.ops.elementwise import (
+    bias_dropout_add,
+    bias_dropout_add_reference,
+    sigmoid_gate,
+    sigmoid_gate_reference,
+)
 from hfkit.ops.evoformer_attention import evoformer_attention, evoformer_attention_reference
 from hfkit.ops.layer_norm import layer_norm, layer_norm_reference
 from hfkit.ops.softmax import softmax, softmax_reference
+from hfkit.ops.triangle_multiplication import triangle_multiplication, triangle_multiplication_reference
 
 __all__ = [
+    "bias_dropout_add",
+    "bias_dropout_add_reference",
     "evoformer_attention",
     "evoformer_attention_reference",
     "layer_norm",
     "layer_norm_reference",
+    "sigmoid_gate",
+    "sigmoid_gate_reference",
     "softmax",
     "softmax_reference",
+    "triangle_multiplication",
+    "triangle_multiplication_reference",
 ]

@@ -431,25 +431,40 @@ if HAS_TRITON:
                 n_ok = offs_n < n_k
                 dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
                 dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-                k_ptrs = k_base + offs_n[None, :] * skn + offs_d[:, None]
-                vt_ptrs = v_base + offs_n[None, :] * svn + offs_d[:, None]
+                # Transposed tiles [keys, queries] throughout, so that pᵀ and dsᵀ come out of the
+                # softmax in the layout the dv and dk products take (no register transposes).
+                nd = n_ok[:, None] & d_ok[None, :]
+                k = _ld(k_base + offs_n[:, None] * skn + offs_d[None, :], nd, EVEN)
+                v = _ld(v_base + offs_n[:, None] * svn + offs_d[None, :], nd, EVEN)
+                kbias = tl.zeros([BLOCK_N], dtype=tl.float32)
+                if HAS_KEY_BIAS:
+                    kbias = _ld(KeyBias + kb_off + offs_n * skb_k, n_ok, EVEN) * 1.4426950408889634
                 for start in range(0, n_q, BLOCK_M):
                     offs_m = start + tl.arange(0, BLOCK_M)
                     m_ok = offs_m < n_q
-                    md = m_ok[:, None] & d_ok[None, :]
-                    q = _ld(q_base + offs_m[:, None] * sqn + offs_d[None, :], md, EVEN)
-                    do = _ld(DO + (row0 + offs_m[:, None]) * d + offs_d[None, :], md, EVEN)
+                    qt = _ld(
+                        q_base + offs_m[None, :] * sqn + offs_d[:, None], d_ok[:, None] & m_ok[None, :], EVEN
+                    )
+                    do = _ld(
+                        DO + (row0 + offs_m[:, None]) * d + offs_d[None, :],
+                        m_ok[:, None] & d_ok[None, :],
+                        EVEN,
+                    )
                     mx = _ld(Mx + row0 + offs_m, m_ok, EVEN)
                     lg = _ld(Lg + row0 + offs_m, m_ok, EVEN)
                     delta = _ld(Delta + row0 + offs_m, m_ok, EVEN)
-                    p, ds = _probs_and_dlogits(
-                        q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-                        d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta, 0,
-                        HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, False,
-                    )  # fmt: skip
-                    dv += _mm(tl.trans(p.to(do.dtype)), do, DOT)
-                    dk += _mm(tl.trans(ds.to(q.dtype)), q, DOT)
-                nd = n_ok[:, None] & d_ok[None, :]
+                    st = (_mm(k, qt, DOT) * qk_scale).to(tl.float32) + kbias[:, None]
+                    if HAS_BIAS:
+                        ok = n_ok[:, None] & m_ok[None, :]
+                        b_ptrs = Bias + b_off + offs_n[:, None] * sbk + offs_m[None, :] * sbq
+                        st += _ld(b_ptrs, ok, EVEN).to(tl.float32) * 1.4426950408889634
+                    pt = tl.exp2((st - mx[None, :]) - lg[None, :])
+                    if not EVEN:
+                        pt = tl.where(n_ok[:, None] & m_ok[None, :], pt, 0.0)
+                    dpt = _mm(v, tl.trans(do), DOT)
+                    dst = pt * (dpt - delta[None, :])
+                    dv += _mm(pt.to(do.dtype), do, DOT)
+                    dk += _mm(dst.to(do.dtype), tl.trans(qt), DOT)
                 out = (bsh.to(tl.int64) * n_k + offs_n[:, None]) * d + offs_d[None, :]
                 _st(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), nd, EVEN)
                 _st(DV + out, dv.to(DV.dtype.element_ty), nd, EVEN)

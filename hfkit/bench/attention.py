@@ -1,0 +1,383 @@
+"""Evoformer attention benchmark: hfkit's flash-style kernel against eager, compile, SDPA and the peers.
+
+Two ops, one math (`softmax(q·kᵀ/√D + pair_bias + mask_bias)·v` over each of S rows): triangle attention
+over the N×N pair representation (S = N rows, H=4, D=32) and MSA row attention with pair bias (S MSA
+rows, H=8, D=32). Inputs: q/k/v [B, S, H, N, D], a pair bias [B, 1, H, N, N] that requires grad, and a
+key mask [B, S, 1, 1, N] of ones with the last few keys zero (padding). Providers:
+
+- `hfkit`: `hfkit.ops.evoformer_attention(q, k, v, bias, mask)`;
+- `eager`: OpenFold's attention in the input dtype, the [B, S, H, N, N] logits materialized;
+- `compile`: `torch.compile` of `eager`;
+- `sdpa`: `F.scaled_dot_product_attention` on [B·S, H, N, D] views with an additive float mask: the
+  pair bias plus the mask bias, which SDPA needs materialized at [B·S, H, N, N] (counted in its memory);
+- `trifast` and `cuequivariance` (when installed; see `hfkit.bench.peers`), each given its inputs in its
+  own layout and dtype (trifast: [B, H, S, N, D] and a True-is-masked boolean mask, S must equal N;
+  cuEquivariance: a float32 bias and a True-is-kept boolean mask), prepared outside the timed step.
+
+FLOPs: 4·B·S·H·N·N·D forward (two matmuls), 2.5 times that for the backward; bytes: the minimum
+traffic (q, k, v, o, bias once; the backward also reads q, k, v, o, do and writes dq, dk, dv, dbias).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from hfkit.bench.ceilings import Ceilings, resolve_device
+from hfkit.bench.kernels import (
+    KernelBench,
+    Steps,
+    check_choice,
+    free_memory,
+    kernel_ceilings,
+    max_abs_err,
+    measure_case,
+    row_environment,
+)
+from hfkit.bench.layernorm import DTYPES
+from hfkit.bench.peers import load_cuequivariance, load_trifast
+from hfkit.bench.timing import rotating
+from hfkit.ops.softmax import MASK_INF
+
+__all__ = [
+    "AttentionCase",
+    "CHECK_TOL",
+    "MODES",
+    "MSA_ROW_SHAPES",
+    "OPS",
+    "PROVIDERS",
+    "TRIANGLE_SIZES",
+    "attention_cases",
+    "eager_attention",
+    "run_attention_benchmark",
+    "sdpa_attention",
+]
+
+OPS = {"triangle": "triangle_attention", "msa_row": "msa_row_attention"}
+PROVIDERS = ("hfkit", "eager", "compile", "sdpa", "trifast", "cuequivariance")
+MODES = ("fwd", "fwd+bwd")
+TRIANGLE_SIZES = (256, 512, 1024, 2048)
+MSA_ROW_SHAPES = ((128, 256), (132, 256), (256, 384), (128, 512))  # (S, N)
+TRIANGLE_HEADS, MSA_ROW_HEADS, HEAD_DIM = 4, 8, 32
+# Max abs error against the float32 reference above which a provider's row is flagged (check_ok False):
+# a few bf16 roundings of outputs of size ~1 pass, a wrong mask or bias (errors of order 1) does not.
+CHECK_TOL = {"bf16": 0.06, "fp16": 0.01, "fp32": 1e-3}
+_CHECK_ROWS = 16  # rows of S the float32 reference is computed for (it materializes the logits)
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    """One attention problem: q/k/v [batch, rows, heads, n, head_dim] for op `op`."""
+
+    op: str
+    batch: int
+    rows: int
+    heads: int
+    n: int
+    head_dim: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.batch, self.rows, self.heads, self.n, self.head_dim)
+
+    def flops(self, backward: bool) -> int:
+        fwd = 4 * self.batch * self.rows * self.heads * self.n * self.n * self.head_dim
+        return int(fwd * 3.5) if backward else fwd
+
+    def bytes(self, backward: bool, itemsize: int) -> int:
+        qkv = self.batch * self.rows * self.heads * self.n * self.head_dim * itemsize
+        bias = self.batch * self.heads * self.n * self.n * itemsize
+        fwd = 4 * qkv + bias  # read q, k, v, bias; write o
+        return fwd + 8 * qkv + 2 * bias if backward else fwd
+
+    def label(self) -> str:
+        return f"{self.op} {'x'.join(map(str, self.shape))}"
+
+
+def attention_cases(
+    ops: Sequence[str] = tuple(OPS),
+    sizes: Sequence[int] | None = None,
+    device: torch.device | str | None = None,
+    quick: bool = False,
+) -> list[AttentionCase]:
+    """The benchmark's cases: triangle attention at `TRIANGLE_SIZES` and MSA row attention at
+    `MSA_ROW_SHAPES` on a GPU (`quick`: the two smallest of each), keeping only N in `sizes` when
+    given; tiny odd sizes on a CPU (where `sizes`, when given, are the N values used as they are)."""
+    ops = check_choice("ops", ops, list(OPS))
+    on_cuda = resolve_device(device).type == "cuda"
+    if on_cuda:
+        tri = [(n, n) for n in TRIANGLE_SIZES[: 2 if quick else None]]
+        msa = list(MSA_ROW_SHAPES[: 2 if quick else None])
+        if sizes is not None:
+            tri = [(s, n) for s, n in tri if n in sizes] or [(n, n) for n in sizes]
+            msa = [(s, n) for s, n in msa if n in sizes]
+    else:
+        tri = [(n, n) for n in (sizes or (12, 17))]
+        msa = [(max(2, n // 3), n) for n in (sizes or (19,))]
+    cases = []
+    if "triangle" in ops:
+        cases += [AttentionCase(OPS["triangle"], 1, s, TRIANGLE_HEADS, n, HEAD_DIM) for s, n in tri]
+    if "msa_row" in ops:
+        cases += [AttentionCase(OPS["msa_row"], 1, s, MSA_ROW_HEADS, n, HEAD_DIM) for s, n in msa]
+    return cases
+
+
+def eager_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """OpenFold-style attention in the input dtype: q/k/v [*, H, N, D], bias and mask broadcastable to
+    the logits [*, H, N, N] (mask 1 = keep). The logits are materialized, as in OpenFold's `Attention`."""
+    a = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-1, -2))
+    a = a + bias + (mask - 1.0) * MASK_INF
+    return torch.matmul(torch.softmax(a, dim=-1), v)
+
+
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` on q/k/v [B, S, H, N, D] seen as [B·S, H, N, D], with the pair
+    bias plus the mask bias as one additive float mask (materialized at [B·S, H, N, N])."""
+    b, s, h, n, d = q.shape
+    n_k = k.shape[3]
+    attn = (bias + (mask - 1.0) * MASK_INF).expand(b, s, h, n, n_k).reshape(b * s, h, n, n_k)
+    out = F.scaled_dot_product_attention(
+        q.reshape(b * s, h, n, d), k.reshape(b * s, h, n_k, d), v.reshape(b * s, h, n_k, d), attn_mask=attn
+    )
+    return out.reshape(b, s, h, n, d)
+
+
+class _Set(NamedTuple):
+    """One input set in hfkit's layout: q/k/v/dout [B, S, H, N, D], bias [B, 1, H, N, N], mask
+    [B, S, 1, 1, N] (0/1 in the input dtype)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    bias: torch.Tensor
+    mask: torch.Tensor
+    dout: torch.Tensor
+
+
+class _Native(NamedTuple):
+    """A provider's inputs: the forward's arguments, the tensors the backward differentiates, and the
+    upstream gradient in the layout of the provider's output."""
+
+    args: tuple[Any, ...]
+    leaves: tuple[torch.Tensor, ...]
+    dout: torch.Tensor
+
+
+class _Impl(NamedTuple):
+    forward: Callable[..., torch.Tensor]
+    prepare: Callable[[_Set, bool], _Native]
+    to_bshnd: Callable[[torch.Tensor], torch.Tensor]  # output -> [B, S, H, N, D]
+    note: dict[str, Any]
+
+
+def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
+    return t.detach().requires_grad_(grad)
+
+
+def _same_layout(s: _Set, grad: bool) -> _Native:
+    q, k, v, bias = (_leaf(t, grad) for t in (s.q, s.k, s.v, s.bias))
+    return _Native((q, k, v, bias, s.mask), (q, k, v, bias), s.dout)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class _Skip(Exception):
+    """A provider that cannot run this case; the message is the reason."""
+
+
+def _impl(provider: str, case: AttentionCase, device: torch.device) -> _Impl:
+    if provider == "hfkit":
+        from hfkit.ops import evoformer_attention
+
+        return _Impl(evoformer_attention, _same_layout, _identity, {})
+    if provider == "eager":
+        return _Impl(eager_attention, _same_layout, _identity, {})
+    if provider == "compile":
+        # A fresh Dynamo cache per case, as in the LayerNorm benchmark: every shape gets the kernels a
+        # model compiled at that size gets, not shape-generic ones.
+        torch._dynamo.reset()
+        return _Impl(torch.compile(eager_attention, dynamic=False), _same_layout, _identity, {})
+    if provider == "sdpa":
+        return _Impl(sdpa_attention, _same_layout, _identity, {"attn_mask": "bias + mask bias, materialized"})
+    if provider == "trifast":
+        fn, reason = load_trifast(device)
+        if fn is None:
+            raise _Skip(f"trifast {reason}")
+        if case.rows != case.n:
+            raise _Skip(f"trifast needs as many query rows as keys (S == N), got S={case.rows}, N={case.n}")
+        return _Impl(fn, _trifast_layout, lambda o: o.transpose(1, 2), {"layout": "[B, H, S, N, D]"})
+    if provider == "cuequivariance":
+        fns, reason = load_cuequivariance(device)
+        if fns is None:
+            raise _Skip(f"cuequivariance {reason}")
+        scale = case.head_dim**-0.5
+
+        def cueq(q, k, v, bias, mask):
+            return fns.triangle_attention(q, k, v, bias, mask, scale)
+
+        return _Impl(cueq, _cueq_layout, _identity, {"bias_dtype": "fp32"})
+    raise ValueError(f"providers: unknown provider {provider!r}; expected one of {PROVIDERS}")
+
+
+def _trifast_layout(s: _Set, grad: bool) -> _Native:
+    # trifast: q/k/v [B, H, S, N, D], bias [B, H, N, N], mask bool [B, S, N] with True = masked.
+    q, k, v = (_leaf(t.transpose(1, 2).contiguous(), grad) for t in (s.q, s.k, s.v))
+    bias = _leaf(s.bias[:, 0].contiguous(), grad)
+    masked = (s.mask[:, :, 0, 0, :] == 0).contiguous()
+    return _Native((q, k, v, bias, masked), (q, k, v, bias), s.dout.transpose(1, 2).contiguous())
+
+
+def _cueq_layout(s: _Set, grad: bool) -> _Native:
+    # cuEquivariance: hfkit's layout, a float32 bias (what its Hopper kernel reads), mask True = keep.
+    q, k, v = (_leaf(t, grad) for t in (s.q, s.k, s.v))
+    bias = _leaf(s.bias.float(), grad)
+    keep = s.mask != 0
+    return _Native((q, k, v, bias, keep), (q, k, v, bias), s.dout)
+
+
+def _make_set(case: AttentionCase, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> _Set:
+    b, s, h, n, d = case.shape
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, device=device, dtype=dtype, generator=gen)
+
+    mask = torch.ones(b, s, 1, 1, n, device=device, dtype=dtype)
+    mask[..., n - max(1, n // 64) :] = 0  # padding: the last few keys of every row
+    return _Set(
+        randn(*case.shape),
+        randn(*case.shape),
+        randn(*case.shape),
+        randn(b, 1, h, n, n),
+        mask,
+        randn(*case.shape),
+    )
+
+
+def _check(impl: _Impl, native: _Native, s: _Set, dtype_name: str) -> dict[str, Any]:
+    """Max abs error of the provider's forward against hfkit's float32 reference on the first rows."""
+    from hfkit.ops import evoformer_attention_reference
+
+    out = impl.to_bshnd(impl.forward(*native.args))
+    r = min(_CHECK_ROWS, s.q.shape[1])
+    with torch.no_grad():
+        ref = evoformer_attention_reference(
+            s.q[:, :r].float(), s.k[:, :r].float(), s.v[:, :r].float(), s.bias.float(), s.mask[:, :r].float()
+        )
+    err = max_abs_err(out[:, :r], ref)
+    return {"max_abs_err_vs_fp32_ref": err, "check_rows": r, "check_ok": err <= CHECK_TOL[dtype_name]}
+
+
+def _build(impl: _Impl, sets: list[_Set], backward: bool, dtype_name: str) -> Callable[[], Steps]:
+    def build() -> Steps:
+        natives = [impl.prepare(s, backward) for s in sets]
+
+        def run(batch: list[_Native]) -> Callable[[], None]:
+            def step() -> None:
+                for nat in batch:
+                    out = impl.forward(*nat.args)
+                    if backward:
+                        torch.autograd.grad(out, nat.leaves, nat.dout)
+
+            return step
+
+        return Steps(
+            run(natives),
+            run(natives[:1]),
+            len(natives),
+            lambda: _check(impl, natives[0], sets[0], dtype_name),
+        )
+
+    return build
+
+
+def run_attention_benchmark(
+    device: torch.device | str | None = None,
+    cases: Sequence[AttentionCase] | None = None,
+    dtypes: Sequence[str] = ("bf16",),
+    modes: Sequence[str] = MODES,
+    providers: Sequence[str] = PROVIDERS,
+    progress: bool = True,
+    *,
+    quick: bool = False,
+    ceilings: Ceilings | None = None,
+    command: str | None = None,
+    warmup: int | None = None,
+    reps: int | None = None,
+) -> KernelBench:
+    """Time every (case, dtype, provider, mode) on `device`; return rows, ceilings and skipped providers.
+
+    `cases=None` picks `attention_cases(device=device, quick=quick)`. Each provider's output is checked
+    against `evoformer_attention_reference` in float32 before it is timed (`extra`:
+    `max_abs_err_vs_fp32_ref`, `check_ok`); peak memory is one step's, above the inputs; a provider
+    that fails (e.g. eager running out of memory at N=2048) gives an error row. Providers that cannot
+    run a case at all (a peer not installed, trifast with S != N) are skipped and listed with their
+    reason. Defaults: warm-up 5, 20 timed replays on a GPU (2 and 3 on a CPU).
+    """
+    from tqdm.auto import tqdm
+
+    device = resolve_device(device)
+    on_cuda = device.type == "cuda"
+    dtypes = check_choice("dtypes", dtypes, list(DTYPES))
+    modes = check_choice("modes", modes, MODES)
+    providers = check_choice("providers", providers, PROVIDERS)
+    cases = list(cases) if cases is not None else attention_cases(device=device, quick=quick)
+    warmup = warmup if warmup is not None else (5 if on_cuda else 1)
+    reps = reps if reps is not None else (20 if on_cuda else 3)
+    ceilings = ceilings or kernel_ceilings(device)
+    env = row_environment(device, command)
+
+    rows, skipped = [], []
+    bar = tqdm(
+        total=len(cases) * len(dtypes) * len(providers) * len(modes), disable=not progress, desc="attention"
+    )
+    for case in cases:
+        for dtype_name in dtypes:
+            dtype = DTYPES[dtype_name]
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            gen = torch.Generator(device=device).manual_seed(0)
+            make = lambda: _make_set(case, dtype, device, gen)  # noqa: B023 - used before the loop moves on
+            sets = rotating(make, case.bytes(True, itemsize), 256 << 20, 4) if on_cuda else [make()]
+            for provider in providers:
+                try:
+                    impl = _impl(provider, case, device)
+                except _Skip as why:
+                    skipped.append(f"{case.label()} {dtype_name}: {why}")
+                    bar.update(len(modes))
+                    continue
+                for mode in modes:
+                    backward = mode == "fwd+bwd"
+                    bar.set_postfix_str(f"{case.label()} {dtype_name} {mode} {provider}")
+                    rows.append(
+                        measure_case(
+                            env=env,
+                            ceilings=ceilings,
+                            device=device,
+                            op=case.op,
+                            provider=provider,
+                            mode=mode,
+                            shape=case.shape,
+                            dtype=dtype_name,
+                            nbytes=case.bytes(backward, itemsize),
+                            flops=case.flops(backward),
+                            build=_build(impl, sets, backward, dtype_name),
+                            warmup=warmup,
+                            reps=reps,
+                            extra={"rotating_sets": len(sets), **impl.note},
+                        )
+                    )
+                    free_memory(device)
+                    bar.update(1)
+            del sets
+            free_memory(device)
+    bar.close()
+    return KernelBench(rows, ceilings, skipped)

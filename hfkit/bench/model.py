@@ -1,0 +1,904 @@
+"""Model benchmark: one Evoformer block, the 48-block Evoformer stack and a whole AlphaFold training
+step, each for eager PyTorch, `to_hfkit`, `torch.compile` and `torch.compile(to_hfkit)`; the swap
+waterfall (eager, then one more swapped op at a time, then compile) and a profile of the step.
+
+Parts (`run_model_benchmark(parts=...)`, `hfkit bench model --parts`):
+
+- `block`: `EvoformerBlock` at the preset's channel sizes with dropout off (rate 0, as OpenFold's
+  block benchmark), forward and forward+backward at (S, N) in `BLOCK_SHAPES`. "fwd" is the training
+  forward (inputs require grad, activations are kept for backward), so a compiled block serves both
+  modes with one compiled graph. Timed with CUDA graphs (CUDA events when capture fails).
+- `stack`: the 48-block `EvoformerStack` at the preset's sample size (S = clusters, N = crop),
+  forward+backward, with and without per-block checkpointing. Timed with CUDA events.
+- `step`: `hfkit.train.train_step` of `AlphaFoldLite` (embedders, extra-MSA stack, Evoformer, heads,
+  losses, Adam, clipping) on a synthetic batch of the preset's shapes, with and without checkpointing.
+- `waterfall`: the step with the registered ops of `hfkit.nn.convert.registered_ops()` swapped in
+  one at a time (cumulative), then compiled.
+- `profile`: `torch.profiler` of one step: the top operators and the LayerNorm input-shape census
+  with torch's and hfkit's LayerNorm timed on every census shape.
+
+Precisions: `fp32`; `bf16` (parameters and activations in bfloat16, as OpenFold's bf16 benchmark);
+`bf16_autocast` (fp32 parameters under `torch.autocast(bfloat16)`, how AlphaFold trains). Compiling:
+every `EvoformerBlock` (and `ExtraMSABlock`) gets its forward routed through ONE compiled function
+(`compile_blocks`), so Dynamo compiles a block once per (variant, precision, shape) and reuses it for
+all 48 blocks. The first call of each configuration (compile included) is timed as `first_call_s`.
+Failures (out of memory, compile errors) become rows with NaN times and the error in `extra`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import gc
+import math
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hfkit.bench.ceilings import Ceilings, measure_ceilings, resolve_device
+from hfkit.bench.results import ResultRow, environment_info, save_results
+from hfkit.bench.timing import Timing, time_fn
+from hfkit.model import AlphaFoldLite, EvoformerBlock, EvoformerStack, ModelConfig
+
+__all__ = [
+    "BLOCK_SHAPES",
+    "MODES",
+    "PARTS",
+    "PRECISIONS",
+    "QUICK_BLOCK_SHAPES",
+    "VARIANTS",
+    "Precision",
+    "bench_config",
+    "compile_blocks",
+    "evoformer_block_flops",
+    "make_block",
+    "make_variant",
+    "measure_train_step",
+    "profile_train_step",
+    "reference_ops_on_cpu",
+    "run_model_benchmark",
+    "summary_table",
+    "swappable_ops",
+    "waterfall_stages",
+]
+
+PARTS = ("block", "stack", "step", "waterfall", "profile")
+VARIANTS = ("eager", "hfkit", "compile", "compile_hfkit")
+MODES = ("fwd", "fwd+bwd")
+BLOCK_SHAPES: tuple[tuple[int, int], ...] = ((128, 256), (256, 384), (128, 512))
+# Tiny (S, N) for CPU runs and tests; odd sizes on purpose.
+QUICK_BLOCK_SHAPES: tuple[tuple[int, int], ...] = ((4, 8), (3, 11))
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a configuration runs: parameter (and input) dtype, and the autocast dtype (None: off)."""
+
+    name: str
+    params: torch.dtype
+    autocast: torch.dtype | None
+
+    def describe(self) -> dict[str, str | None]:
+        return {
+            "params_dtype": str(self.params).removeprefix("torch."),
+            "autocast": None if self.autocast is None else str(self.autocast).removeprefix("torch."),
+        }
+
+    def context(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.autocast)
+
+
+PRECISIONS: dict[str, Precision] = {
+    "fp32": Precision("fp32", torch.float32, None),
+    "bf16": Precision("bf16", torch.bfloat16, None),
+    "bf16_autocast": Precision("bf16_autocast", torch.float32, torch.bfloat16),
+}
+
+
+def bench_config(quick: bool = False) -> ModelConfig:
+    """The preset the benchmark runs: `af2_initial` (c_m 256, c_z 128, 8 MSA / 4 pair heads, 48
+    blocks, crop 256, 128 clusters, 1024 extra rows), or `tiny` when `quick`."""
+    return ModelConfig.tiny() if quick else ModelConfig.af2_initial()
+
+
+def make_block(config: ModelConfig, dropout: bool = False) -> EvoformerBlock:
+    """One `EvoformerBlock` with `config`'s sizes; dropout rates 0 unless `dropout`."""
+    return EvoformerBlock(
+        c_m=config.c_m,
+        c_z=config.c_z,
+        c_hidden_msa_att=config.c_hidden_msa_att,
+        c_hidden_opm=config.c_hidden_opm,
+        c_hidden_mul=config.c_hidden_mul,
+        c_hidden_pair_att=config.c_hidden_pair_att,
+        no_heads_msa=config.no_heads_msa,
+        no_heads_pair=config.no_heads_pair,
+        transition_n=config.transition_n,
+        msa_dropout=config.msa_dropout if dropout else 0.0,
+        pair_dropout=config.pair_dropout if dropout else 0.0,
+        inf=config.inf,
+    )
+
+
+def evoformer_block_flops(s: int, n: int, config: ModelConfig) -> int:
+    """Matmul FLOPs (2 per multiply-add) of one Evoformer block's forward at MSA depth `s` and `n`
+    residues; forward+backward is about 3x this. Elementwise work, softmax and LayerNorm are not
+    counted (they are memory-bound). At af2_initial sizes and (128, 256): ~0.22 TFLOP forward."""
+    c_m, c_z = config.c_m, config.c_z
+    h_m, c_a = config.no_heads_msa, config.c_hidden_msa_att
+    h_z, c_p = config.no_heads_pair, config.c_hidden_pair_att
+    c_o, c_x, t = config.c_hidden_opm, config.c_hidden_mul, config.transition_n
+    rows, pairs = s * n, n * n
+    # Gated attention over `r` rows of length `l`: q, k, v, g and output projections, logits, A @ V.
+    attn = lambda r, l, c_in, h, c: 2 * r * l * c_in * h * c * 5 + 2 * 2 * r * h * l * l * c
+    flops = attn(s, n, c_m, h_m, c_a) + 2 * pairs * c_z * h_m  # row attention + pair bias
+    flops += attn(n, s, c_m, h_m, c_a)  # column attention
+    flops += 2 * 2 * rows * c_m * t * c_m  # MSA transition
+    flops += 2 * 2 * rows * c_m * c_o + 2 * s * pairs * c_o * c_o + 2 * pairs * c_o * c_o * c_z  # OPM
+    # Two triangle multiplications: a/b projections and gates, g, output, the triangle product.
+    flops += 2 * (
+        2 * pairs * c_z * c_x * 4 + 2 * pairs * c_z * c_z + 2 * pairs * c_x * c_z + 2 * n * pairs * c_x
+    )
+    flops += 2 * (attn(n, n, c_z, h_z, c_p) + 2 * pairs * c_z * h_z)  # two triangle attentions
+    flops += 2 * 2 * pairs * c_z * t * c_z  # pair transition
+    return int(flops)
+
+
+def _block_forward(block: nn.Module, *args: Any) -> Any:
+    # The class's forward, not block(...): blocks routed through `compile_blocks` have this very
+    # function as their instance forward, and calling the module would come back here.
+    return type(block).forward(block, *args)
+
+
+@functools.cache
+def _compiled_block_forward(backend: str, mode: str | None) -> Callable[..., Any]:
+    # One compiled callable per (backend, mode), shared by every block: Dynamo caches compiled code
+    # per code object and guards on the block's structure, not its identity, so 48 blocks of one
+    # class and precision compile once.
+    return torch.compile(_block_forward, backend=backend, mode=mode, dynamic=False)
+
+
+def compile_blocks(model: nn.Module, backend: str = "inductor", mode: str | None = None) -> int:
+    """Route the forward of every `EvoformerBlock` (extra-MSA blocks included) in `model` through
+    one shared `torch.compile`d function, in place; return how many blocks were routed.
+
+    Per-block compilation keeps compile time to one block's graph (a 48-block stack compiled whole
+    takes minutes) and works under per-block checkpointing. `del block.forward` undoes it.
+    """
+    compiled = _compiled_block_forward(backend, mode)
+    count = 0
+    for module in model.modules():
+        if isinstance(module, EvoformerBlock):
+            module.forward = functools.partial(compiled, module)
+            count += 1
+    return count
+
+
+@contextlib.contextmanager
+def _recompile_limit(limit: int = 256) -> Iterator[None]:
+    """Raise Dynamo's per-code-object recompile limit (default 8): one compiled function serves
+    every (variant, precision, shape) of the run, each a cache entry of its own."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    old = getattr(dynamo_config, name)
+    setattr(dynamo_config, name, max(old, limit))
+    try:
+        yield
+    finally:
+        setattr(dynamo_config, name, old)
+
+
+def swappable_ops() -> list[str]:
+    """The op names `to_hfkit` can swap now (`registered_ops()`, in registration order)."""
+    from hfkit.nn.convert import registered_ops
+
+    return list(registered_ops())
+
+
+def make_variant(
+    module: nn.Module,
+    variant: str,
+    *,
+    ops: Sequence[str] | None = None,
+    inplace: bool = False,
+    compile_backend: str = "inductor",
+    compile_mode: str | None = None,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """`module` as `variant`: "eager" (unchanged), "hfkit" (`to_hfkit`, only `ops` when given),
+    "compile" (`compile_blocks`), "compile_hfkit" (both). A deep copy unless `inplace`. Returns the
+    module and notes for the result row (`swap`: the swap report's summary, `compiled_blocks`)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
+    from hfkit.nn.convert import to_hfkit
+
+    if not inplace:
+        module = copy.deepcopy(module)
+    notes: dict[str, Any] = {}
+    if variant in ("hfkit", "compile_hfkit"):
+        include = None if ops is None else list(ops)
+        module, report = to_hfkit(module, include=include, report=True)
+        notes["swap"] = report.summary()
+        if ops is not None:
+            notes["ops"] = list(ops)
+    if variant in ("compile", "compile_hfkit"):
+        notes["compiled_blocks"] = compile_blocks(module, compile_backend, compile_mode)
+        notes["compile"] = {"backend": compile_backend, "mode": compile_mode, "dynamic": False}
+    return module, notes
+
+
+@dataclass
+class _Measurement:
+    timing: Timing
+    first_call_s: float
+    peak_mem_bytes: int | None
+    note: str | None = None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _measure(
+    call: Callable[[], Any], device: torch.device, *, warmup: int, reps: int, graph: bool
+) -> _Measurement:
+    """First call (wall clock; compiles what is compiled), `time_fn`, then one call for peak memory
+    above what was allocated before it (CUDA only)."""
+    _sync(device)
+    t0 = time.perf_counter()
+    call()
+    _sync(device)
+    first = time.perf_counter() - t0
+    note = None
+    if device.type == "cuda" and graph:
+        try:
+            timing = time_fn(call, device, warmup=warmup, reps=reps, graph=True)
+        except Exception as err:  # noqa: BLE001 - any capture failure means: time it with events
+            _sync(device)
+            note = f"CUDA graph capture failed ({type(err).__name__}: {str(err)[:200]}); timed with events"
+            timing = time_fn(call, device, warmup=warmup, reps=reps, graph=False)
+    else:
+        timing = time_fn(call, device, warmup=warmup, reps=reps, graph=False)
+    peak = None
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        call()
+        torch.cuda.synchronize(device)
+        peak = int(torch.cuda.max_memory_allocated(device) - base)
+    return _Measurement(timing, first, peak, note)
+
+
+def _grad_step(
+    forward: Callable[[], Sequence[torch.Tensor]],
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    backward: bool,
+    device: torch.device,
+    precision: Precision,
+) -> Callable[[], None]:
+    """One call: `forward()` under the precision's autocast, then (if `backward`) the gradients of
+    its outputs against random output gradients, w.r.t. `inputs` and `params` (`autograd.grad`: no
+    `.grad` accumulation, so the call can be captured in a CUDA graph)."""
+    cache: dict[str, list[torch.Tensor]] = {}
+
+    def step() -> None:
+        with precision.context(device):
+            outs = [o for o in forward() if o.requires_grad]
+        if not backward:
+            return
+        if "grads" not in cache:  # made on the first (unmeasured) call, never during capture
+            cache["grads"] = [torch.randn_like(o) for o in outs]
+        torch.autograd.grad(outs, [*inputs, *params], cache["grads"])
+
+    return step
+
+
+@dataclass
+class _Run:
+    """What a benchmark run shares: device, environment, ceilings, budget, output, collected rows."""
+
+    device: torch.device
+    row_env: dict[str, Any]
+    ceilings: Ceilings | None
+    deadline: float | None
+    out: Path | None
+    keep: list[dict[str, Any]]
+    compile_backend: str
+    compile_mode: str | None
+    progress: Any
+    interpret: bool = False
+    rows: list[ResultRow] = field(default_factory=list)
+
+    def row(
+        self,
+        op: str,
+        provider: str,
+        mode: str,
+        shape: Sequence[int],
+        precision: Precision,
+        m: _Measurement | None,
+        flops: int | None,
+        extra: Mapping[str, Any],
+    ) -> ResultRow:
+        nan = math.nan
+        t = m.timing if m is not None else None
+        tflops = flops / (t.p50 * 1e-3) / 1e12 if (t is not None and flops) else None
+        pct = None
+        if tflops is not None and self.ceilings is not None and self.ceilings.matmul_tflops > 0:
+            pct = 100.0 * tflops / self.ceilings.matmul_tflops
+        notes = {**precision.describe(), **extra}
+        if m is not None:
+            notes["first_call_s"] = m.first_call_s
+            if m.note:
+                notes["note"] = m.note
+        return ResultRow(
+            **self.row_env,
+            op=op,
+            provider=provider,
+            mode=mode,
+            shape=[int(d) for d in shape],
+            dtype=precision.name,
+            p20_ms=t.p20 if t else nan,
+            p50_ms=t.p50 if t else nan,
+            p80_ms=t.p80 if t else nan,
+            method=t.method if t else "failed",
+            n_reps=t.n if t else 0,
+            bytes=0,  # not a memory-bound op: FLOPs are the measure
+            gbps=0.0,
+            pct_copy=None,
+            flops=flops,
+            tflops=tflops,
+            pct_matmul=pct,
+            peak_mem_bytes=m.peak_mem_bytes if m else None,
+            extra=notes,
+        )
+
+    def attempt(
+        self,
+        label: str,
+        key: tuple[str, str, Sequence[str], Sequence[int], Precision, int | None],
+        extra: Mapping[str, Any],
+        measure: Callable[[], list[tuple[str, _Measurement, dict[str, Any]]]],
+    ) -> None:
+        """Run one configuration: `measure()` gives (mode, measurement, notes) per mode. `key` is
+        (op, provider, modes, shape, precision, flops for fwd). On failure (or with the time budget
+        spent) each mode gets a row with NaN times and the error in `extra`. Then memory is freed and
+        the rows so far are saved."""
+        op, provider, modes, shape, precision, flops = key
+        flops_of = lambda mode: None if flops is None else flops * (3 if mode == "fwd+bwd" else 1)
+        self.progress.set_postfix_str(label)
+        results: list[tuple[str, _Measurement | None, dict[str, Any]]]
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            error = {"error": "skipped: the run's time budget (budget_s) was spent"}
+            results = [(mode, None, error) for mode in modes]
+        else:
+            try:
+                with self.cpu_path():
+                    results = list(measure())
+            except Exception as err:  # noqa: BLE001 - one failed configuration must not stop the run
+                text = traceback.format_exception_only(type(err), err)[-1].strip()[:500]
+                oom = isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+                results = [(mode, None, {"error": text, "oom": oom}) for mode in modes]
+        for mode, meas, notes in results:
+            self.rows.append(
+                self.row(op, provider, mode, shape, precision, meas, flops_of(mode), {**extra, **notes})
+            )
+        self.progress.update(len(modes))
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if self.out is not None:
+            save_results([*self.keep, *(r.as_dict() for r in self.rows)], self.out, ceilings=self.ceilings)
+
+    def cpu_path(self) -> contextlib.AbstractContextManager[Any]:
+        return _cpu_path(self.device, self.interpret)
+
+
+def _cpu_path(device: torch.device, interpret: bool) -> contextlib.AbstractContextManager[Any]:
+    if interpret or device.type == "cuda":
+        return contextlib.nullcontext()
+    return reference_ops_on_cpu()
+
+
+@contextlib.contextmanager
+def reference_ops_on_cpu() -> Iterator[None]:
+    """Within this block, hfkit's ops run their plain-torch reference on CPU tensors even under
+    `TRITON_INTERPRET=1` (the interpreter runs a model ~1000x slower: fine for testing a kernel, not
+    for timing or profiling a model). CUDA tensors are unaffected."""
+    import os
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"  # read at call time by hfkit.ops._triton.triton_can_run
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def _block_inputs(
+    config: ModelConfig, s: int, n: int, device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """m [1, S, N, c_m] and z [1, N, N, c_z] (requiring grad, as inside a stack), all-ones masks."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    m = torch.randn((1, s, n, config.c_m), device=device, dtype=dtype, generator=g).requires_grad_()
+    z = torch.randn((1, n, n, config.c_z), device=device, dtype=dtype, generator=g).requires_grad_()
+    msa_mask = torch.ones((1, s, n), device=device, dtype=dtype)
+    pair_mask = torch.ones((1, n, n), device=device, dtype=dtype)
+    return m, z, msa_mask, pair_mask
+
+
+def _measure_module(
+    run: _Run,
+    module: nn.Module,
+    inputs: Sequence[torch.Tensor],
+    precision: Precision,
+    modes: Sequence[str],
+    warmup: int,
+    reps: int,
+    graph: bool,
+    notes: dict[str, Any],
+) -> list[tuple[str, _Measurement, dict[str, Any]]]:
+    """Each mode of `module(*inputs)` (inputs: m, z, msa_mask, pair_mask) measured in turn."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    forward = functools.partial(module, *inputs)
+    out = []
+    for mode in modes:
+        step = _grad_step(forward, inputs[:2], params, mode == "fwd+bwd", run.device, precision)
+        out.append((mode, _measure(step, run.device, warmup=warmup, reps=reps, graph=graph), notes))
+    return out
+
+
+def _block_variant(run: _Run, base: nn.Module, variant: str, inputs, precision, modes, warmup, reps):
+    block, notes = make_variant(
+        base, variant, compile_backend=run.compile_backend, compile_mode=run.compile_mode
+    )
+    return _measure_module(run, block, inputs, precision, modes, warmup, reps, True, notes)
+
+
+def _bench_blocks(run, config, shapes, precisions, variants, modes, warmup, reps) -> None:
+    extra = {"n_blocks": 1, "dropout": "off", "fwd_grad": True}
+    for precision in precisions:
+        for s, n in shapes:
+            torch.manual_seed(0)
+            base = make_block(config).to(run.device, precision.params)
+            inputs = _block_inputs(config, s, n, run.device, precision.params)
+            flops = evoformer_block_flops(s, n, config)
+            for variant in variants:
+                key = ("evoformer_block", variant, modes, [s, n], precision, flops)
+                measure = functools.partial(
+                    _block_variant, run, base, variant, inputs, precision, modes, warmup, reps
+                )
+                run.attempt(f"block {s}x{n} {precision.name} {variant}", key, extra, measure)
+            del base, inputs
+
+
+def _stack_variant(run, config, variant, precision, warmup, reps):
+    s, n = config.max_msa_clusters, config.crop_size
+    torch.manual_seed(0)
+    stack = EvoformerStack.from_config(config).to(run.device, precision.params)
+    stack, notes = make_variant(
+        stack, variant, inplace=True, compile_backend=run.compile_backend, compile_mode=run.compile_mode
+    )
+    inputs = _block_inputs(config, s, n, run.device, precision.params)
+    return _measure_module(run, stack, inputs, precision, ["fwd+bwd"], warmup, reps, False, notes)
+
+
+def _bench_stack(run, config, precisions, variants, checkpointing, warmup, reps) -> None:
+    s, n = config.max_msa_clusters, config.crop_size
+    flops = config.no_blocks * evoformer_block_flops(s, n, config)
+    for precision in precisions:
+        for ckpt in checkpointing:
+            stack_config = config.replace(checkpoint=ckpt, msa_dropout=0.0, pair_dropout=0.0)
+            extra = {"n_blocks": config.no_blocks, "checkpointing": ckpt, "dropout": "off"}
+            for variant in variants:
+                key = ("evoformer_stack", variant, ["fwd+bwd"], [s, n], precision, flops)
+                measure = functools.partial(
+                    _stack_variant, run, stack_config, variant, precision, warmup, reps
+                )
+                run.attempt(f"stack ckpt={ckpt} {precision.name} {variant}", key, extra, measure)
+
+
+def _step_model(
+    config: ModelConfig,
+    device: torch.device,
+    precision: Precision,
+    variant: str,
+    ops: Sequence[str] | None,
+    compile_backend: str,
+    compile_mode: str | None,
+    seed: int = 0,
+) -> tuple[nn.Module, dict[str, Any]]:
+    torch.manual_seed(seed)
+    model = AlphaFoldLite(config).to(device, precision.params)
+    return make_variant(
+        model, variant, ops=ops, inplace=True, compile_backend=compile_backend, compile_mode=compile_mode
+    )
+
+
+def measure_train_step(
+    config: ModelConfig,
+    device: torch.device | str | None = None,
+    precision: str = "bf16_autocast",
+    variant: str = "eager",
+    *,
+    ops: Sequence[str] | None = None,
+    warmup: int | None = None,
+    reps: int | None = None,
+    compile_backend: str = "inductor",
+    compile_mode: str | None = None,
+    seed: int = 0,
+    interpret: bool = False,
+) -> dict[str, Any]:
+    """Time `hfkit.train.train_step` of a fresh `AlphaFoldLite(config)` (seeded) as `variant`
+    (`ops`: the registered ops "hfkit" swaps; None: all) on a synthetic batch of the preset's
+    shapes, with CUDA events (a step syncs the host, so no CUDA graph) or the wall clock.
+
+    Returns {"timing": Timing, "first_call_s", "peak_mem_bytes" (None off CUDA), "phases_s"
+    (forward, backward, optimizer seconds of the last call), "loss", "notes" (swap summary, compile
+    settings), "measurement"}. On a CPU hfkit's ops run their references unless `interpret`
+    (see `reference_ops_on_cpu`).
+    """
+    from hfkit.train import make_optimizer, synthetic_batch, train_step
+
+    device = resolve_device(device)
+    prec = _precision(precision)
+    on_cuda = device.type == "cuda"
+    model, notes = _step_model(config, device, prec, variant, ops, compile_backend, compile_mode, seed)
+    optimizer = make_optimizer(model)
+    batch = synthetic_batch(config, seed=seed, device=device)
+    records: list[dict[str, Any]] = []
+    step = functools.partial(train_step, model, batch, optimizer, clip=0.1, autocast_dtype=prec.autocast)
+    with _recompile_limit(), _cpu_path(device, interpret):
+        meas = _measure(
+            lambda: records.append(step()),
+            device,
+            warmup=warmup if warmup is not None else (1 if on_cuda else 0),
+            reps=reps if reps is not None else (3 if on_cuda else 1),
+            graph=False,
+        )
+    return {
+        "timing": meas.timing,
+        "first_call_s": meas.first_call_s,
+        "peak_mem_bytes": meas.peak_mem_bytes,
+        "phases_s": records[-1]["timings"],
+        "loss": records[-1]["loss"],
+        "notes": notes,
+        "measurement": meas,
+    }
+
+
+def _step_variant(run, config, precision, variant, ops, warmup, reps):
+    out = measure_train_step(
+        config,
+        run.device,
+        precision.name,
+        variant,
+        ops=ops,
+        warmup=warmup,
+        reps=reps,
+        compile_backend=run.compile_backend,
+        compile_mode=run.compile_mode,
+    )
+    notes = {**out["notes"], "phases_s": out["phases_s"], "loss": out["loss"]}
+    return [("fwd+bwd", out["measurement"], notes)]
+
+
+def _step_extra(config: ModelConfig) -> dict[str, Any]:
+    return {
+        "n_blocks": config.no_blocks,
+        "extra_msa_blocks": config.extra_no_blocks,
+        "extra_msa_rows": config.max_extra_msa,
+        "checkpointing": config.checkpoint,
+        "dropout": "on (training)",
+    }
+
+
+def _bench_steps(run, config, precision, variants, checkpointing, warmup, reps) -> None:
+    s, n = config.max_msa_clusters, config.crop_size
+    for ckpt in checkpointing:
+        cfg = config.replace(checkpoint=ckpt)
+        for variant in variants:
+            key = ("train_step", variant, ["fwd+bwd"], [s, n], precision, None)
+            measure = functools.partial(_step_variant, run, cfg, precision, variant, None, warmup, reps)
+            run.attempt(f"step ckpt={ckpt} {precision.name} {variant}", key, _step_extra(cfg), measure)
+
+
+def waterfall_stages(
+    ops: Sequence[str] | None = None, compile: bool = True
+) -> list[tuple[str, str, list[str]]]:
+    """The waterfall's stages as (label, variant, swapped ops): "eager", then "+<op>" for each op of
+    `ops` (default: `swappable_ops()`) swapped in cumulatively, then "+compile" (all swapped, compiled)."""
+    ops = swappable_ops() if ops is None else list(ops)
+    stages = [("eager", "eager", [])]
+    stages += [(f"+{op}", "hfkit", ops[: i + 1]) for i, op in enumerate(ops)]
+    if compile:
+        stages.append(("+compile", "compile_hfkit", list(ops)))
+    return stages
+
+
+def _bench_waterfall(run, config, precision, warmup, reps) -> None:
+    s, n = config.max_msa_clusters, config.crop_size
+    for index, (label, variant, ops) in enumerate(waterfall_stages()):
+        extra = {**_step_extra(config), "stage": index, "variant": variant, "ops": ops}
+        key = ("step_waterfall", label, ["fwd+bwd"], [s, n], precision, None)
+        measure = functools.partial(_step_variant, run, config, precision, variant, ops, warmup, reps)
+        run.attempt(f"waterfall {label}", key, extra, measure)
+
+
+def profile_train_step(
+    config: ModelConfig,
+    device: torch.device | str | None = None,
+    precision: str = "bf16_autocast",
+    variant: str = "eager",
+    *,
+    steps: int = 1,
+    top: int = 15,
+    census_reps: int | None = None,
+    seed: int = 0,
+    interpret: bool = False,
+) -> dict[str, Any]:
+    """Profile `steps` training steps (after one warm-up step) of `AlphaFoldLite(config)` as
+    `variant` with `torch.profiler`. Returns {"ops": `op_table` (top operators by device time),
+    "census": the LayerNorm input-shape census, "speed": torch vs hfkit LayerNorm on each census
+    shape (`census_speed`, in the precision's compute dtype), "step_ms": profiled device time per
+    step}. On a CPU hfkit's ops run their references unless `interpret`."""
+    from hfkit.bench.profile import census_speed, layer_norm_census, op_table, profile_step
+    from hfkit.train import make_optimizer, synthetic_batch, train_step
+
+    device = resolve_device(device)
+    prec = _precision(precision)
+    model, _ = _step_model(config, device, prec, variant, None, "inductor", None, seed)
+    optimizer = make_optimizer(model)
+    batch = synthetic_batch(config, seed=seed, device=device)
+    step = functools.partial(train_step, model, batch, optimizer, clip=0.1, autocast_dtype=prec.autocast)
+    with _cpu_path(device, interpret):
+        prof = profile_step(step, device, steps=steps, warmup=1)
+        ops = op_table(prof, top=top)
+        census = layer_norm_census(prof)
+        del model, optimizer, batch, step, prof
+        gc.collect()
+        dtype = prec.autocast or prec.params
+        warmup = None if census_reps is None else 2
+        speed = census_speed(census, device, dtype=dtype, warmup=warmup, reps=census_reps)
+    return {"ops": ops, "census": census, "speed": speed, "step_ms": ops.attrs["total_ms"] / steps}
+
+
+def _one_value(ms: float) -> _Measurement:
+    # A profiled total is one number, not a distribution: p20 = p50 = p80.
+    return _Measurement(Timing(ms, ms, ms, 1, "wall"), math.nan, None)
+
+
+def _profile_rows(run: _Run, config: ModelConfig, precision: Precision) -> list:
+    s, n = config.max_msa_clusters, config.crop_size
+    reps = 20 if run.device.type == "cuda" else 3
+    out = profile_train_step(config, run.device, precision.name, census_reps=reps)
+    ops, census = out["ops"], out["census"]
+    device_time = ops.attrs["device_time"]
+    rows = []
+    for r in ops.itertuples():
+        notes = {"calls": int(r.calls), "share_pct": r.share_pct, "device_time": device_time}
+        notes["step_ms"] = out["step_ms"]
+        rows.append(
+            run.row("step_profile", r.name, "fwd+bwd", [s, n], precision, _one_value(r.time_ms), None, notes)
+        )
+    speed = {tuple(r.shape): r for r in out["speed"].itertuples()}
+    for r in census.itertuples():
+        sp = speed.get(tuple(r.shape))
+        notes = {
+            "calls": int(r.calls),
+            "calls_pct": r.calls_pct,
+            "time_pct": r.time_pct,
+            "device_time": device_time,
+            "torch_ms": getattr(sp, "torch_ms", None),
+            "hfkit_ms": getattr(sp, "hfkit_ms", None),
+            "speedup": getattr(sp, "speedup", None),
+        }
+        rows.append(
+            run.row(
+                "layer_norm_census", r.op, "fwd", list(r.shape), precision, _one_value(r.time_ms), None, notes
+            )
+        )
+    return rows
+
+
+def _bench_profile(run, config, precision) -> None:
+    s, n = config.max_msa_clusters, config.crop_size
+    extra = {"checkpointing": config.checkpoint}
+    key = ("step_profile", "eager", ["fwd+bwd"], [s, n], precision, None)
+
+    def measure() -> list:
+        # The profile makes many rows of its own: they go straight in, and no row per mode is left.
+        run.rows.extend(_profile_rows(run, config, precision))
+        return []
+
+    run.attempt("profile", key, extra, measure)
+
+
+def _precision(name: str) -> Precision:
+    if name not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {list(PRECISIONS)}, got {name!r}")
+    return PRECISIONS[name]
+
+
+def _check_subset(name: str, values: Sequence[Any], allowed: Sequence[Any]) -> None:
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise ValueError(f"{name}: expected a non-empty subset of {list(allowed)}, got {list(values)}")
+
+
+def _row_key(row: Mapping[str, Any]) -> tuple:
+    extra = row.get("extra") or {}
+    return (
+        row["op"],
+        row["provider"],
+        row["mode"],
+        tuple(row["shape"]),
+        row["dtype"],
+        extra.get("checkpointing"),
+    )
+
+
+def run_model_benchmark(
+    device: torch.device | str | None = None,
+    parts: Sequence[str] = ("block", "stack", "step"),
+    *,
+    quick: bool = False,
+    variants: Sequence[str] = VARIANTS,
+    step_variants: Sequence[str] = ("eager", "hfkit"),
+    shapes: Sequence[Sequence[int]] | None = None,
+    dtypes: Sequence[str] = ("bf16", "fp32"),
+    stack_dtypes: Sequence[str] = ("bf16",),
+    step_dtype: str = "bf16_autocast",
+    modes: Sequence[str] = MODES,
+    checkpointing: Sequence[bool] = (False, True),
+    compile_backend: str = "inductor",
+    compile_mode: str | None = None,
+    budget_s: float | None = None,
+    out: str | Path | None = None,
+    append: bool = False,
+    ceilings: Ceilings | None = None,
+    command: str | None = None,
+    progress: bool = True,
+    interpret: bool = False,
+) -> list[ResultRow]:
+    """Run the model benchmark's `parts` (see the module docstring) on `device`; return the rows.
+
+    `quick` uses the `tiny` preset and `QUICK_BLOCK_SHAPES` (a smoke run on a CPU); otherwise
+    `af2_initial` and `BLOCK_SHAPES` (`shapes` overrides: (S, N) pairs). `variants` apply to the block
+    and stack, `step_variants` to the step; `dtypes` are the block's precisions, `stack_dtypes` the
+    stack's, `step_dtype` the step's, waterfall's and profile's. `budget_s`: configurations that
+    would start after this many seconds are recorded as skipped. With `out`, results are saved after
+    every configuration (with `append`, rows already in `out` are kept unless this run measures the
+    same configuration). Ceilings are measured first unless given (small ones on a CPU). On a CPU
+    hfkit's ops run their plain-torch references unless `interpret` (Triton's interpreter).
+    """
+    from tqdm.auto import tqdm
+
+    device = resolve_device(device)
+    on_cuda = device.type == "cuda"
+    _check_subset("parts", parts, PARTS)
+    _check_subset("variants", variants, VARIANTS)
+    _check_subset("step_variants", step_variants, VARIANTS)
+    _check_subset("dtypes", dtypes, list(PRECISIONS))
+    _check_subset("stack_dtypes", stack_dtypes, list(PRECISIONS))
+    _check_subset("modes", modes, MODES)
+    _check_subset("checkpointing", list(checkpointing), [False, True])
+    step_precision = _precision(step_dtype)
+    shape_list = [
+        tuple(int(d) for d in s) for s in (shapes or (QUICK_BLOCK_SHAPES if quick else BLOCK_SHAPES))
+    ]
+    if any(len(s) != 2 or min(s) < 1 for s in shape_list):
+        raise ValueError(f"shapes: expected (S, N) pairs of positive sizes, got {shape_list}")
+    if budget_s is not None and budget_s <= 0:
+        raise ValueError(f"budget_s: expected a positive number of seconds or None, got {budget_s}")
+    config = bench_config(quick)
+    t_start = time.perf_counter()
+    if ceilings is None:
+        ceilings = (
+            measure_ceilings(device)
+            if on_cuda
+            else measure_ceilings(device, copy_nbytes=4 << 20, matmul_n=128)
+        )
+    env = environment_info(device, command)
+    row_env = {k: env[k] for k in ("gpu", "torch", "triton", "python", "commit", "command", "timestamp")}
+    out_path = Path(out) if out is not None else None
+    keep: list[dict[str, Any]] = []
+    if append and out_path is not None and out_path.exists():
+        import json
+
+        keep = json.loads(out_path.read_text()).get("rows", [])
+
+    counts = {
+        "block": len(dtypes) * len(shape_list) * len(variants) * len(modes),
+        "stack": len(stack_dtypes) * len(checkpointing) * len(variants),
+        "step": len(checkpointing) * len(step_variants),
+        "waterfall": len(waterfall_stages()),
+        "profile": 1,
+    }
+    bar = tqdm(total=sum(counts[p] for p in parts), disable=not progress, desc="model")
+    run = _Run(
+        device=device,
+        row_env=row_env,
+        ceilings=ceilings,
+        deadline=None if budget_s is None else t_start + budget_s,
+        out=out_path,
+        keep=keep,
+        compile_backend=compile_backend,
+        compile_mode=compile_mode,
+        progress=bar,
+        interpret=interpret,
+    )
+    big = (5, 20) if on_cuda else (1, 2)  # (warmup, reps): the block, milliseconds a call
+    slow = (1, 3) if on_cuda else (0, 1)  # the stack and the step, about a second a call
+    try:
+        with _recompile_limit():
+            for part in parts:
+                if part == "block":
+                    precisions = [_precision(d) for d in dtypes]
+                    _bench_blocks(run, config, shape_list, precisions, variants, modes, *big)
+                elif part == "stack":
+                    precisions = [_precision(d) for d in stack_dtypes]
+                    _bench_stack(run, config, precisions, variants, checkpointing, *slow)
+                elif part == "step":
+                    _bench_steps(run, config, step_precision, step_variants, checkpointing, *slow)
+                elif part == "waterfall":
+                    cfg = config.replace(checkpoint=bool(checkpointing[-1]))
+                    _bench_waterfall(run, cfg, step_precision, *slow)
+                elif part == "profile":
+                    # Checkpointed, as AlphaFold trains (and as the hfai profile's step presumably ran).
+                    _bench_profile(run, config.replace(checkpoint=True), step_precision)
+    finally:
+        bar.close()
+    if keep:
+        measured = {_row_key(r.as_dict()) for r in run.rows}
+        run.keep[:] = [r for r in keep if _row_key(r) not in measured]
+        if out_path is not None:
+            save_results([*run.keep, *(r.as_dict() for r in run.rows)], out_path, ceilings=ceilings)
+    return run.rows
+
+
+def summary_table(frame: Any) -> Any:
+    """A readable table of model rows: op, variant, mode, S x N, precision, checkpointing, p50 ms,
+    speed-up vs eager, TFLOP/s, peak GiB, first call s (compile included), and the error if any."""
+    import pandas as pd
+
+    from hfkit.bench.results import rows_to_frame
+
+    if not isinstance(frame, pd.DataFrame):
+        frame = rows_to_frame(frame)
+    extra = frame["extra"].apply(lambda e: e or {})
+    table = pd.DataFrame(
+        {
+            "op": frame["op"],
+            "variant": frame["provider"],
+            "mode": frame["mode"],
+            "S x N": frame["shape"].apply(lambda s: "x".join(map(str, s))),
+            "dtype": frame["dtype"],
+            "ckpt": extra.apply(lambda e: e.get("checkpointing")),
+            "p50 ms": frame["p50_ms"],
+            "TFLOP/s": frame["tflops"],
+            "peak GiB": frame["peak_mem_bytes"].astype(float) / 2**30,
+            "first call s": extra.apply(lambda e: e.get("first_call_s")),
+            "error": extra.apply(lambda e: e.get("error", "")),
+        }
+    )
+    keys = ["op", "mode", "S x N", "dtype", "ckpt"]
+    eager = table[table["variant"] == "eager"].drop_duplicates(keys, keep="last").set_index(keys)["p50 ms"]
+    base = table.set_index(keys).index.map(lambda k: eager.get(k, math.nan))
+    table.insert(7, "vs eager", base.to_numpy(dtype=float) / table["p50 ms"].to_numpy(dtype=float))
+    return table.round({"p50 ms": 3, "vs eager": 2, "TFLOP/s": 1, "peak GiB": 2, "first call s": 1})

@@ -1,0 +1,873 @@
+"""Triangle multiplicative update (AF2 Algorithms 11 and 12): Triton kernels, autograd, the reference.
+
+`triangle_multiplication(z, mask, ...)` is the whole update of OpenFold's
+`TriangleMultiplicationOutgoing/Incoming` as one function of the pair representation and the module's
+parameters, with the five input projections given as one concatenated weight:
+
+    zn = LN_in(z);  [a_p, a_g, b_p, b_g, g] = zn @ proj_weight.T + proj_bias
+    a = mask * sigmoid(a_g) * a_p;  b = mask * sigmoid(b_g) * b_p
+    x_ij = sum_k a_ik b_jk (outgoing) or sum_k a_ki b_kj (incoming), per channel
+    out = (LN_out(x) @ out_weight.T + out_bias) * sigmoid(g)
+
+The fast path (CUDA, or CPU under `TRITON_INTERPRET=1`) keeps the big matmuls in cuBLAS and fuses what
+lies between them, so the pair tensor is read and written as few times as possible (M = pairs):
+
+- LayerNorm in: `hfkit.ops.layer_norm`'s kernels, reading z in its own dtype (float32 under autocast)
+  and writing zn in the compute dtype.
+- `proj_gate`: a = mask * sigmoid(a_g) * a_p and b likewise, the four a/b projections computed by
+  tl.dot inside the gating kernel and written channel-first [*, C_h, N, N], so that the triangular
+  contraction is one strided-batched cuBLAS matmul with the transposes folded into its flags. Only the
+  output gate's projection g [M, C_z] is a separate (cuBLAS) matmul. With `FUSE_PROJECTION = False`
+  one cuBLAS matmul writes all five projections [M, 4 C_h + C_z] and `gate_ab` reads them back.
+- `ln_out_t`: LayerNorm over the channels of x read channel-first and written row-major [*, N, N, C_h]
+  (the transpose fused into the normalization); then linear_z (cuBLAS).
+- `out_gate`: out = o * sigmoid(g).
+
+The backward (a `torch.autograd.Function`) mirrors it: the output-gate kernel writes d(o) and dg, the
+transposed LayerNorm backward writes dx channel-first, two batched matmuls give da and db, the gate
+kernel recomputes the a/b projections from zn and writes their gradients into the same
+[M, 4 C_h + C_z] buffer as dg, so one matmul gives d(zn) and one the projection weight's gradient.
+Bias and LayerNorm-weight gradients are summed from per-program float32 partials (deterministic, no
+atomics). Saved for backward, in the compute dtype: zn, g, a, b, x, LN_out(x) and o (seven [M, 128]
+tensors at AlphaFold's sizes) besides z. Each kernel is a `torch.library.triton_op`, so
+`torch.compile` traces the function without graph breaks. Elsewhere (CPU, float64, more than
+`MAX_HIDDEN` hidden channels) `triangle_multiplication_reference` runs. Under `torch.autocast` the
+fast path computes in the autocast dtype, as the plain module does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from hfkit.ops._triton import HAS_TRITON, TRITON_DTYPES, triton_can_run
+from hfkit.ops.layer_norm import (
+    MAX_FUSED_SIZE,
+    _bwd_config,
+    _bwd_programs,
+    _fwd_config,
+    _launch_bwd,
+    _launch_fwd,
+    _rows_view,
+)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+
+__all__ = [
+    "FUSE_PROJECTION",
+    "MAX_HIDDEN",
+    "PROJ_TILES",
+    "triangle_multiplication",
+    "triangle_multiplication_reference",
+    "uses_triton",
+]
+
+# The transposed LayerNorm-out kernels hold all hidden channels of a block of pairs in registers.
+MAX_HIDDEN = 1024
+# Compute the a/b projections inside the gating kernel (tl.dot from zn; recomputed in backward) rather
+# than as one cuBLAS matmul whose [M, 4 C_h + C_z] output the gating kernels read back. Fused saves
+# writing and reading 4 C_h channels per pair in forward and reading them again in backward.
+FUSE_PROJECTION = True
+# (BLOCK_P, BLOCK_C, BLOCK_K, num_warps) of the fused projection kernels (untuned): four float32
+# accumulators of BLOCK_P x BLOCK_C. Each program re-reads the [4 BLOCK_C, C_z] weight slices from L2,
+# so the weight traffic is 4 C_h C_z x (pairs / BLOCK_P): taller pair blocks halve it.
+PROJ_TILES = (128, 32, 64, 8)
+
+
+def triangle_multiplication_reference(
+    z: torch.Tensor,
+    mask: torch.Tensor | None,
+    ln_in_weight: torch.Tensor | None,
+    ln_in_bias: torch.Tensor | None,
+    proj_weight: torch.Tensor,
+    proj_bias: torch.Tensor | None,
+    ln_out_weight: torch.Tensor | None,
+    ln_out_bias: torch.Tensor | None,
+    out_weight: torch.Tensor,
+    out_bias: torch.Tensor | None,
+    outgoing: bool = True,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """Plain-torch triangle multiplicative update: the specification the fast path is tested against.
+
+    The math of `hfkit.model.TriangleMultiplicativeUpdate.forward`, op for op (so it also behaves
+    like it under `torch.autocast`), with the projections `[a_p, a_g, b_p, b_g, g]` as one linear.
+    Shapes as in `triangle_multiplication`.
+    """
+    c_h = out_weight.shape[1]
+    if mask is None:
+        mask = z.new_ones(z.shape[:-1])
+    mask = mask.to(z.dtype)[..., None]
+    zn = F.layer_norm(z, z.shape[-1:], ln_in_weight, ln_in_bias, eps)
+    a_p, a_g, b_p, b_g, g = F.linear(zn, proj_weight, proj_bias).split([c_h] * 4 + [z.shape[-1]], -1)
+    a = (mask * torch.sigmoid(a_g) * a_p).movedim(-1, -3)
+    b = (mask * torch.sigmoid(b_g) * b_p).movedim(-1, -3)
+    x = torch.matmul(a, b.transpose(-1, -2)) if outgoing else torch.matmul(a.transpose(-1, -2), b)
+    x = F.layer_norm(x.movedim(-3, -1), (c_h,), ln_out_weight, ln_out_bias, eps)
+    return F.linear(x, out_weight, out_bias) * torch.sigmoid(g)
+
+
+def _check_vector(name: str, t: torch.Tensor | None, size: int, z: torch.Tensor, optional: bool) -> None:
+    if t is None:
+        if optional:
+            return
+        raise ValueError(f"{name}: expected a tensor, got None")
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
+    if tuple(t.shape) != (size,):
+        raise ValueError(f"{name}: expected shape [{size}], got {list(t.shape)}")
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"{name}: expected a floating-point dtype, got {t.dtype}")
+    if t.device != z.device:
+        raise ValueError(f"{name}: on {t.device}, but z is on {z.device}; put them on one device")
+
+
+def _check_inputs(z, mask, ln_in_w, ln_in_b, proj_w, proj_b, ln_out_w, ln_out_b, out_w, out_b, eps):
+    if not isinstance(z, torch.Tensor):
+        raise ValueError(f"z: expected a torch.Tensor, got {type(z).__name__}")
+    if not z.dtype.is_floating_point:
+        raise ValueError(f"z: expected a floating-point dtype, got {z.dtype}")
+    if z.dim() < 3 or z.shape[-2] != z.shape[-3]:
+        raise ValueError(f"z: expected a pair tensor [*, N, N, C_z], got shape {list(z.shape)}")
+    c_z = z.shape[-1]
+    for name, w in (("proj_weight", proj_w), ("out_weight", out_w)):
+        if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.dtype.is_floating_point:
+            raise ValueError(f"{name}: expected a 2-d floating-point tensor, got {_describe(w)}")
+        if w.device != z.device:
+            raise ValueError(f"{name}: on {w.device}, but z is on {z.device}; put them on one device")
+    if out_w.shape[0] != c_z:
+        raise ValueError(
+            f"out_weight: expected shape [{c_z}, C_hidden] (C_z = {c_z}), got {list(out_w.shape)}"
+        )
+    c_h = out_w.shape[1]
+    if tuple(proj_w.shape) != (4 * c_h + c_z, c_z):
+        raise ValueError(
+            f"proj_weight: expected shape [4 * C_hidden + C_z, C_z] = [{4 * c_h + c_z}, {c_z}] "
+            f"(rows a_p, a_g, b_p, b_g, g), got {list(proj_w.shape)}"
+        )
+    _check_vector("ln_in_weight", ln_in_w, c_z, z, True)
+    _check_vector("ln_in_bias", ln_in_b, c_z, z, True)
+    _check_vector("proj_bias", proj_b, 4 * c_h + c_z, z, True)
+    _check_vector("ln_out_weight", ln_out_w, c_h, z, True)
+    _check_vector("ln_out_bias", ln_out_b, c_h, z, True)
+    _check_vector("out_bias", out_b, c_z, z, True)
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise ValueError(f"mask: expected a torch.Tensor or None, got {type(mask).__name__}")
+        if mask.device != z.device:
+            raise ValueError(f"mask: on {mask.device}, but z is on {z.device}; put them on one device")
+        pair_shape = z.shape[:-1]
+        trailing = pair_shape[len(pair_shape) - mask.dim() :]
+        if mask.dim() > len(pair_shape) or any(
+            m not in (1, s) for m, s in zip(mask.shape, trailing, strict=True)
+        ):
+            raise ValueError(
+                f"mask: shape {list(mask.shape)} does not broadcast to z's pair shape {list(pair_shape)}"
+            )
+    if not (isinstance(eps, (int, float)) and eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps: expected a finite non-negative number, got {eps!r}")
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"shape {list(x.shape)}, dtype {x.dtype}"
+    return type(x).__name__
+
+
+def uses_triton(z: torch.Tensor, c_hidden: int) -> bool:
+    """Whether `triangle_multiplication` takes the fused path for z with `c_hidden` hidden channels.
+
+    True on CUDA, and on CPU under `TRITON_INTERPRET=1` outside `torch.compile` tracing, for
+    float32/bfloat16/float16 z (computing in an active autocast's dtype), at most `MAX_HIDDEN` hidden
+    channels and `layer_norm`'s `MAX_FUSED_SIZE` pair channels.
+    """
+    return (
+        c_hidden <= MAX_HIDDEN
+        and z.shape[-1] <= MAX_FUSED_SIZE
+        and triton_can_run(z)
+        and _compute_dtype(z) in TRITON_DTYPES
+    )
+
+
+def _compute_dtype(z: torch.Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on for z's device and would cast z (the plain module's
+    matmul dtype), else z's dtype."""
+    kind = z.device.type
+    if z.dtype in TRITON_DTYPES and kind in ("cuda", "cpu") and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return z.dtype
+
+
+def triangle_multiplication(
+    z: torch.Tensor,
+    mask: torch.Tensor | None,
+    ln_in_weight: torch.Tensor | None,
+    ln_in_bias: torch.Tensor | None,
+    proj_weight: torch.Tensor,
+    proj_bias: torch.Tensor | None,
+    ln_out_weight: torch.Tensor | None,
+    ln_out_bias: torch.Tensor | None,
+    out_weight: torch.Tensor,
+    out_bias: torch.Tensor | None,
+    outgoing: bool = True,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """Fused triangle multiplicative update of the pair representation, with autograd.
+
+    z: [*, N, N, C_z] (float32, bfloat16 or float16; float64 runs the reference); mask: [*, N, N] or
+    anything broadcastable to it (bool or float, 1 = keep; no gradient) or None; ln_in_weight /
+    ln_in_bias: [C_z] (layer_norm_in); proj_weight: [4 * C_h + C_z, C_z] and proj_bias [4 * C_h + C_z],
+    the rows of linear_a_p, linear_a_g, linear_b_p, linear_b_g, linear_g stacked in that order;
+    ln_out_weight / ln_out_bias: [C_h] (layer_norm_out); out_weight: [C_z, C_h] and out_bias [C_z]
+    (linear_z); `outgoing` picks Algorithm 11 (x_ij = sum_k a_ik b_jk) or 12 (x_ij = sum_k a_ki b_kj);
+    `eps` of both LayerNorms. Returns the update [*, N, N, C_z] in z's dtype, or under `torch.autocast`
+    in the autocast dtype (as the plain module). LayerNorm statistics and sums of gradients are float32;
+    intermediates are stored in the compute dtype. Raises ValueError naming the argument on a bad shape,
+    dtype or device.
+    """
+    args = (
+        ln_in_weight,
+        ln_in_bias,
+        proj_weight,
+        proj_bias,
+        ln_out_weight,
+        ln_out_bias,
+        out_weight,
+        out_bias,
+    )
+    _check_inputs(z, mask, *args, eps)
+    c_h = out_weight.shape[1]
+    if not uses_triton(z, c_h) or z.numel() == 0:
+        return triangle_multiplication_reference(z, mask, *args, outgoing=outgoing, eps=eps)
+    dtype = _compute_dtype(z)
+    # The matmul operands in the compute dtype (autograd casts their gradients back); LayerNorm weights
+    # of any float dtype are read by the kernels as they are.
+    proj_weight, out_weight = proj_weight.to(dtype).contiguous(), out_weight.to(dtype)
+    proj_bias = proj_bias.to(dtype).contiguous() if proj_bias is not None else None
+    out_bias = out_bias.to(dtype) if out_bias is not None else None
+    if mask is not None:
+        mask = mask.detach().to(dtype).expand(z.shape[:-1]).contiguous()
+    return _TriangleMultiplication.apply(
+        z, mask, ln_in_weight, ln_in_bias, proj_weight, proj_bias,
+        ln_out_weight, ln_out_bias, out_weight, out_bias, bool(outgoing), float(eps), FUSE_PROJECTION,
+    )  # fmt: skip
+
+
+def _split_projection(w_proj: torch.Tensor, b_proj: torch.Tensor | None, c_h: int) -> tuple:
+    """(w_ab, b_ab, w_g, b_g): the a/b rows [4 C_h, C_z] and the output gate's rows of the projection."""
+    w_ab, w_g = w_proj[: 4 * c_h], w_proj[4 * c_h :]
+    b_ab, b_g = (b_proj[: 4 * c_h], b_proj[4 * c_h :]) if b_proj is not None else (None, None)
+    return w_ab, b_ab, w_g, b_g
+
+
+def _contract(a: torch.Tensor, b: torch.Tensor, outgoing: bool) -> torch.Tensor:
+    """x = a @ b^T (outgoing) or a^T @ b (incoming) over [L, N, N]: cuBLAS takes the transposes as flags."""
+    return torch.bmm(a, b.transpose(1, 2)) if outgoing else torch.bmm(a.transpose(1, 2), b)
+
+
+class _TriangleMultiplication(torch.autograd.Function):
+    """Forward and backward of the fused path. z keeps its dtype; the matmul weights and the mask come
+    in the compute dtype, which is also the output's."""
+
+    @staticmethod
+    def forward(ctx, z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, outgoing, eps, fuse):
+        *lead, n, _, c_z = z.shape
+        c_h = w_z.shape[1]
+        batch = math.prod(lead)
+        zn, mean_in, rstd_in = torch.ops.hfkit.tri_mul_ln_in_fwd(z, w_in, b_in, eps, w_proj.dtype)
+        w_ab, b_ab, w_g, b_g = _split_projection(w_proj, b_proj, c_h)
+        if fuse:  # a, b straight from zn; only the output gate's projection is materialized
+            a, b = torch.ops.hfkit.tri_mul_proj_gate_fwd(zn, w_ab, b_ab, mask, batch, n, c_h)
+            g_src, g_off = F.linear(zn, w_g, b_g), 0  # [M, C_z]
+        else:
+            g_src, g_off = F.linear(zn, w_proj, b_proj), 4 * c_h  # [M, 4 C_h + C_z]
+            a, b = torch.ops.hfkit.tri_mul_gate_ab_fwd(g_src, mask, batch, n, c_h)
+        x = _contract(a.view(-1, n, n), b.view(-1, n, n), outgoing)
+        y, mean_out, rstd_out = torch.ops.hfkit.tri_mul_ln_out_t_fwd(x, w_out_ln, b_out_ln, batch, c_h, eps)
+        o = F.linear(y, w_z, b_z)  # [M, C_z]
+        out = torch.ops.hfkit.tri_mul_out_gate_fwd(o, g_src, g_off)
+        ctx.save_for_backward(
+            z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z,
+            mean_in, rstd_in, zn, g_src, a, b, x, mean_out, rstd_out, y, o,
+        )  # fmt: skip
+        ctx.meta = (outgoing, fuse, g_off, batch, n, c_h)
+        return out.view(z.shape)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (
+            z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z,
+            mean_in, rstd_in, zn, g_src, a, b, x, mean_out, rstd_out, y, o,
+        ) = ctx.saved_tensors  # fmt: skip
+        outgoing, fuse, g_off, batch, n, c_h = ctx.meta
+        c_z = z.shape[-1]
+        needs = ctx.needs_input_grad
+        # d(out) -> d(o) and dg (into columns 4 C_h: of d_proj), with the sums of each over pairs.
+        do, d_proj, do_dg_sum = torch.ops.hfkit.tri_mul_out_gate_bwd(
+            dout.reshape(-1, c_z), o, g_src, g_off, 4 * c_h + c_z
+        )
+        grad_w_z = do.t().mm(y) if needs[8] else None
+        grad_b_z = do_dg_sum[:c_z].to(b_z.dtype) if b_z is not None and needs[9] else None
+        dy = do.mm(w_z)  # [M, C_h]
+        need_ln_out = (w_out_ln is not None and needs[6]) or (b_out_ln is not None and needs[7])
+        dx, dwb_out = torch.ops.hfkit.tri_mul_ln_out_t_bwd(
+            dy, x, w_out_ln, mean_out, rstd_out, batch, c_h, need_ln_out
+        )
+        grad_w_out_ln = dwb_out[0].to(w_out_ln.dtype) if w_out_ln is not None and needs[6] else None
+        grad_b_out_ln = dwb_out[1].to(b_out_ln.dtype) if b_out_ln is not None and needs[7] else None
+        dx = dx.view(-1, n, n)
+        a3, b3 = a.view(-1, n, n), b.view(-1, n, n)
+        if outgoing:  # x = a b^T
+            da, db = torch.bmm(dx, b3), torch.bmm(dx.transpose(1, 2), a3)
+        else:  # x = a^T b
+            da, db = torch.bmm(b3, dx.transpose(1, 2)), torch.bmm(a3, dx)
+        if fuse:
+            w_ab, b_ab, _, _ = _split_projection(w_proj, b_proj, c_h)
+            dab_sum = torch.ops.hfkit.tri_mul_proj_gate_bwd(
+                da, db, zn, w_ab, b_ab, mask, d_proj, batch, n, c_h
+            )
+        else:
+            dab_sum = torch.ops.hfkit.tri_mul_gate_ab_bwd(da, db, g_src, mask, d_proj, batch, n, c_h)
+        grad_w_proj = d_proj.t().mm(zn) if needs[4] else None
+        grad_b_proj = None
+        if b_proj is not None and needs[5]:
+            grad_b_proj = torch.cat([dab_sum, do_dg_sum[c_z:]]).to(b_proj.dtype)
+        dzn = d_proj.mm(w_proj)  # [M, C_z]
+        need_ln_in = (w_in is not None and needs[2]) or (b_in is not None and needs[3])
+        dz, dwb_in = torch.ops.hfkit.tri_mul_ln_in_bwd(dzn, z, w_in, mean_in, rstd_in, need_ln_in)
+        grad_w_in = dwb_in[0].to(w_in.dtype) if w_in is not None and needs[2] else None
+        grad_b_in = dwb_in[1].to(b_in.dtype) if b_in is not None and needs[3] else None
+        return (
+            dz if needs[0] else None, None, grad_w_in, grad_b_in, grad_w_proj, grad_b_proj,
+            grad_w_out_ln, grad_b_out_ln, grad_w_z, grad_b_z, None, None, None,
+        )  # fmt: skip
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _sigmoid(x):
+        return 1.0 / (1.0 + tl.exp(-x))
+
+    @triton.jit
+    def _dot(a, b, DOT: tl.constexpr):
+        # a @ b with float32 accumulation. DOT 0: in the input dtype (bf16/fp16 tensor cores); 1:
+        # float32 inputs at full precision (no TF32); 2: upcast first, for the interpreter, which
+        # cannot multiply bfloat16 (products of bfloat16 are exact in float32).
+        if DOT == 2:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        elif DOT == 1:
+            return tl.dot(a, b, input_precision="ieee")
+        else:
+            return tl.dot(a, b)
+
+    @triton.jit
+    def _store_gated(
+        A, B, Mask, a_p, a_g, b_p, b_g, rows, p, c, ok, bat, NN, CH, HAS_MASK: tl.constexpr
+    ):  # fmt: skip
+        # a, b = mask * sigmoid(gate) * proj of a [BLOCK_P, BLOCK_C] tile, stored channel-first
+        # [batch, C_h, N*N]: the tile is computed along channels and stored along pairs (Triton
+        # transposes it through shared memory).
+        a = _sigmoid(a_g) * a_p
+        b = _sigmoid(b_g) * b_p
+        if HAS_MASK:
+            m = tl.load(Mask + rows, mask=p < NN, other=0.0).to(tl.float32)[:, None]
+            a = a * m
+            b = b * m
+        dst = (bat.to(tl.int64) * CH + c)[None, :] * NN + p[:, None]
+        tl.store(A + dst, a.to(A.dtype.element_ty), mask=ok)
+        tl.store(B + dst, b.to(B.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _store_gate_grads(
+        DA, DB, Mask, DP, Part, a_p, a_g, b_p, b_g, rows, p, c, ok, c_ok, bat, pid_p,
+        NN, CH, stride_dp, num_p_blocks, HAS_MASK: tl.constexpr,
+    ):  # fmt: skip
+        # Gradients of the four a/b projections from da, db (channel-first), written into columns
+        # [0, 4 C_h) of d_proj (row-major); their float32 column sums over this program's pairs go to
+        # its own row of Part (the projection-bias gradient; the host sums the rows).
+        cf = (bat.to(tl.int64) * CH + c)[None, :] * NN + p[:, None]
+        da = tl.load(DA + cf, mask=ok, other=0.0).to(tl.float32)
+        db = tl.load(DB + cf, mask=ok, other=0.0).to(tl.float32)
+        if HAS_MASK:
+            m = tl.load(Mask + rows, mask=p < NN, other=0.0).to(tl.float32)[:, None]
+            da = da * m
+            db = db * m
+        s_a = _sigmoid(a_g)
+        s_b = _sigmoid(b_g)
+        d_ap = da * s_a
+        d_ag = da * a_p * s_a * (1.0 - s_a)
+        d_bp = db * s_b
+        d_bg = db * b_p * s_b * (1.0 - s_b)
+        dst = DP + rows[:, None] * stride_dp + c[None, :]
+        ty = DP.dtype.element_ty
+        tl.store(dst, d_ap.to(ty), mask=ok)
+        tl.store(dst + CH, d_ag.to(ty), mask=ok)
+        tl.store(dst + 2 * CH, d_bp.to(ty), mask=ok)
+        tl.store(dst + 3 * CH, d_bg.to(ty), mask=ok)
+        part = Part + (bat * num_p_blocks + pid_p).to(tl.int64) * (4 * CH) + c
+        tl.store(part, tl.sum(d_ap, axis=0), mask=c_ok)
+        tl.store(part + CH, tl.sum(d_ag, axis=0), mask=c_ok)
+        tl.store(part + 2 * CH, tl.sum(d_bp, axis=0), mask=c_ok)
+        tl.store(part + 3 * CH, tl.sum(d_bg, axis=0), mask=c_ok)
+
+    @triton.jit
+    def _load_projections(P, rows, c, ok, stride_p, CH):
+        # The four a/b projection tiles [BLOCK_P, BLOCK_C] of a materialized projection [M, stride_p].
+        src = P + rows[:, None] * stride_p + c[None, :]
+        a_p = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+        a_g = tl.load(src + CH, mask=ok, other=0.0).to(tl.float32)
+        b_p = tl.load(src + 2 * CH, mask=ok, other=0.0).to(tl.float32)
+        b_g = tl.load(src + 3 * CH, mask=ok, other=0.0).to(tl.float32)
+        return a_p, a_g, b_p, b_g
+
+    @triton.jit
+    def _project(
+        ZN, W, Bias, rows, p_ok, c, c_ok, CZ, CH,
+        HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
+        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # The four a/b projection tiles zn @ W[s * C_h + c].T (+ bias), s = a_p, a_g, b_p, b_g, in
+        # float32 accumulators: the zn rows are loaded once per K step for all four weight slices.
+        acc_ap = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+        acc_ag = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+        acc_bp = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+        acc_bg = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+        w_rows = c.to(tl.int64)[None, :] * CZ
+        for k0 in range(0, CZ, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < CZ
+            zn = tl.load(ZN + rows[:, None] * CZ + k[None, :], mask=p_ok[:, None] & k_ok[None, :], other=0.0)
+            w_ptr = W + w_rows + k[:, None]  # [BLOCK_K, BLOCK_C]: W.T of the channel block
+            w_ok = k_ok[:, None] & c_ok[None, :]
+            acc_ap += _dot(zn, tl.load(w_ptr, mask=w_ok, other=0.0), DOT)
+            w_ag = tl.load(w_ptr + CH * CZ, mask=w_ok, other=0.0)
+            acc_ag += _dot(zn, w_ag, DOT)
+            w_bp = tl.load(w_ptr + 2 * CH * CZ, mask=w_ok, other=0.0)
+            acc_bp += _dot(zn, w_bp, DOT)
+            w_bg = tl.load(w_ptr + 3 * CH * CZ, mask=w_ok, other=0.0)
+            acc_bg += _dot(zn, w_bg, DOT)
+        if HAS_BIAS:
+            acc_ap += tl.load(Bias + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+            acc_ag += tl.load(Bias + CH + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+            acc_bp += tl.load(Bias + 2 * CH + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+            acc_bg += tl.load(Bias + 3 * CH + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        return acc_ap, acc_ag, acc_bp, acc_bg
+
+    @triton.jit
+    def _gate_ab_fwd_kernel(
+        P, Mask, A, B, NN, CH, stride_p,
+        HAS_MASK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        # Unfused projection: read the four a/b projections once (row-major [M, stride_p]), write a
+        # and b once, channel-first. A program owns BLOCK_P pairs x BLOCK_C channels.
+        pid_p, pid_c, bat = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+        c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        ok = (p < NN)[:, None] & (c < CH)[None, :]
+        rows = bat.to(tl.int64) * NN + p
+        a_p, a_g, b_p, b_g = _load_projections(P, rows, c, ok, stride_p, CH)
+        _store_gated(A, B, Mask, a_p, a_g, b_p, b_g, rows, p, c, ok, bat, NN, CH, HAS_MASK)
+
+    @triton.jit
+    def _gate_ab_bwd_kernel(
+        DA, DB, P, Mask, DP, Part, NN, CH, stride_p, stride_dp, num_p_blocks,
+        HAS_MASK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        # Unfused projection: read da, db and the four projections, write their gradients.
+        pid_p, pid_c, bat = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+        c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = c < CH
+        ok = (p < NN)[:, None] & c_ok[None, :]
+        rows = bat.to(tl.int64) * NN + p
+        a_p, a_g, b_p, b_g = _load_projections(P, rows, c, ok, stride_p, CH)
+        _store_gate_grads(
+            DA, DB, Mask, DP, Part, a_p, a_g, b_p, b_g, rows, p, c, ok, c_ok, bat, pid_p,
+            NN, CH, stride_dp, num_p_blocks, HAS_MASK,
+        )  # fmt: skip
+
+    @triton.jit
+    def _proj_gate_fwd_kernel(
+        ZN, W, Bias, Mask, A, B, NN, CH, CZ,
+        HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, DOT: tl.constexpr,
+        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # Fused projection: the a/b projections of BLOCK_P pairs x BLOCK_C channels are computed from
+        # zn [M, C_z] (tl.dot, float32 accumulators) and gated in registers; only a and b (channel-
+        # first) are written. Traffic: read zn once per channel block, write a and b once; the
+        # [M, 4 C_h] projection never exists in memory.
+        # Channel blocks of one pair block are neighbours in launch order, so zn is read from HBM
+        # once and re-read from L2 by the other channel blocks.
+        num_c_blocks = tl.cdiv(CH, BLOCK_C)
+        pid_p, pid_c = tl.program_id(0) // num_c_blocks, tl.program_id(0) % num_c_blocks
+        bat = tl.program_id(1)
+        p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+        c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        p_ok = p < NN
+        c_ok = c < CH
+        ok = p_ok[:, None] & c_ok[None, :]
+        rows = bat.to(tl.int64) * NN + p
+        a_p, a_g, b_p, b_g = _project(
+            ZN, W, Bias, rows, p_ok, c, c_ok, CZ, CH, HAS_BIAS, DOT, BLOCK_P, BLOCK_C, BLOCK_K
+        )
+        _store_gated(A, B, Mask, a_p, a_g, b_p, b_g, rows, p, c, ok, bat, NN, CH, HAS_MASK)
+
+    @triton.jit
+    def _proj_gate_bwd_kernel(
+        DA, DB, ZN, W, Bias, Mask, DP, Part, NN, CH, CZ, stride_dp, num_p_blocks,
+        HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, DOT: tl.constexpr,
+        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # Fused projection, backward: recompute the four projection tiles from zn (cheaper than
+        # saving and re-reading [M, 4 C_h]), then write their gradients from da and db.
+        # Channel blocks of one pair block are neighbours in launch order, so zn is read from HBM
+        # once and re-read from L2 by the other channel blocks.
+        num_c_blocks = tl.cdiv(CH, BLOCK_C)
+        pid_p, pid_c = tl.program_id(0) // num_c_blocks, tl.program_id(0) % num_c_blocks
+        bat = tl.program_id(1)
+        p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+        c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        p_ok = p < NN
+        c_ok = c < CH
+        ok = p_ok[:, None] & c_ok[None, :]
+        rows = bat.to(tl.int64) * NN + p
+        a_p, a_g, b_p, b_g = _project(
+            ZN, W, Bias, rows, p_ok, c, c_ok, CZ, CH, HAS_BIAS, DOT, BLOCK_P, BLOCK_C, BLOCK_K
+        )
+        _store_gate_grads(
+            DA, DB, Mask, DP, Part, a_p, a_g, b_p, b_g, rows, p, c, ok, c_ok, bat, pid_p,
+            NN, CH, stride_dp, num_p_blocks, HAS_MASK,
+        )  # fmt: skip
+
+    @triton.jit
+    def _ln_out_t_fwd_kernel(
+        X, Y, W, Bias, Mean, Rstd, NN, CH, eps,
+        HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        # Traffic: read x channel-first [batch, C_h, N*N] once, write y row-major [batch * N*N, C_h]
+        # once, plus 8 bytes of statistics per pair. A program owns BLOCK_P pairs with all channels,
+        # so the reductions over channels stay in registers; the tile is transposed on the way out.
+        pid_p, bat = tl.program_id(0), tl.program_id(1)
+        p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+        c = tl.arange(0, BLOCK_C)
+        c_ok = c < CH
+        ok = c_ok[:, None] & (p < NN)[None, :]
+        x = tl.load(X + (bat.to(tl.int64) * CH + c)[:, None] * NN + p[None, :], mask=ok, other=0.0)
+        x = x.to(tl.float32)
+        mean = tl.sum(x, axis=0) / CH
+        xc = tl.where(ok, x - mean[None, :], 0.0)
+        var = tl.sum(xc * xc, axis=0) / CH
+        rstd = 1.0 / tl.sqrt(var + eps)
+        y = xc * rstd[None, :]
+        if HAS_W:
+            y = y * tl.load(W + c, mask=c_ok, other=0.0).to(tl.float32)[:, None]
+        if HAS_B:
+            y = y + tl.load(Bias + c, mask=c_ok, other=0.0).to(tl.float32)[:, None]
+        rows = bat.to(tl.int64) * NN + p
+        tl.store(Y + rows[None, :] * CH + c[:, None], y.to(Y.dtype.element_ty), mask=ok)
+        tl.store(Mean + rows, mean, mask=p < NN)
+        tl.store(Rstd + rows, rstd, mask=p < NN)
+
+    @triton.jit
+    def _ln_out_t_bwd_kernel(
+        DY, X, W, Mean, Rstd, DX, Part, NN, CH, num_p_blocks,
+        HAS_W: tl.constexpr, HAS_DW: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        # Traffic: read dy row-major and x channel-first, write dx channel-first: the transpose of the
+        # forward. The float32 sums of dy * xhat and dy over this program's pairs go to its own row of
+        # Part (the LayerNorm weight and bias gradients; host sums rows).
+        pid_p, bat = tl.program_id(0), tl.program_id(1)
+        p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+        c = tl.arange(0, BLOCK_C)
+        c_ok = c < CH
+        p_ok = p < NN
+        ok = c_ok[:, None] & p_ok[None, :]
+        rows = bat.to(tl.int64) * NN + p
+        cf = (bat.to(tl.int64) * CH + c)[:, None] * NN + p[None, :]
+        x = tl.load(X + cf, mask=ok, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[None, :] * CH + c[:, None], mask=ok, other=0.0).to(tl.float32)
+        mean = tl.load(Mean + rows, mask=p_ok, other=0.0)
+        rstd = tl.load(Rstd + rows, mask=p_ok, other=0.0)
+        xhat = tl.where(ok, (x - mean[None, :]) * rstd[None, :], 0.0)
+        if HAS_W:  # noqa: SIM108  (a constexpr branch, resolved at compile time)
+            wdy = dy * tl.load(W + c, mask=c_ok, other=0.0).to(tl.float32)[:, None]
+        else:
+            wdy = dy
+        c1 = tl.sum(xhat * wdy, axis=0) / CH
+        c2 = tl.sum(wdy, axis=0) / CH
+        dx = (wdy - (xhat * c1[None, :] + c2[None, :])) * rstd[None, :]
+        tl.store(DX + cf, dx.to(DX.dtype.element_ty), mask=ok)
+        if HAS_DW:
+            part = Part + (bat * num_p_blocks + pid_p).to(tl.int64) * (2 * CH) + c
+            tl.store(part, tl.sum(dy * xhat, axis=1), mask=c_ok)
+            tl.store(part + CH, tl.sum(dy, axis=1), mask=c_ok)
+
+    @triton.jit
+    def _out_gate_fwd_kernel(O, P, OUT, M, CZ, stride_p, g_off, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+        # Traffic: read o [M, C_z] and the gate columns of the projection, write out once.
+        rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        ok = (rows < M)[:, None] & (c < CZ)[None, :]
+        o = tl.load(O + rows[:, None] * CZ + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(P + rows[:, None] * stride_p + g_off + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        tl.store(OUT + rows[:, None] * CZ + c[None, :], (o * _sigmoid(g)).to(OUT.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _out_gate_bwd_kernel(
+        DOUT, O, P, DO, DP, Part, M, CZ, stride_dout, stride_p, stride_dp, g_off, dg_off,
+        BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        # Traffic: read d(out), o and g, write d(o) and dg (into the gate columns of d_proj); the
+        # float32 column sums of both (the linear_z and linear_g bias gradients) go to Part's row.
+        pid_m = tl.program_id(0)
+        rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = c < CZ
+        ok = (rows < M)[:, None] & c_ok[None, :]
+        dout = tl.load(DOUT + rows[:, None] * stride_dout + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        o = tl.load(O + rows[:, None] * CZ + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(P + rows[:, None] * stride_p + g_off + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        s = _sigmoid(g)
+        do = dout * s
+        dg = dout * o * s * (1.0 - s)
+        tl.store(DO + rows[:, None] * CZ + c[None, :], do.to(DO.dtype.element_ty), mask=ok)
+        tl.store(DP + rows[:, None] * stride_dp + dg_off + c[None, :], dg.to(DP.dtype.element_ty), mask=ok)
+        part = Part + pid_m.to(tl.int64) * (2 * CZ) + c
+        tl.store(part, tl.sum(do, axis=0), mask=c_ok)
+        tl.store(part + CZ, tl.sum(dg, axis=0), mask=c_ok)
+
+    def _gate_config(c_h: int) -> tuple[int, int, int]:
+        """(BLOCK_P, BLOCK_C, num_warps) of the gate kernels: 64 pairs x up to 64 channels (untuned)."""
+        block_c = min(64, max(16, triton.next_power_of_2(c_h)))
+        return 64, block_c, 8 if block_c >= 64 else 4
+
+    def _ln_out_config(c_h: int) -> tuple[int, int, int]:
+        """(BLOCK_P, BLOCK_C, num_warps) of the transposed LayerNorm: all channels, ~8K elements (untuned)."""
+        block_c = max(16, triton.next_power_of_2(c_h))
+        block_p = max(16, min(128, 8192 // block_c))
+        return block_p, block_c, max(1, min(16, block_p * block_c // 1024))
+
+    def _elementwise_config(c_z: int) -> tuple[int, int, int]:
+        """(BLOCK_M, BLOCK_C, num_warps) of the output-gate kernels: ~4K elements a program (untuned)."""
+        block_c = min(128, max(16, triton.next_power_of_2(c_z)))
+        return max(1, 4096 // block_c), block_c, 8
+
+    @triton_op("hfkit::tri_mul_ln_in_fwd", mutates_args=())
+    def _ln_in_fwd(
+        z: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        eps: float,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """LayerNorm-in with `layer_norm`'s kernel, reading z in its dtype (float32 under autocast) and
+        writing zn [M, C_z] in the compute dtype: no separate cast pass over z."""
+        c_z = z.shape[-1]
+        z2 = _rows_view(z, c_z)
+        m = z2.shape[0]
+        zn = torch.empty((m, c_z), dtype=dtype, device=z.device)
+        mean = torch.empty(m, dtype=torch.float32, device=z.device)
+        rstd = torch.empty(m, dtype=torch.float32, device=z.device)
+        _launch_fwd(z2, zn, weight, bias, mean, rstd, eps, _fwd_config(c_z, z.element_size()))
+        return zn, mean, rstd
+
+    @triton_op("hfkit::tri_mul_ln_in_bwd", mutates_args=())
+    def _ln_in_bwd(
+        dzn: torch.Tensor,
+        z: torch.Tensor,
+        weight: torch.Tensor | None,
+        mean: torch.Tensor,
+        rstd: torch.Tensor,
+        need_dwb: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """dz in z's dtype from dzn [M, C_z] in the compute dtype, and the float32 [2, C_z] weight and bias
+        gradients (zeros when not `need_dwb`)."""
+        c_z = z.shape[-1]
+        z2 = _rows_view(z, c_z)
+        m = z2.shape[0]
+        dz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
+        cfg = _bwd_config(c_z, z.element_size())
+        programs = _bwd_programs(m, cfg, z.device)
+        dwb = torch.empty((2, programs, c_z) if need_dwb else (0,), dtype=torch.float32, device=z.device)
+        _launch_bwd(z2, dzn, dz.view(m, c_z), weight, mean, rstd, dwb, need_dwb, programs, cfg)
+        if not need_dwb:
+            return dz, torch.zeros((2, c_z), dtype=torch.float32, device=z.device)
+        return dz, dwb.sum(dim=1)
+
+    @triton_op("hfkit::tri_mul_gate_ab_fwd", mutates_args=())
+    def _gate_ab_fwd(
+        proj: torch.Tensor, mask: torch.Tensor | None, batch: int, n: int, c_h: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        a = proj.new_empty((batch, c_h, n, n))
+        b = proj.new_empty((batch, c_h, n, n))
+        block_p, block_c, warps = _gate_config(c_h)
+        grid = (triton.cdiv(n * n, block_p), triton.cdiv(c_h, block_c), batch)
+        wrap_triton(_gate_ab_fwd_kernel)[grid](
+            proj, mask, a, b, n * n, c_h, proj.stride(0),
+            HAS_MASK=mask is not None, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps,
+        )  # fmt: skip
+        return a, b
+
+    @triton_op("hfkit::tri_mul_gate_ab_bwd", mutates_args={"d_proj"})
+    def _gate_ab_bwd(
+        da: torch.Tensor,
+        db: torch.Tensor,
+        proj: torch.Tensor,
+        mask: torch.Tensor | None,
+        d_proj: torch.Tensor,
+        batch: int,
+        n: int,
+        c_h: int,
+    ) -> torch.Tensor:
+        """Writes columns [0, 4 C_h) of d_proj; returns their float32 sums over pairs, [4 C_h]."""
+        block_p, block_c, warps = _gate_config(c_h)
+        num_p_blocks = triton.cdiv(n * n, block_p)
+        part = torch.empty((batch * num_p_blocks, 4 * c_h), dtype=torch.float32, device=proj.device)
+        wrap_triton(_gate_ab_bwd_kernel)[(num_p_blocks, triton.cdiv(c_h, block_c), batch)](
+            da.contiguous(), db.contiguous(), proj, mask, d_proj, part,
+            n * n, c_h, proj.stride(0), d_proj.stride(0), num_p_blocks,
+            HAS_MASK=mask is not None, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps,
+        )  # fmt: skip
+        return part.sum(dim=0)
+
+    def _proj_config(c_h: int, c_z: int, zn: torch.Tensor) -> tuple[int, int, int, int, int]:
+        """(BLOCK_P, BLOCK_C, BLOCK_K, num_warps, DOT) of the fused projection kernels, from
+        `PROJ_TILES` (channel and K blocks shrunk to the problem, at least 16 for tl.dot); DOT as
+        `_dot` takes it."""
+        block_p, block_c, block_k, warps = PROJ_TILES
+        block_c = min(block_c, max(16, triton.next_power_of_2(c_h)))
+        block_k = min(block_k, max(16, triton.next_power_of_2(c_z)))
+        dot = 1 if zn.dtype == torch.float32 else 2 if zn.dtype == torch.bfloat16 and not zn.is_cuda else 0
+        return block_p, block_c, block_k, warps, dot
+
+    @triton_op("hfkit::tri_mul_proj_gate_fwd", mutates_args=())
+    def _proj_gate_fwd(
+        zn: torch.Tensor,
+        w_ab: torch.Tensor,
+        b_ab: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        batch: int,
+        n: int,
+        c_h: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """a, b [batch, C_h, N, N] from zn [M, C_z] and the a/b rows w_ab [4 C_h, C_z] (bias b_ab)."""
+        c_z = zn.shape[1]
+        a = zn.new_empty((batch, c_h, n, n))
+        b = zn.new_empty((batch, c_h, n, n))
+        block_p, block_c, block_k, warps, dot = _proj_config(c_h, c_z, zn)
+        grid = (triton.cdiv(n * n, block_p) * triton.cdiv(c_h, block_c), batch)
+        wrap_triton(_proj_gate_fwd_kernel)[grid](
+            zn, w_ab, b_ab, mask, a, b, n * n, c_h, c_z,
+            HAS_BIAS=b_ab is not None, HAS_MASK=mask is not None, DOT=dot,
+            BLOCK_P=block_p, BLOCK_C=block_c, BLOCK_K=block_k, num_warps=warps,
+        )  # fmt: skip
+        return a, b
+
+    @triton_op("hfkit::tri_mul_proj_gate_bwd", mutates_args={"d_proj"})
+    def _proj_gate_bwd(
+        da: torch.Tensor,
+        db: torch.Tensor,
+        zn: torch.Tensor,
+        w_ab: torch.Tensor,
+        b_ab: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        d_proj: torch.Tensor,
+        batch: int,
+        n: int,
+        c_h: int,
+    ) -> torch.Tensor:
+        """Writes columns [0, 4 C_h) of d_proj; returns their float32 sums over pairs, [4 C_h]."""
+        c_z = zn.shape[1]
+        block_p, block_c, block_k, warps, dot = _proj_config(c_h, c_z, zn)
+        num_p_blocks = triton.cdiv(n * n, block_p)
+        part = torch.empty((batch * num_p_blocks, 4 * c_h), dtype=torch.float32, device=zn.device)
+        wrap_triton(_proj_gate_bwd_kernel)[(num_p_blocks * triton.cdiv(c_h, block_c), batch)](
+            da.contiguous(), db.contiguous(), zn, w_ab, b_ab, mask, d_proj, part,
+            n * n, c_h, c_z, d_proj.stride(0), num_p_blocks,
+            HAS_BIAS=b_ab is not None, HAS_MASK=mask is not None, DOT=dot,
+            BLOCK_P=block_p, BLOCK_C=block_c, BLOCK_K=block_k, num_warps=warps,
+        )  # fmt: skip
+        return part.sum(dim=0)
+
+    @triton_op("hfkit::tri_mul_ln_out_t_fwd", mutates_args=())
+    def _ln_out_t_fwd(
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        batch: int,
+        c_h: int,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        nn_ = x.numel() // (batch * c_h)
+        y = x.new_empty((batch * nn_, c_h))
+        mean = torch.empty(batch * nn_, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(batch * nn_, dtype=torch.float32, device=x.device)
+        block_p, block_c, warps = _ln_out_config(c_h)
+        wrap_triton(_ln_out_t_fwd_kernel)[(triton.cdiv(nn_, block_p), batch)](
+            x, y, weight, bias, mean, rstd, nn_, c_h, eps,
+            HAS_W=weight is not None, HAS_B=bias is not None,
+            BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps,
+        )  # fmt: skip
+        return y, mean, rstd
+
+    @triton_op("hfkit::tri_mul_ln_out_t_bwd", mutates_args=())
+    def _ln_out_t_bwd(
+        dy: torch.Tensor,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        mean: torch.Tensor,
+        rstd: torch.Tensor,
+        batch: int,
+        c_h: int,
+        need_dwb: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns dx channel-first (x's shape) and the float32 [2, C_h] weight and bias gradients."""
+        nn_ = x.numel() // (batch * c_h)
+        dx = torch.empty_like(x)
+        block_p, block_c, warps = _ln_out_config(c_h)
+        num_p_blocks = triton.cdiv(nn_, block_p)
+        part = torch.empty(
+            (batch * num_p_blocks if need_dwb else 0, 2 * c_h), dtype=torch.float32, device=x.device
+        )
+        wrap_triton(_ln_out_t_bwd_kernel)[(num_p_blocks, batch)](
+            dy.contiguous(), x, weight, mean, rstd, dx, part, nn_, c_h, num_p_blocks,
+            HAS_W=weight is not None, HAS_DW=need_dwb, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps,
+        )  # fmt: skip
+        return dx, part.sum(dim=0).view(2, c_h)
+
+    @triton_op("hfkit::tri_mul_out_gate_fwd", mutates_args=())
+    def _out_gate_fwd(o: torch.Tensor, proj: torch.Tensor, g_off: int) -> torch.Tensor:
+        m, c_z = o.shape
+        out = torch.empty_like(o)
+        block_m, block_c, warps = _elementwise_config(c_z)
+        wrap_triton(_out_gate_fwd_kernel)[(triton.cdiv(m, block_m), triton.cdiv(c_z, block_c))](
+            o, proj, out, m, c_z, proj.stride(0), g_off, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=warps
+        )
+        return out
+
+    @triton_op("hfkit::tri_mul_out_gate_bwd", mutates_args=())
+    def _out_gate_bwd(
+        dout: torch.Tensor, o: torch.Tensor, g_src: torch.Tensor, g_off: int, d_proj_width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns d(o), d_proj [M, d_proj_width] with dg written to its last C_z columns (the rest is
+        left for the gate kernel) and the float32 sums over pairs of d(o) and dg, [2 C_z]. g is read
+        from columns [g_off, g_off + C_z) of g_src."""
+        m, c_z = o.shape
+        if dout.stride(1) != 1:
+            dout = dout.contiguous()
+        do = torch.empty_like(o)
+        d_proj = o.new_empty((m, d_proj_width))
+        block_m, block_c, warps = _elementwise_config(c_z)
+        num_m_blocks = triton.cdiv(m, block_m)
+        part = torch.empty((num_m_blocks, 2 * c_z), dtype=torch.float32, device=o.device)
+        wrap_triton(_out_gate_bwd_kernel)[(num_m_blocks, triton.cdiv(c_z, block_c))](
+            dout, o, g_src, do, d_proj, part, m, c_z, dout.stride(0), g_src.stride(0), d_proj.stride(0),
+            g_off, d_proj_width - c_z, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=warps,
+        )  # fmt: skip
+        return do, d_proj, part.sum(dim=0)

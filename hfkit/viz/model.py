@@ -1,0 +1,397 @@
+"""Figures and widgets of notebooks 03 (op profiling) and 05 (end to end): the operator-share bars,
+the LayerNorm shape census, model-benchmark bars, the swap waterfall, and two explorers that rerun a
+profile or a training step for the settings chosen.
+
+Inputs are the DataFrames of `hfkit.bench.profile` (`op_table`, `layer_norm_census`, `census_speed`)
+and of `hfkit.bench.load_results` / `rows_to_frame` for `hfkit bench model` rows. plotly and
+ipywidgets are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
+    import torch
+
+    from hfkit.model import ModelConfig
+
+__all__ = [
+    "PRESETS",
+    "SEED_LN_CENSUS",
+    "SEED_OP_TABLE",
+    "ProfileExplorer",
+    "SwapExplorer",
+    "census_figure",
+    "load_reference",
+    "model_time_bars",
+    "op_share_bars",
+    "preset_config",
+    "waterfall_figure",
+    "waterfall_frame",
+]
+
+VARIANT_ORDER = ["eager", "hfkit", "compile", "compile_hfkit"]
+VARIANT_COLORS = {"eager": "#7f7f7f", "hfkit": "#d62728", "compile": "#1f77b4", "compile_hfkit": "#9467bd"}
+PRESETS = ("tiny", "af2_initial", "af2_finetune")
+
+# The hfai article's profile of one AlphaFold training step with torch ops (12.6 s, A100s), and its
+# LayerNorm input-shape census (shares of calls; torch and hfai LayerNorm seconds per call). Quoted
+# from ../shared/seeds/000_*.txt, for comparison with what is measured here.
+SEED_OP_TABLE = pd.DataFrame(
+    {
+        "name": [
+            "aten::native_layer_norm",
+            "RowwiseMoments kernel (layer_norm)",
+            "aten::mm",
+            "aten::native_layer_norm_backward",
+            "aten::add_",
+        ],
+        "time_ms": [2105.0, 1866.0, 1716.0, 1642.0, 1454.0],
+        "share_pct": [16.81, 14.90, 13.70, 13.11, 11.61],
+    }
+)
+SEED_LN_CENSUS = pd.DataFrame(
+    {
+        "shape": [
+            (1, 256, 256, 128),
+            (1, 132, 256, 256),
+            (1, 1, 256, 256, 64),
+            (1, 128, 256, 256),
+            (1, 256, 132, 256),
+            (1, 256, 128, 256),
+            (1, 256, 384),
+            (1, 1024, 256, 64),
+            (1, 256, 1024, 64),
+            (1, 4, 256, 256, 64),
+            (1, 256, 256),
+        ],
+        "calls_pct": [59.96, 13.2, 8.03, 7.92, 4.4, 2.64, 1.87, 1.32, 0.44, 0.11, 0.11],
+        "torch_s": [0.003, 0.0017, 0.0028, 0.0017, 0.0017, 0.0017, 0.0002, 0.0111, 0.0111, 0.0111, 0.0003],
+        "hfai_s": [0.0008, 0.0007, 0.0007, 0.0006, 0.0006, 0.0006, 0.0003, 0.0024, 0.0024, 0.0024, 0.0003],
+    }
+)
+
+
+def preset_config(preset: str, crop: int | None = None, on_cpu: bool = False) -> ModelConfig:
+    """The `ModelConfig` of `preset` ("tiny", "af2_initial", "af2_finetune"), with crop size `crop`
+    if given. `on_cpu` scales the AlphaFold presets down (1 Evoformer block, 1 extra-MSA block,
+    crop <= 24, <= 8 clusters, <= 16 extra rows; channel sizes kept) so one step takes seconds."""
+    from hfkit.model import ModelConfig
+
+    if preset not in PRESETS:
+        raise ValueError(f"preset: expected one of {PRESETS}, got {preset!r}")
+    config = getattr(ModelConfig, preset)()
+    if crop is not None:
+        if crop < 1:
+            raise ValueError(f"crop: expected a positive residue count, got {crop}")
+        config = config.replace(crop_size=int(crop))
+    if on_cpu and preset != "tiny":
+        config = config.replace(
+            no_blocks=1,
+            extra_no_blocks=1,
+            crop_size=min(config.crop_size, 24),
+            max_msa_clusters=min(config.max_msa_clusters, 8),
+            max_extra_msa=min(config.max_extra_msa, 16),
+        )
+    return config
+
+
+def load_reference(gpu: str = "h200", op: str | None = None) -> pd.DataFrame | None:
+    """Committed results of `hfkit bench model` for `gpu` (rows of `op`, or all), or None with a
+    printed note when there are none yet."""
+    from hfkit.bench import load_results, results_dir
+
+    try:
+        return load_results(results_dir() / gpu / "model.json", op=op)
+    except (FileNotFoundError, ValueError) as err:
+        print(
+            f"No committed {gpu.upper()} model results to show ({err}).\n"
+            f"Run `hfkit bench model` on an {gpu.upper()} to create data/results/{gpu}/model.json."
+        )
+        return None
+
+
+def op_share_bars(ops: pd.DataFrame, title: str | None = None) -> go.Figure:
+    """Horizontal bars of each operator's share of device time (an `op_table`), largest on top."""
+    import plotly.express as px
+
+    data = ops.sort_values("share_pct")
+    hover = [c for c in ("calls", "time_ms") if c in data]
+    fig = px.bar(
+        data,
+        x="share_pct",
+        y="name",
+        orientation="h",
+        hover_data=hover,
+        labels={"share_pct": "% of device time", "name": ""},
+        title=title or "top operators by device time",
+    )
+    fig.update_layout(height=max(300, 26 * len(data) + 120))
+    return fig
+
+
+def census_figure(
+    census: pd.DataFrame, speed: pd.DataFrame | None = None, title: str | None = None
+) -> go.Figure:
+    """The LayerNorm census: per input shape, the share of calls and of LayerNorm time (left), and
+    with `speed` (`census_speed`) torch's and hfkit's time per call on that shape (right)."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    shapes = ["x".join(map(str, s)) for s in census["shape"]]
+    cols = 2 if speed is not None and not speed.empty else 1
+    titles = ["share of LayerNorm calls and time (%)"] + (["time per call (ms)"] if cols == 2 else [])
+    fig = make_subplots(rows=1, cols=cols, subplot_titles=titles, horizontal_spacing=0.12)
+    fig.add_trace(go.Bar(x=shapes, y=census["calls_pct"], name="% of calls"), 1, 1)
+    fig.add_trace(go.Bar(x=shapes, y=census["time_pct"], name="% of time"), 1, 1)
+    if cols == 2:
+        names = ["x".join(map(str, s)) for s in speed["shape"]]
+        fig.add_trace(go.Bar(x=names, y=speed["torch_ms"], name="torch", marker_color="#7f7f7f"), 1, 2)
+        fig.add_trace(go.Bar(x=names, y=speed["hfkit_ms"], name="hfkit", marker_color="#d62728"), 1, 2)
+    fig.update_layout(barmode="group", title=title or "LayerNorm input-shape census", height=430)
+    return fig
+
+
+def model_time_bars(frame: pd.DataFrame, op: str = "evoformer_block", title: str | None = None) -> go.Figure:
+    """Grouped bars of p50 time (ms) per (S x N [, checkpointing]) for each variant of `op`'s rows,
+    faceted by mode and precision; failed configurations are left out (see their `extra['error']`)."""
+    import plotly.express as px
+
+    data = frame[(frame["op"] == op) & frame["p50_ms"].notna()].copy()
+    if data.empty:
+        raise ValueError(f"frame: no measured {op!r} rows")
+    ckpt = data["extra"].apply(lambda e: (e or {}).get("checkpointing"))
+    data["config"] = [
+        "x".join(map(str, s)) + ("" if c is None else f" ckpt {'on' if c else 'off'}")
+        for s, c in zip(data["shape"], ckpt, strict=True)
+    ]
+    data["peak_GiB"] = data["peak_mem_bytes"].astype(float) / 2**30
+    variants = [v for v in VARIANT_ORDER if v in set(data["provider"])]
+    variants += sorted(set(data["provider"]) - set(variants))
+    fig = px.bar(
+        data,
+        x="config",
+        y="p50_ms",
+        color="provider",
+        barmode="group",
+        facet_row="mode" if data["mode"].nunique() > 1 else None,
+        facet_col="dtype" if data["dtype"].nunique() > 1 else None,
+        category_orders={"provider": variants, "mode": ["fwd", "fwd+bwd"]},
+        color_discrete_map=VARIANT_COLORS,
+        hover_data=["p20_ms", "p80_ms", "peak_GiB", "tflops", "method"],
+        labels={"config": "S x N", "p50_ms": "p50 time (ms)", "provider": "variant"},
+        title=title or f"{op}: time per call (lower is better)",
+    )
+    fig.update_yaxes(matches=None)
+    fig.for_each_annotation(lambda a: a.update(text=a.text.split("=")[-1]))
+    fig.update_layout(height=330 * max(1, data["mode"].nunique()) + 100)
+    return fig
+
+
+def waterfall_frame(frame: pd.DataFrame) -> pd.DataFrame:
+    """`step_waterfall` rows as the waterfall's table: stage, step time (ms), change from the stage
+    before (ms), peak memory (GiB), swapped ops; ordered by stage. Failed stages keep NaN times."""
+    data = frame[frame["op"] == "step_waterfall"].copy()
+    if data.empty:
+        raise ValueError("frame: no 'step_waterfall' rows")
+    data["stage_index"] = data["extra"].apply(lambda e: (e or {}).get("stage", math.inf))
+    data = data.sort_values("stage_index")
+    table = pd.DataFrame(
+        {
+            "stage": data["provider"].to_numpy(),
+            "step_ms": data["p50_ms"].to_numpy(dtype=float),
+            "peak_GiB": data["peak_mem_bytes"].astype(float).to_numpy() / 2**30,
+            "ops": data["extra"].apply(lambda e: ", ".join((e or {}).get("ops", []))).to_numpy(),
+            "error": data["extra"].apply(lambda e: (e or {}).get("error", "")).to_numpy(),
+        }
+    )
+    table.insert(2, "delta_ms", table["step_ms"].diff().fillna(table["step_ms"]))
+    return table
+
+
+def waterfall_figure(table: pd.DataFrame, title: str | None = None) -> go.Figure:
+    """A plotly waterfall from `waterfall_frame`'s table: the eager step time, each stage's change
+    (negative: faster), and the final step time. Failed stages are skipped."""
+    import plotly.graph_objects as go
+
+    data = table[table["step_ms"].notna()].reset_index(drop=True)
+    if data.empty:
+        raise ValueError("table: no measured stages")
+    deltas = data["step_ms"].diff().fillna(data["step_ms"]).tolist()
+    x = [*data["stage"], "final"]
+    y = [*deltas, 0.0]
+    measure = ["absolute", *(["relative"] * (len(data) - 1)), "total"]
+    text = [f"{data['step_ms'].iloc[0]:.1f}"] + [f"{d:+.1f}" for d in deltas[1:]]
+    text.append(f"{data['step_ms'].iloc[-1]:.1f}")
+    fig = go.Figure(
+        go.Waterfall(
+            x=x,
+            y=y,
+            measure=measure,
+            text=text,
+            textposition="outside",
+            decreasing={"marker": {"color": "#2ca02c"}},
+            increasing={"marker": {"color": "#d62728"}},
+            totals={"marker": {"color": "#1f77b4"}},
+        )
+    )
+    fig.update_layout(
+        title=title or "training step: eager -> each swapped op -> compile",
+        yaxis_title="step time (ms)",
+        height=460,
+        showlegend=False,
+    )
+    return fig
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    from hfkit.bench.ceilings import resolve_device
+
+    return resolve_device(device)
+
+
+class ProfileExplorer:
+    """Dropdowns for preset and precision, a crop box, and a button that profiles one training step
+    (`hfkit.bench.model.profile_train_step`) and shows the operator table, the LayerNorm census and
+    their figures. On a CPU the AlphaFold presets are scaled down (`preset_config(on_cpu=True)`).
+    `run()` does what the button does."""
+
+    def __init__(self, device: torch.device | str | None = None, preset: str = "tiny") -> None:
+        import ipywidgets as widgets
+
+        self.device = _device(device)
+        self.preset = widgets.Dropdown(options=list(PRESETS), value=preset, description="preset")
+        self.crop = widgets.BoundedIntText(value=0, min=0, max=4096, description="crop (0: preset)")
+        self.dtype = widgets.Dropdown(
+            options=["fp32", "bf16_autocast"], value="fp32" if self.device.type == "cpu" else "bf16_autocast"
+        )
+        self.dtype.description = "precision"
+        self.button = widgets.Button(description="profile", button_style="primary", icon="play")
+        self.output = widgets.Output()
+        self.button.on_click(lambda _: self.run())
+        where = "GPU" if self.device.type == "cuda" else "CPU: AlphaFold presets scaled down, CPU time"
+        self.widget = widgets.VBox(
+            [
+                widgets.HBox([self.preset, self.crop, self.dtype, self.button]),
+                widgets.Label(f"profiles on {self.device} ({where})"),
+                self.output,
+            ]
+        )
+        self.last: dict[str, Any] | None = None
+
+    def run(self) -> dict[str, Any]:
+        """Profile now; show and return `profile_train_step`'s tables (plus "config")."""
+        from IPython.display import display
+
+        from hfkit.bench.model import profile_train_step
+
+        on_cpu = self.device.type != "cuda"
+        config = preset_config(self.preset.value, self.crop.value or None, on_cpu=on_cpu)
+        out = profile_train_step(config, self.device, self.dtype.value, census_reps=3 if on_cpu else 20)
+        out["config"] = config
+        self.last = out
+        label = (
+            f"{self.preset.value} crop {config.crop_size}, {config.no_blocks} blocks, {self.dtype.value}, "
+            f"{out['ops'].attrs['device_time'].upper()} time"
+        )
+        self.output.clear_output(wait=True)
+        with self.output:
+            print(f"{label}: {out['step_ms']:.1f} ms of operator time per step")
+            display(out["ops"].round(2))
+            op_share_bars(out["ops"], title=f"top operators: {label}").show()
+            display(out["census"].round(2))
+            census_figure(out["census"], out["speed"], title=f"LayerNorm census: {label}").show()
+        return out
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+
+class SwapExplorer:
+    """A checkbox per registered op (`swappable_ops()`) and one for compile, and a button that
+    reruns the training step with exactly those ops swapped (`measure_train_step`) and compares it
+    with the eager step (measured once). `run()` does what the button does."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        device: torch.device | str | None = None,
+        precision: str | None = None,
+        compile_backend: str | None = None,
+    ) -> None:
+        import ipywidgets as widgets
+
+        from hfkit.bench.model import swappable_ops
+
+        self.config = config
+        self.device = _device(device)
+        on_cuda = self.device.type == "cuda"
+        self.precision = precision or ("bf16_autocast" if on_cuda else "fp32")
+        # On a CPU, Inductor's C++ build takes minutes; the "eager" backend (Dynamo only) checks the path.
+        self.compile_backend = compile_backend or ("inductor" if on_cuda else "eager")
+        self.boxes = {
+            op: widgets.Checkbox(value=True, description=op, indent=False) for op in swappable_ops()
+        }
+        self.compile = widgets.Checkbox(value=False, description="torch.compile", indent=False)
+        self.button = widgets.Button(description="run step", button_style="primary", icon="play")
+        self.output = widgets.Output()
+        self.button.on_click(lambda _: self.run())
+        self.widget = widgets.VBox(
+            [
+                widgets.HBox([*self.boxes.values(), self.compile]),
+                self.button,
+                widgets.Label(
+                    f"{self.device}, {self.precision}, crop {config.crop_size}, {config.no_blocks} blocks; "
+                    f"compile backend {self.compile_backend}"
+                ),
+                self.output,
+            ]
+        )
+        self._eager: dict[str, Any] | None = None
+        self.history: list[dict[str, Any]] = []
+
+    def _step(self, variant: str, ops: Sequence[str] | None) -> dict[str, Any]:
+        from hfkit.bench.model import measure_train_step
+
+        return measure_train_step(
+            self.config, self.device, self.precision, variant, ops=ops, compile_backend=self.compile_backend
+        )
+
+    def run(self) -> pd.DataFrame:
+        """Measure the step with the ticked ops (and compile); show and return the comparison."""
+        from IPython.display import display
+
+        if self._eager is None:
+            self._eager = self._step("eager", None)
+        ops = [op for op, box in self.boxes.items() if box.value]
+        variant = (
+            ("compile_hfkit" if ops else "compile") if self.compile.value else ("hfkit" if ops else "eager")
+        )
+        now = self._step(variant, ops)
+        gib = lambda b: None if b is None else b / 2**30
+        eager_ms, now_ms = self._eager["timing"].p50, now["timing"].p50
+        row = {
+            "swapped": ", ".join(ops) or "(none)",
+            "compile": self.compile.value,
+            "step_ms": now_ms,
+            "eager_ms": eager_ms,
+            "speedup": eager_ms / now_ms,
+            "peak_GiB": gib(now["peak_mem_bytes"]),
+            "eager_peak_GiB": gib(self._eager["peak_mem_bytes"]),
+            "first_call_s": now["first_call_s"],
+        }
+        self.history.append(row)
+        table = pd.DataFrame(self.history)
+        self.output.clear_output(wait=True)
+        with self.output:
+            display(table.round(3))
+        return table
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)

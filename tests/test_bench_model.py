@@ -1,0 +1,221 @@
+"""hfkit.bench.model on the CPU at the tiny preset: the block / stack / step / waterfall parts run,
+their rows are complete and saved, failures and the time budget become rows, and the compiled
+block is compiled once for many blocks."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from hfkit.bench import load_results
+from hfkit.bench.model import (
+    PRECISIONS,
+    bench_config,
+    compile_blocks,
+    evoformer_block_flops,
+    make_block,
+    make_variant,
+    measure_train_step,
+    reference_ops_on_cpu,
+    run_model_benchmark,
+    summary_table,
+    swappable_ops,
+    waterfall_stages,
+)
+from hfkit.cli import main
+from hfkit.model import EvoformerStack
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = bench_config(quick=True)
+QUICK = dict(quick=True, progress=False, compile_backend="eager", shapes=[(3, 5)])
+
+
+def test_block_flops_match_the_issue_estimate() -> None:
+    # Issue 5: "one block needs about 0.6 TFLOP ... for forward+backward" at af2_initial (128, 256).
+    af2 = bench_config()
+    assert 0.55e12 < 3 * evoformer_block_flops(128, 256, af2) < 0.75e12
+    assert evoformer_block_flops(256, 384, af2) > evoformer_block_flops(128, 384, af2)
+    assert evoformer_block_flops(128, 512, af2) > evoformer_block_flops(128, 256, af2)
+
+
+def test_compile_blocks_compiles_once_for_many_blocks(seed) -> None:
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    config = TINY.replace(no_blocks=3, msa_dropout=0.0, pair_dropout=0.0)
+    stack = EvoformerStack.from_config(config)
+    # Inputs that require grad, as inside a model: block 0 then sees what blocks 1 and 2 see.
+    m = torch.randn(1, 3, 7, config.c_m, requires_grad=True)
+    z = torch.randn(1, 7, 7, config.c_z, requires_grad=True)
+    masks = (torch.ones(1, 3, 7), torch.ones(1, 7, 7))
+    expected = stack(m, z, *masks)
+    assert compile_blocks(stack, backend=counting_backend) == 3
+    got = stack(m, z, *masks)
+    assert len(graphs) == 1  # three blocks, one graph
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b)
+    for block in stack.blocks:
+        del block.forward
+    assert all(not hasattr(b.__dict__, "forward") for b in stack.blocks)
+
+
+def test_make_variant_swaps_and_leaves_the_original(seed) -> None:
+    block = make_block(TINY)
+    hf, notes = make_variant(block, "hfkit")
+    assert "swapped" in notes["swap"]
+    assert type(block.msa_att_row.layer_norm_m) is torch.nn.LayerNorm  # the copy was swapped
+    assert type(hf.msa_att_row.layer_norm_m) is not torch.nn.LayerNorm
+    only, notes = make_variant(block, "hfkit", ops=["LayerNorm"])
+    assert notes["ops"] == ["LayerNorm"] and "LayerNorm" in notes["swap"]
+    with pytest.raises(ValueError, match="variant"):
+        make_variant(block, "fast")
+
+
+def test_block_stack_step_rows_on_cpu(tmp_path) -> None:
+    out = tmp_path / "model.json"
+    rows = run_model_benchmark(
+        "cpu",
+        parts=("block", "stack", "step"),
+        variants=("eager", "hfkit", "compile"),
+        step_variants=("eager", "hfkit"),
+        dtypes=("bf16",),
+        stack_dtypes=("fp32",),
+        checkpointing=(False, True),
+        out=out,
+        command="test",
+        **QUICK,
+    )
+    by_op = {
+        op: [r for r in rows if r.op == op] for op in ("evoformer_block", "evoformer_stack", "train_step")
+    }
+    assert len(by_op["evoformer_block"]) == 3 * 2  # variants x modes
+    assert len(by_op["evoformer_stack"]) == 2 * 3  # checkpointing x variants
+    assert len(by_op["train_step"]) == 2 * 2
+    for r in rows:
+        assert r.method == "wall" and "error" not in r.extra, r.extra
+        assert r.p50_ms > 0 and r.n_reps >= 1 and r.extra["first_call_s"] > 0
+        assert r.command == "test" and r.gpu.startswith("CPU")
+    block = by_op["evoformer_block"][0]
+    assert block.shape == [3, 5] and block.flops == evoformer_block_flops(3, 5, TINY)
+    assert {r.extra["params_dtype"] for r in by_op["evoformer_block"]} == {"bfloat16"}
+    assert {r.extra["params_dtype"] for r in by_op["evoformer_stack"]} == {"float32"}
+    assert {r.extra["checkpointing"] for r in by_op["evoformer_stack"]} == {False, True}
+    hfkit_step = next(r for r in by_op["train_step"] if r.provider == "hfkit")
+    assert "swapped" in hfkit_step.extra["swap"] and hfkit_step.extra["autocast"] == "bfloat16"
+    assert set(hfkit_step.extra["phases_s"]) == {"forward", "backward", "optimizer"}
+    assert math.isfinite(hfkit_step.extra["loss"])
+    compiled = next(r for r in by_op["evoformer_stack"] if r.provider == "compile")
+    assert compiled.extra["compiled_blocks"] == TINY.no_blocks
+    saved = load_results(out)
+    assert len(saved) == len(rows) and set(saved["op"]) == set(by_op)
+    table = summary_table(saved)
+    assert (table[table["variant"] == "eager"]["vs eager"] == 1.0).all()
+
+
+def test_failures_and_budget_become_rows(tmp_path) -> None:
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("backend exploded")
+
+    rows = run_model_benchmark(
+        "cpu",
+        parts=("block",),
+        variants=("compile", "eager"),
+        dtypes=("fp32",),
+        **{**QUICK, "compile_backend": broken_backend},
+    )
+    failed = [r for r in rows if r.provider == "compile"]
+    assert len(failed) == 2 and all(r.method == "failed" and math.isnan(r.p50_ms) for r in failed)
+    assert all("backend exploded" in r.extra["error"] for r in failed)
+    assert all(r.method == "wall" for r in rows if r.provider == "eager")  # the run went on
+
+    skipped = run_model_benchmark("cpu", parts=("stack",), variants=("eager",), budget_s=1e-9, **QUICK)
+    assert len(skipped) == 2 and all("budget" in r.extra["error"] for r in skipped)
+
+
+def test_append_keeps_other_configurations(tmp_path) -> None:
+    out = tmp_path / "model.json"
+    common = dict(parts=("block",), dtypes=("fp32",), modes=("fwd",), out=out, **QUICK)
+    run_model_benchmark("cpu", variants=("eager",), **common)
+    run_model_benchmark("cpu", variants=("eager", "hfkit"), append=True, **common)
+    doc = json.loads(out.read_text())
+    assert sorted(r["provider"] for r in doc["rows"]) == ["eager", "hfkit"]  # eager replaced, not doubled
+    run_model_benchmark("cpu", variants=("hfkit",), **common)  # without append: overwritten
+    assert [r["provider"] for r in json.loads(out.read_text())["rows"]] == ["hfkit"]
+
+
+def test_waterfall_stages_and_train_step_subset() -> None:
+    ops = swappable_ops()
+    assert "LayerNorm" in ops and "Attention" in ops
+    stages = waterfall_stages()
+    assert [s[0] for s in stages] == ["eager", *(f"+{op}" for op in ops), "+compile"]
+    assert stages[-1][2] == ops and stages[1][2] == ops[:1]
+    out = measure_train_step(TINY, "cpu", "fp32", "hfkit", ops=["LayerNorm"], reps=1)
+    assert "LayerNorm" in out["notes"]["swap"] and out["timing"].p50 > 0
+    assert math.isfinite(out["loss"])
+
+
+def test_reference_ops_on_cpu_restores_the_environment(monkeypatch) -> None:
+    from hfkit.ops._triton import interpreting
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with reference_ops_on_cpu():
+        assert not interpreting()
+    assert interpreting()
+
+
+def test_bad_arguments_raise() -> None:
+    with pytest.raises(ValueError, match="parts"):
+        run_model_benchmark("cpu", parts=("everything",), **QUICK)
+    with pytest.raises(ValueError, match="shapes"):
+        run_model_benchmark("cpu", parts=("block",), **{**QUICK, "shapes": [(3,)]})
+    with pytest.raises(ValueError, match="precision"):
+        run_model_benchmark("cpu", parts=("step",), step_dtype="fp8", **QUICK)
+    with pytest.raises(ValueError, match="budget_s"):
+        run_model_benchmark("cpu", parts=("step",), budget_s=0, **QUICK)
+    assert set(PRECISIONS) == {"fp32", "bf16", "bf16_autocast"}
+
+
+def test_cli_bench_model(tmp_path, capsys) -> None:
+    out = tmp_path / "m.json"
+    argv = ["bench", "model", "--quick", "--device", "cpu", "--parts", "block", "--variants", "eager"]
+    argv += ["--dtypes", "fp32", "--shapes", "3x5", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["command"].startswith("hfkit bench model --quick")
+    assert {r["mode"] for r in doc["rows"]} == {"fwd", "fwd+bwd"}
+    assert "evoformer_block" in capsys.readouterr().out
+
+
+def test_waterfall_frame_and_figures() -> None:
+    pytest.importorskip("plotly")
+    from hfkit.bench import rows_to_frame
+    from hfkit.viz.model import model_time_bars, preset_config, waterfall_figure, waterfall_frame
+
+    rows = run_model_benchmark("cpu", parts=("block",), variants=("eager",), dtypes=("fp32",), **QUICK)
+    frame = rows_to_frame(rows)
+    assert len(model_time_bars(frame, "evoformer_block").data) >= 1
+    with pytest.raises(ValueError, match="no measured"):
+        model_time_bars(frame, "train_step")
+    # Waterfall rows made by hand: stage order from extra["stage"], deltas between stages.
+    stages = []
+    for stage, (label, ms) in enumerate([("eager", 10.0), ("+LayerNorm", 8.0), ("+compile", 5.0)]):
+        row = rows[0].as_dict() | {"op": "step_waterfall", "provider": label, "p50_ms": ms}
+        stages.append(row | {"extra": {"stage": stage, "ops": ["LayerNorm"] if stage else []}})
+    table = waterfall_frame(rows_to_frame(stages[::-1]))
+    assert list(table["stage"]) == ["eager", "+LayerNorm", "+compile"]
+    assert list(table["delta_ms"]) == [10.0, -2.0, -3.0]
+    fig = waterfall_figure(table)
+    assert list(fig.data[0].measure) == ["absolute", "relative", "relative", "total"]
+    assert preset_config("af2_initial", on_cpu=True).no_blocks == 1
+    assert preset_config("af2_finetune", crop=64).crop_size == 64
+    with pytest.raises(ValueError, match="preset"):
+        preset_config("huge")
+    with pytest.raises(ValueError, match="crop"):
+        preset_config("tiny", crop=0)
