@@ -49,7 +49,7 @@ class Config(NamedTuple):
 # from `python -m hfkit.bench.tune_attention` on an H200 (data/results/h200/tuning/attention.json).
 CONFIGS_SMALL_D: dict[str, tuple[int, int, int, int]] = {
     "fwd": (128, 32, 4, 3),
-    "dkdv": (64, 64, 4, 3),
+    "dkdv": (32, 128, 4, 3),
     "dq": (64, 32, 4, 3),
     "dbias": (128, 64, 4, 2),
 }
