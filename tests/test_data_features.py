@@ -20,6 +20,7 @@ import torch
 from hfkit.data.crop import choose_crop, crop_contiguous, crop_spatial
 from hfkit.data.features import (
     RAW_FEATURE_DTYPES,
+    deletion_dtype,
     hhblits_profile,
     make_msa_features,
     make_raw_features,
@@ -135,7 +136,7 @@ def test_msa_features_deduplicate_across_sources_keeping_first() -> None:
     f = make_msa_features([a, b])
     expected_rows = ["ACD-", "AC-E", "GGGG", "ACDE"]
     assert int(f["num_alignments"]) == 4
-    assert f["msa"].dtype == np.int8 and f["deletion_matrix"].dtype == np.uint16
+    assert f["msa"].dtype == np.int8 and f["deletion_matrix"].dtype == np.uint8
     np.testing.assert_array_equal(f["msa"], encode_msa(expected_rows))
     # The first occurrence's deletions are kept (row "AC-E" of source a, not its later duplicates).
     np.testing.assert_array_equal(f["deletion_matrix"], [[0] * 4, [0, 1, 0, 0], [0] * 4, [3, 0, 0, 0]])
@@ -163,10 +164,17 @@ def test_hhblits_profile_is_mean_one_hot() -> None:
     np.testing.assert_allclose(hhblits_profile(msa), expected, rtol=1e-6)
 
 
+def assert_raw_dtypes(raw: dict[str, np.ndarray]) -> None:
+    """`RAW_FEATURE_DTYPES`, with uint16 deletion counts where one exceeds 255."""
+    for key, dtype in RAW_FEATURE_DTYPES.items():
+        if key == "deletion_matrix" and raw[key].max(initial=0) > 255:
+            dtype = np.dtype(np.uint16)
+        assert raw[key].dtype == dtype, key
+
+
 def test_raw_features_dtypes_and_query_only() -> None:
     raw = synthetic_raw(1, depth=9, length=13)
-    for key, dtype in RAW_FEATURE_DTYPES.items():
-        assert raw[key].dtype == dtype, key
+    assert_raw_dtypes(raw)
     alone = make_raw_features("ACDEF", [])
     assert alone["msa"].shape == (1, 5) and int(alone["num_alignments"]) == 1
     rng = np.random.default_rng(2)
@@ -417,17 +425,34 @@ def test_column_gather_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
             assert_samples_equal(process_features(raw, config, seed), expected[seed], (max_runs, seed))
 
 
-def test_deletion_dtype_does_not_change_samples() -> None:
-    """uint16 deletion counts (summed per cluster in gathered order, exact below 2**24) and the same
-    counts as float32 (summed in raw row order) give bitwise equal samples."""
+@pytest.mark.parametrize("cluster_all_extra", [True, False])
+def test_deletion_dtype_does_not_change_samples(cluster_all_extra: bool) -> None:
+    """uint8, uint16 and float32 copies of the same deletion counts (exact integer sums whatever the
+    order) give bitwise equal samples."""
     raw = dict(synthetic_raw(22, depth=700, length=30))
-    assert raw["deletion_matrix"].dtype == np.uint16
-    as_float = dict(raw, deletion_matrix=raw["deletion_matrix"].astype(np.float32))
-    config = FeatureConfig(crop_size=24, max_msa_clusters=2, max_extra_msa=16)
-    for seed in range(3):
-        assert_samples_equal(
-            process_features(raw, config, seed), process_features(as_float, config, seed), seed
-        )
+    assert raw["deletion_matrix"].dtype == np.uint8 == deletion_dtype(raw["deletion_matrix"])
+    assert deletion_dtype(np.array([[0, 256]])) == np.uint16
+    config = FeatureConfig(
+        crop_size=24, max_msa_clusters=2, max_extra_msa=16, cluster_all_extra=cluster_all_extra
+    )
+    for dtype in (np.uint16, np.float32):
+        other = dict(raw, deletion_matrix=raw["deletion_matrix"].astype(dtype))
+        for seed in range(3):
+            assert_samples_equal(
+                process_features(raw, config, seed), process_features(other, config, seed), (dtype, seed)
+            )
+
+
+def test_msa_dtype_does_not_change_samples() -> None:
+    """int8 ids (the raw schema) or wider ones, through window, run-by-run and numpy column gathers."""
+    raw = synthetic_raw(25, depth=300, length=90)
+    config = FeatureConfig(crop_size=48, max_msa_clusters=16, max_extra_msa=64, spatial_crop_prob=0.5)
+    for dtype in (np.int64, np.uint8):
+        other = dict(raw, msa=raw["msa"].astype(dtype))
+        for seed in range(4):
+            assert_samples_equal(
+                process_features(raw, config, seed), process_features(other, config, seed), (dtype, seed)
+            )
 
 
 def test_deletion_sums_past_float_precision_keep_row_order() -> None:
@@ -487,6 +512,55 @@ def test_mask_msa_probabilities() -> None:
     peaked[:, 7] = 1.0
     by_profile = FeatureConfig(**{**base, "masked_msa_profile_prob": 1.0}, masked_msa_replace_fraction=1.0)
     assert (mask_msa(msa, peaked, by_profile, g)[0] == 7).all()
+
+
+def mask_msa_reference(
+    msa: torch.Tensor, profile: torch.Tensor, config: FeatureConfig, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row by row: one [23] probability vector per replaced position, the first class whose CDF
+    exceeds u counted by comparison (the formula `mask_msa` computes per column, by searchsorted)."""
+    msa = msa.long()
+    bert_mask = torch.rand(msa.shape, generator=generator) < config.masked_msa_replace_fraction
+    rows, cols = bert_mask.nonzero().unbind(1)
+    corrupted = msa.clone()
+    if rows.numel() == 0:
+        return corrupted, bert_mask
+    probs = torch.zeros(rows.numel(), MSA_NUM_CLASSES)
+    probs[:, :20] = config.masked_msa_uniform_prob / 20
+    probs[:, :22] += config.masked_msa_profile_prob * profile[cols].float()
+    probs[torch.arange(rows.numel()), msa[rows, cols]] += config.masked_msa_same_prob
+    probs[:, MASK_ID] = config.masked_msa_mask_prob
+    cdf = probs.cumsum(dim=1)
+    u = torch.rand((rows.numel(), 1), generator=generator) * cdf[:, -1:]
+    corrupted[rows, cols] = (cdf <= u).sum(dim=1).clamp(max=MSA_NUM_CLASSES - 1)
+    return corrupted, bert_mask
+
+
+def test_mask_msa_matches_row_by_row_reference() -> None:
+    """Bitwise the same draws as the row-by-row formula, for odd sizes and several probabilities."""
+    g = torch.Generator().manual_seed(3)
+    for num_seq, num_res, probs in [
+        (1, 1, (0.1, 0.1, 0.1)),
+        (7, 33, (0.3, 0.5, 0.2)),
+        (129, 61, (0.1, 0.1, 0.1)),
+    ]:
+        msa = torch.randint(0, 22, (num_seq, num_res), generator=g).to(torch.int8)
+        profile = torch.rand(num_res, 22, generator=g)
+        profile /= profile.sum(-1, keepdim=True)
+        config = FeatureConfig(
+            masked_msa_uniform_prob=probs[0],
+            masked_msa_profile_prob=probs[1],
+            masked_msa_same_prob=probs[2],
+            masked_msa_replace_fraction=0.4,
+        )
+        for seed in range(3):
+            got = mask_msa(msa, profile, config, torch.Generator().manual_seed(seed))
+            expected = mask_msa_reference(msa, profile, config, torch.Generator().manual_seed(seed))
+            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), (
+                num_seq,
+                num_res,
+                seed,
+            )
 
 
 # ----------------------------------------------------------------------------- crops
@@ -567,8 +641,7 @@ def test_real_2q2k_raw_features() -> None:
     assert len(unique) < sum(len(m.sequences) for m in msas)  # the query, at least, repeats
     np.testing.assert_array_equal(raw["msa"][0], raw["aatype"])
     assert raw["all_atom_positions"].shape == (70, 37, 3) and float(raw["resolution"]) == pytest.approx(3.0)
-    for key, dtype in RAW_FEATURE_DTYPES.items():
-        assert raw[key].dtype == dtype, key
+    assert_raw_dtypes(raw)
 
 
 @needs_real_data

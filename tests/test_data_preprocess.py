@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import platform
 from pathlib import Path
 
 import gemmi
@@ -19,6 +20,7 @@ from hfkit.data.dataset import (
     collate_fixed,
     make_dataloader,
     profile_sample,
+    tune_malloc,
 )
 from hfkit.data.mmcif import parse_mmcif
 from hfkit.data.msa_sampling import FeatureConfig, feature_shapes
@@ -312,6 +314,27 @@ def test_timings_and_profile(preprocessed: Path) -> None:
     stages = profile_sample(OnTheFlyDataset(DATA / "mmcifs", DATA / "alignments", config), 0, repeats=1)
     assert {"parse_mmcif", "read_msas", "features", "crop", "process_features"} <= set(stages)
     assert all(v >= 0 for v in stages.values())
+
+
+class _MallocProbe(torch.utils.data.Dataset):
+    """Calls tune_malloc where the sample is made (in a loader worker) and returns what it said."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"applied": torch.tensor(tune_malloc())}
+
+
+def test_tune_malloc_arguments_and_in_a_worker() -> None:
+    """Bad thresholds raise naming the argument; in a loader worker it applies (glibc) or says not."""
+    with pytest.raises(ValueError, match="mmap_threshold"):
+        tune_malloc(mmap_threshold=64 * 2**20)
+    with pytest.raises(ValueError, match="trim_threshold"):
+        tune_malloc(trim_threshold=-1)
+    batch = next(iter(make_dataloader(_MallocProbe(), workers=1)))
+    applied = bool(batch["applied"][0])
+    assert applied == (platform.libc_ver()[0] == "glibc")
 
 
 def test_collate_rejects_mismatched_shapes() -> None:

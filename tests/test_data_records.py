@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import struct
 import zlib
@@ -296,3 +298,89 @@ def test_reader_after_fork_and_pickle(tmp_path: Path) -> None:
     assert int(clone[2]["global"]) == 2
     ds = pickle.loads(pickle.dumps(RecordDataset([path])))
     assert int(ds[1]["global"]) == 1
+
+
+def test_decode_without_copy_gives_read_only_views() -> None:
+    """copy=False: the same arrays as the copying decoder, as views of the payload bytes."""
+    rng = np.random.default_rng(5)
+    for i in range(4):
+        sample = _random_sample(rng, i)
+        sample["name"] = f"chain_{i}"
+        payload = encode_sample(sample)
+        copied, views = decode_sample(payload), decode_sample(payload, copy=False)
+        _assert_same(copied, views)
+        for key, value in views.items():
+            if value.dtype.kind not in "US":
+                assert not value.flags.writeable, key
+                assert value.base is not None, key  # a view, not a copy
+        # A writable buffer gives writable views.
+        assert all(v.flags.writeable for v in decode_sample(bytearray(payload), copy=False).values())
+
+
+def _with_header(header: dict[str, object], data: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}},  # size does not match shape
+        {"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}},  # a gap before it
+        {
+            "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+            "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]},
+        },
+        {"a": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}},  # no numpy dtype
+        {"a": {"dtype": "U8", "shape": [-8], "data_offsets": [0, 8]}},
+        {"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}},  # 4 trailing bytes
+        {"a": {"dtype": "U8", "shape": [16], "data_offsets": [0, 16]}},  # runs past the end
+        {"a": [1, 2]},
+        {"__metadata__": [1]},
+    ],
+)
+def test_decode_without_copy_rejects_what_safetensors_rejects(header: dict[str, object]) -> None:
+    payload = _with_header(header, bytes(8))
+    with pytest.raises(ValueError):
+        decode_sample(payload)
+    with pytest.raises(ValueError):
+        decode_sample(payload, copy=False)
+
+
+def test_decode_without_copy_of_damaged_payloads_raises_only_value_error() -> None:
+    payload = encode_sample(_random_sample(np.random.default_rng(6), 0))
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        damaged = bytearray(payload)
+        if rng.random() < 0.5:
+            damaged = damaged[: int(rng.integers(0, len(damaged)))]
+        else:
+            at = int(rng.integers(0, min(len(damaged), 400)))  # the header, mostly
+            damaged[at] = int(rng.integers(0, 256))
+        with contextlib.suppress(ValueError):  # anything else fails the test
+            decode_sample(bytes(damaged), copy=False)
+
+
+def test_read_view_is_checked_and_outlives_close(tmp_path: Path) -> None:
+    """read_view: the payload without a copy, CRC-checked; views stay valid after close()."""
+    path = tmp_path / "v.ffr"
+    with RecordWriter(path) as writer:
+        for i in range(3):
+            writer.write({"x": np.arange(i, i + 33, dtype=np.int16)})
+    reader = RecordReader(path)
+    view = reader.read_view(1)
+    assert isinstance(view, memoryview) and view.readonly and bytes(view) == reader.read_bytes(1)
+    arrays = decode_sample(view, copy=False)
+    reader.close()  # the live view keeps the mapping: no BufferError, data intact
+    np.testing.assert_array_equal(arrays["x"], np.arange(1, 34))
+    assert not arrays["x"].flags.writeable
+    np.testing.assert_array_equal(reader[2]["x"], np.arange(2, 35))  # maps the file again
+    reader.close()
+
+    start, end = int(reader.offsets[0]), int(reader.ends[0])
+    raw = bytearray(path.read_bytes())
+    raw[end - 1] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with RecordReader(path) as damaged, pytest.raises(CorruptRecordError, match="record 0"):
+        damaged.read_view(0)
+    assert start < end

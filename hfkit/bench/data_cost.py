@@ -5,7 +5,8 @@ every row), preprocessed into record files, and one sample is then made both way
 `hfkit.data.dataset.profile_sample`: on the fly (parse the mmCIF and MSAs, build raw features, sample,
 cluster, crop and pad) and preprocessed (read and decode a record, then sample, cluster, crop, pad).
 The real OpenFold test inputs are measured the same way when their folder is given. Times are
-wall-clock seconds on one CPU thread (`torch.set_num_threads(1)`).
+wall-clock seconds on one CPU thread (`torch.set_num_threads(1)`), with the malloc settings of a
+DataLoader worker (`hfkit.data.dataset.tune_malloc`; rows record it as `extra["malloc"]`).
 """
 
 from __future__ import annotations
@@ -154,6 +155,7 @@ def run_data_cost_benchmark(
     summarised across the chains as p20/p50/p80. `real_dir` (OpenFold test data layout) adds rows
     for the real chains with alignments.
     """
+    from hfkit.data.dataset import tune_malloc
     from hfkit.data.msa_sampling import FeatureConfig
 
     config = config or FeatureConfig.af2_initial()
@@ -161,12 +163,16 @@ def run_data_cost_benchmark(
     env = {k: env_all[k] for k in ("gpu", "torch", "triton", "python", "commit", "command", "timestamp")}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    # Measure what a DataLoader worker does: one thread, and its malloc settings (freed sample
+    # buffers reused rather than faulted in afresh; see tune_malloc). Permanent for this process.
+    malloc = "tuned" if tune_malloc() else "default"
     rows: list[ResultRow] = []
     common = {
         "crop_size": config.crop_size,
         "max_msa_clusters": config.max_msa_clusters,
         "max_extra_msa": config.max_extra_msa,
         "threads": 1,
+        "malloc": malloc,
     }
     try:
         with tempfile.TemporaryDirectory(dir=workdir) as tmp:

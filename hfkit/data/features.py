@@ -32,6 +32,7 @@ __all__ = [
     "RAW_FEATURE_DTYPES",
     "ChainLike",
     "MsaLike",
+    "deletion_dtype",
     "hhblits_profile",
     "make_msa_features",
     "make_raw_features",
@@ -49,9 +50,10 @@ RAW_FEATURE_DTYPES: dict[str, np.dtype] = {
     "residue_index": np.dtype(np.int32),
     "seq_length": np.dtype(np.int32),
     "msa": np.dtype(np.int8),
-    # Counts, not floats: uint16 takes 2 bytes a cell against float32's 4 (records are mostly this
-    # matrix); a run of over 65535 deleted residues cannot occur in a protein alignment, and is clipped.
-    "deletion_matrix": np.dtype(np.uint16),
+    # Counts, not floats, in one byte a cell (records are mostly this matrix: smaller ones read and
+    # checksum faster) -- or uint16 (`deletion_dtype`) when a count exceeds 255; a run of over 65535
+    # deleted residues cannot occur in a protein alignment, and is clipped.
+    "deletion_matrix": np.dtype(np.uint8),
     "num_alignments": np.dtype(np.int32),
     "hhblits_profile": np.dtype(np.float32),
     "all_atom_positions": np.dtype(np.float32),
@@ -110,8 +112,14 @@ def hhblits_profile(msa: np.ndarray) -> np.ndarray:
     return (counts.reshape(length, HHBLITS_PROFILE_CLASSES) / num_seq).astype(np.float32)
 
 
+def deletion_dtype(counts: np.ndarray) -> np.dtype:
+    """The dtype raw deletion counts are kept in: uint8 when every count is at most 255, else uint16."""
+    small = counts.size == 0 or int(counts.max()) <= np.iinfo(np.uint8).max
+    return np.dtype(np.uint8) if small else np.dtype(np.uint16)
+
+
 def make_msa_features(msas: Sequence[MsaLike]) -> dict[str, np.ndarray]:
-    """Merge alignments into `msa` int8 ids [N, L] and `deletion_matrix` uint16 counts [N, L].
+    """Merge alignments into `msa` int8 ids [N, L] and `deletion_matrix` counts [N, L] (`deletion_dtype`).
 
     Rows identical (as aligned strings) to an earlier row, of this or an earlier alignment, are
     dropped, so the first alignment's query stays row 0 (OpenFold's `make_msa_features`). The
@@ -142,11 +150,12 @@ def make_msa_features(msas: Sequence[MsaLike]) -> dict[str, np.ndarray]:
     # the original order (query first, earlier sources first).
     _, first = np.unique(raw.view(np.dtype((np.void, width))).ravel(), return_index=True)
     keep = np.sort(first)
-    deletions = np.concatenate([np.asarray(m.deletion_matrix) for m in msas], axis=0)
+    deletions = np.concatenate([np.asarray(m.deletion_matrix) for m in msas], axis=0)[keep]
+    np.clip(deletions, 0, np.iinfo(np.uint16).max, out=deletions)
     msa = np.ascontiguousarray(ids[keep], dtype=np.int8)
     return {
         "msa": msa,
-        "deletion_matrix": np.clip(deletions[keep], 0, np.iinfo(np.uint16).max).astype(np.uint16),
+        "deletion_matrix": deletions.astype(deletion_dtype(deletions), copy=False),
         "num_alignments": np.array(len(keep), dtype=np.int32),
         "hhblits_profile": hhblits_profile(msa),
     }

@@ -13,12 +13,15 @@ Residues are cropped *first*, so every MSA-wide step touches crop_size columns, 
 `process_features` for the one consequence). The dominant step is clustering: an agreement matrix
 [N_extra, N_clust] computed as an `embedding_bag` gather-sum of fp16 rows of a per-(column, residue)
 table -- N_extra * crop_size * N_clust adds, ~3 ms for 4,900 extra rows, crop 256 and 128 clusters
-on one CPU core, where OpenFold's dense one-hot matmul does 23x the work in float32 (~130 ms).
-The cluster profiles are one `index_add_` of N_extra * crop_size ones (~1.3 ms there), indexed by
-the same int32 keys as the agreement table (both use msa_feat's channel layout). The [N, crop]
+on one CPU core, where OpenFold's dense one-hot matmul does 23x the work in float32 (~130 ms) --
+and its argmax, a plain float32 max of agreement * C + (C - 1 - c) (ties to the first centre).
+The cluster profiles are one flat `index_add_` of N_extra * crop_size ones into [C, crop, 23]
+counts (~1.3 ms there), indexed by the same int32 keys as the agreement table plus each row's
+cluster offset, then divided straight into msa_feat's profile channels. The [N, crop]
 intermediates live in per-thread buffers reused across calls (up to 128 MiB each; ~75 MiB in all
 for a 20,000-row MSA at crop 256): on a VM each fresh 4 KiB page costs a ~1.5 us fault, which for
-those intermediates cost as much as the arithmetic. Outputs are always fresh tensors.
+those intermediates cost as much as the arithmetic. Outputs are always fresh tensors; msa_feat is
+written once per entry (no zero fill of the channels that are overwritten).
 """
 
 from __future__ import annotations
@@ -177,8 +180,8 @@ def deletion_value(deletions: torch.Tensor, out: torch.Tensor | None = None) -> 
     direct = out.dtype == torch.float32 and out.is_contiguous() and not out.requires_grad
     buffer = out if direct else _scratch("deletion_value", tuple(deletions.shape), torch.float32)
     values = buffer.numpy()
-    np.copyto(values, deletions.detach().numpy(), casting="unsafe")
-    np.divide(values, np.float32(3.0), out=values)
+    # d / 3 in float32, cast from d's dtype on the way (exact for counts below 2**24).
+    np.divide(deletions.detach().numpy(), np.float32(3.0), out=values, dtype=np.float32, casting="unsafe")
     np.arctan(values, out=values)
     buffer.mul_(2.0 / math.pi)
     return out if direct else out.copy_(buffer)
@@ -202,41 +205,45 @@ def mask_msa(
         raise ValueError(f"profile: expected [{num_res}, {_PROFILE_CLASSES}], got {tuple(profile.shape)}")
     msa = msa.long()
     bert_mask = torch.rand((num_seq, num_res), generator=generator) < config.masked_msa_replace_fraction
-    rows, cols = bert_mask.nonzero().unbind(1)
-    count = rows.numel()
+    corrupted = msa.clone(memory_format=torch.contiguous_format)
+    flat = bert_mask.view(-1).nonzero().view(-1)
+    count = flat.numel()
     if count == 0:
-        return msa.clone(), bert_mask
-    own = msa[rows, cols]
-    probs = torch.zeros(count, MSA_NUM_CLASSES)
-    probs[:, :UNK_ID] = config.masked_msa_uniform_prob / UNK_ID  # uniform over the 20 residues
-    probs[:, :_PROFILE_CLASSES] += config.masked_msa_profile_prob * profile[cols].float()
+        return corrupted, bert_mask
+    cols = flat % num_res
+    own = corrupted.view(-1)[flat]
+    # Class probabilities of a replaced position: per column, then its own class; the same float32
+    # operations in the same order as a row-by-row build, on [L, 23] instead of [count, 23].
+    per_column = torch.zeros(num_res, MSA_NUM_CLASSES)
+    per_column[:, :UNK_ID] = config.masked_msa_uniform_prob / UNK_ID  # uniform over the 20 residues
+    per_column[:, :_PROFILE_CLASSES] += config.masked_msa_profile_prob * profile.float()
+    probs = per_column.index_select(0, cols)
     probs[torch.arange(count), own] += config.masked_msa_same_prob
     probs[:, MASK_ID] = config.masked_msa_mask_prob
     cdf = probs.cumsum(dim=1)
     u = torch.rand((count, 1), generator=generator) * cdf[:, -1:]
-    # The first class whose CDF exceeds u; zero-probability classes can never be it.
-    drawn = (cdf <= u).sum(dim=1).clamp_(max=MSA_NUM_CLASSES - 1)
-    corrupted = msa.clone()
-    corrupted[rows, cols] = drawn
+    # The first class whose CDF exceeds u (the number of CDF entries <= u: the CDF never decreases);
+    # zero-probability classes can never be it.
+    drawn = torch.searchsorted(cdf, u, right=True).view(-1).clamp_(max=MSA_NUM_CLASSES - 1)
+    corrupted.view(-1)[flat] = drawn
     return corrupted, bert_mask
 
 
-# Agreement tables and cluster-profile slots share one layout, that of msa_feat's last axis: the
-# slot of (column l, class a) is l * MSA_FEAT_DIM + _PROFILE_CHANNELS.start + a. One key matrix
-# then indexes the agreement table and, offset by its cluster, the flat msa_feat of the profiles.
-_SLOT_STRIDE = MSA_FEAT_DIM
+# Agreement tables and cluster-profile counts share one layout: the key of (column l, class a) is
+# l * 23 + a, and that of (cluster c, column l, class a) is c * L * 23 + l * 23 + a. One int32 key
+# matrix then indexes the agreement table's rows and, offset by each row's cluster, the profile
+# counts ([C, L, 23], filled by one flat `index_add_`).
+_KEY_STRIDE = MSA_NUM_CLASSES
 
 
-def _slot_offsets(num_res: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """[num_res] l * 49 + 25: the slot of (column l, class 0); class a's is a further + a."""
-    return torch.arange(
-        _PROFILE_CHANNELS.start, _PROFILE_CHANNELS.start + num_res * _SLOT_STRIDE, _SLOT_STRIDE, dtype=dtype
-    )
+def _key_offsets(num_res: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """[num_res] l * 23: the key of (column l, class 0); class a's is a further + a."""
+    return torch.arange(0, num_res * _KEY_STRIDE, _KEY_STRIDE, dtype=dtype)
 
 
 def _column_keys(ids: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """ids [N, L] -> `dtype` slots l * 49 + 25 + id: one slot per (column, class)."""
-    return torch.empty(ids.shape, dtype=dtype).copy_(ids).add_(_slot_offsets(ids.shape[1], dtype))
+    """ids [N, L] -> `dtype` keys l * 23 + id: one per (column, class)."""
+    return torch.empty(ids.shape, dtype=dtype).copy_(ids).add_(_key_offsets(ids.shape[1], dtype))
 
 
 def _assign_from_keys(keys: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
@@ -245,20 +252,24 @@ def _assign_from_keys(keys: torch.Tensor, centres: torch.Tensor) -> torch.Tensor
     # Counts never exceed num_res; fp16 holds integers exactly up to 2048 and halves the table
     # traffic of the gather-sum, which is memory bound.
     dtype = torch.float16 if num_res <= 2048 else torch.float32
-    # table[slot(l, a), c] = 1 where centre c has residue (or X) a at column l. Gaps and the mask
-    # token weigh 0, as OpenFold's weights [1]*21 + [gap_agreement_weight = 0, 0] do. Rows of the
-    # other msa_feat channels are never indexed; they only space the class rows (same cache lines).
-    table = _scratch("table", (num_res * _SLOT_STRIDE, num_centres), dtype).zero_()
+    # table[key(l, a), c] = 1 where centre c has residue (or X) a at column l. Gaps and the mask
+    # token weigh 0, as OpenFold's weights [1]*21 + [gap_agreement_weight = 0, 0] do.
+    table = _scratch("table", (num_res * _KEY_STRIDE, num_centres), dtype).zero_()
     centre_ids = centres.long()
-    # Flat index of (slot(l, a), c), one per (c, l): an index_put_ of a flat view is several times
+    # Flat index of (key(l, a), c), one per (c, l): an index_put_ of a flat view is several times
     # faster than a dim-0 scatter_, which copies the table to restride it.
-    flat = (centre_ids + _slot_offsets(num_res)).mul_(num_centres).add_(torch.arange(num_centres)[:, None])
+    flat = (centre_ids + _key_offsets(num_res)).mul_(num_centres).add_(torch.arange(num_centres)[:, None])
     table.view(-1)[flat.view(-1)] = (centre_ids < GAP_ID).view(-1).to(dtype)
     # agreement[e, c] = sum_l table[keys[e, l], c]: the weighted Hamming agreement, one bag per row.
     agreement = F.embedding_bag(keys, table, mode="sum")
-    # max(dim).indices: ties go to the first centre, like OpenFold's argmax, and unlike argmax it
-    # has a vectorized fp16 kernel on CPU (4x faster here).
-    return agreement.max(dim=1).indices
+    # argmax with ties to the first centre, as OpenFold's: the largest of agreement * C + (C - 1 - c),
+    # integers exact in float32 below 2**24, found by a plain float32 max (4x faster than
+    # max(dim).indices on fp16, 15x than argmax).
+    exact = torch.float32 if (num_res + 1) * num_centres < 2**24 else torch.float64
+    ranked = _scratch("ranked", tuple(agreement.shape), exact)
+    torch.add(torch.arange(num_centres - 1, -1, -1, dtype=exact), agreement, alpha=num_centres, out=ranked)
+    best = ranked.amax(dim=1).long()
+    return best.remainder_(num_centres).neg_().add_(num_centres - 1)
 
 
 def assign_clusters(centres: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
@@ -329,26 +340,56 @@ def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
 
 def _take(
     x: torch.Tensor,
-    rows: torch.Tensor,
+    rows: torch.Tensor | None,
     cols: torch.Tensor,
     runs: list[tuple[int, int, int]] | None,
     name: str,
+    dtype: torch.dtype | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x[rows][:, cols] of a 2-D x into scratch buffer `name`, touching only the rows asked for.
+    """x[rows][:, cols] (+ `add` [len(cols)] per column) of a 2-D x, as `dtype`, into scratch `name`.
 
-    `runs` is `_column_runs(cols)`. One window of columns is gathered row by row from a view; a few
-    runs are copied run by run from the gathered full rows (5x faster than a column gather);
-    more, by numpy's `take` of the gathered full rows (4x faster than torch's int8 column gather).
+    Every row when `rows` is None, and only the rows asked for otherwise. `runs` is
+    `_column_runs(cols)`. One window of columns is copied (or gathered row by row) from a view; a
+    few runs are copied run by run, from x or from the gathered full rows (5x faster than a column
+    gather), converted to `dtype` (default x's) and offset by `add` on the way; more, by numpy's
+    `take` (4x faster than torch's int8 column gather).
     """
-    out = _scratch(name, (rows.numel(), cols.numel()), x.dtype)
+    dtype = x.dtype if dtype is None else dtype
+    shape = (x.shape[0] if rows is None else rows.numel(), cols.numel())
+    out = _scratch(name, shape, dtype)
+
+    def put(target: torch.Tensor, source: torch.Tensor, at: slice) -> None:
+        if add is None:
+            target.copy_(source)
+        elif torch.promote_types(source.dtype, add.dtype) == target.dtype:
+            torch.add(source, add[at], out=target)  # one pass: convert and offset
+        else:
+            target.copy_(source).add_(add[at])
+
+    if runs is not None and len(runs) == 1 and rows is None:
+        put(out, x.narrow(1, runs[0][0], runs[0][2]), slice(None))
+        return out
+    raw = out if dtype == x.dtype and add is None else _scratch(name + "_raw", shape, x.dtype)
     if runs is not None and len(runs) == 1:
-        return torch.index_select(x.narrow(1, runs[0][0], runs[0][2]), 0, rows, out=out)
-    block = torch.index_select(x, 0, rows, out=_scratch("take_rows", (rows.numel(), x.shape[1]), x.dtype))
-    if runs is None:
-        np.take(block.numpy(), cols.numpy(), axis=1, out=out.numpy())
+        assert rows is not None
+        torch.index_select(x.narrow(1, runs[0][0], runs[0][2]), 0, rows, out=raw)
     else:
-        for source, target, length in runs:
-            out[:, target : target + length].copy_(block[:, source : source + length])
+        if rows is None:
+            block = x
+        else:
+            block = torch.index_select(x, 0, rows, out=_scratch("take_rows", (shape[0], x.shape[1]), x.dtype))
+        if runs is not None:
+            for source, target, length in runs:
+                put(
+                    out[:, target : target + length],
+                    block[:, source : source + length],
+                    slice(target, target + length),
+                )
+            return out
+        np.take(block.numpy(), cols.numpy(), axis=1, out=raw.numpy())
+    if raw is not out:
+        put(out, raw, slice(None))
     return out
 
 
@@ -409,6 +450,8 @@ def process_features(
     int64, everything else float32; masks are 1 on real entries and 0 on padding.
     Cropping before clustering (OpenFold crops last) means the agreement of a row with a centre is
     counted over the cropped residues only; everything else is per column and unchanged by order.
+    Cluster deletion sums are exact (integer counts below 2**24 per cluster and column); past that,
+    or for fractional deletions, they round as float32 sums in raw row order.
     """
     generator = torch.Generator().manual_seed(int(seed))
     aatype = _as_tensor(raw["aatype"])
@@ -458,52 +501,75 @@ def process_features(
     vote_rows = extra_rows if config.cluster_all_extra else extra_rows[:num_extra]
 
     # 3. Masked MSA on the centres, before clustering so profiles do not leak the hidden residues.
-    # One gather of the centres, then the voting rows (whose first num_extra are the kept extra rows).
-    rows = order[: num_clust + vote_rows.numel()]
-    ids = _take(msa, rows, cols, runs, "ids")
-    row_del = _take(deletions, rows, cols, runs, "deletions")
-    if row_del.dtype != torch.float32:
-        row_del = _scratch("deletions_float", tuple(row_del.shape), torch.float32).copy_(row_del)
-    true_msa = ids[:num_clust].long()
+    # The rows go straight into the int32 buffer that becomes the clustering keys. When every
+    # non-centre row votes (OpenFold's semantics), that is every row of the MSA in its raw order:
+    # who votes, not in which order, decides the clusters, and sequential rows read 2x faster than
+    # shuffled ones. Otherwise the centres, then the voting rows (the kept extra rows first).
+    num_vote = vote_rows.numel()
+    every_row = num_vote == num_seq - num_clust
+    rows = None if every_row else order[: num_clust + num_vote]
+    # keys[r, l] = l * 23 + id: the row of the agreement table, and once c * res * 23 is added for
+    # the row's cluster c, the bin of its (cluster, column, class) profile count.
+    offsets = _key_offsets(res, torch.int32)
+    keys = _take(msa, rows, cols, runs, "keys", torch.int32, add=offsets)
+    row_del = _take(deletions, rows, cols, runs, "deletions", torch.float32)
+    if every_row:
+        centre_rows, kept_rows = order[:num_clust], order[num_clust : num_clust + num_extra]
+    else:
+        centre_rows, kept_rows = torch.arange(num_clust), torch.arange(num_clust, num_clust + num_extra)
+    out_msa, out_extra = config.max_msa_clusters, config.max_extra_msa
+    real_extra = (num_extra, res)
+    extra_msa = _padded((out_extra, pad_res), real_extra, torch.int64)
+    kept = torch.index_select(keys, 0, kept_rows, out=_scratch("kept", (num_extra, res), torch.int32))
+    torch.sub(kept, offsets, out=extra_msa[:num_extra, :res])
+    true_msa = keys.index_select(0, centre_rows).sub_(offsets).long()
     centres, bert_mask = mask_msa(true_msa, profile, config, generator)
-    centre_del, vote_ids, vote_del = row_del[:num_clust], ids[num_clust:], row_del[num_clust:]
+    centre_del, extra_del = row_del.index_select(0, centre_rows), row_del.index_select(0, kept_rows)
 
     # 4. Nearest-neighbour clustering and cluster summaries (OpenFold's nearest_neighbor_clusters,
     # summarize_clusters): profile and mean deletion over each centre and its assigned rows.
-    out_msa, out_extra = config.max_msa_clusters, config.max_extra_msa
-    msa_feat = torch.zeros(out_msa, pad_res, MSA_FEAT_DIM)
-    feat = msa_feat[:num_clust, :res]
-    # slots[r, l] = l * 49 + 25 + id for the centres (corrupted ids), then the voting rows: the row
-    # of the agreement table, and once c * pad_res * 49 is added for the row's cluster c, the flat
-    # msa_feat index of its (cluster, column, class) profile count.
-    index_dtype = torch.int32 if msa_feat.numel() < 2**31 else torch.int64
-    slots = _scratch("slots", (num_clust + vote_rows.numel(), res), index_dtype)
-    slots[:num_clust].copy_(centres)
-    slots[num_clust:].copy_(vote_ids)
-    slots.add_(_slot_offsets(res, index_dtype))
-    cluster_stride = pad_res * MSA_FEAT_DIM
-    sizes = torch.ones(num_clust)
-    del_sum = centre_del.clone()
-    if vote_rows.numel() > 0:
-        assignment = _assign_from_keys(slots[num_clust:], centres)
-        sizes += torch.bincount(assignment, minlength=num_clust)
-        slots[num_clust:] += (assignment.to(index_dtype) * cluster_stride)[:, None]
-        del_sum += _deletion_sums(deletions, vote_del, vote_rows, assignment, num_clust, cols)
-    centre_offsets = torch.arange(0, num_clust * cluster_stride, cluster_stride, dtype=index_dtype)
-    slots[:num_clust] += centre_offsets[:, None]
-    # Profile counts (each centre counts in its own cluster) straight into the cluster_profile
-    # channels, then the centres' one-hot (channels 0..22, 25 slots lower): flat index_add_ and
-    # index_put_, not scatters into strided views (4x slower).
-    flat_feat = msa_feat.view(-1)
-    flat_feat.index_add_(0, slots.view(-1), torch.ones(1).expand(slots.numel()))
-    flat_feat[slots[:num_clust].reshape(-1) - _PROFILE_CHANNELS.start] = 1.0
-    feat[..., _PROFILE_CHANNELS].div_(sizes[:, None, None])
+    # The centres' rows of keys hold their corrupted ids.
+    keys.index_copy_(0, centre_rows, (centres + offsets).to(torch.int32))
+    if every_row:
+        # Centre rows are assigned too (2.6% more agreement work than gathering the others out),
+        # then set to their own cluster; deletions are summed over all rows in raw row order.
+        cluster = (
+            _assign_from_keys(keys, centres) if num_vote > 0 else torch.zeros(num_seq, dtype=torch.int64)
+        )
+        cluster[centre_rows] = torch.arange(num_clust)
+        del_sum = torch.zeros(num_clust, res).index_add_(0, cluster, row_del)
+    else:
+        vote_del = row_del[num_clust:]
+        assignment = _assign_from_keys(keys[num_clust:], centres) if num_vote > 0 else vote_rows
+        cluster = torch.cat([torch.arange(num_clust), assignment])
+        del_sum = centre_del.clone()
+        if num_vote > 0:
+            del_sum += _deletion_sums(deletions, vote_del, vote_rows, assignment, num_clust, cols)
+    sizes = torch.bincount(cluster, minlength=num_clust).float()
+    cluster = cluster.to(torch.int32)
+    keys.add_(cluster.mul_(res * _KEY_STRIDE)[:, None])
+    # Profile counts, each centre in its own cluster: one flat index_add_ of ones over all keys.
+    counts = _scratch("counts", (num_clust * res * _KEY_STRIDE,), torch.float32).zero_()
+    counts.index_add_(0, keys.view(-1), torch.ones(1).expand(keys.numel()))
 
-    # 5. Outputs, written straight into zero-padded buffers.
-    feat[..., MSA_NUM_CLASSES] = centre_del.clamp(0.0, 1.0)
+    # 5. msa_feat, every real entry written once into an uninitialised buffer: the centres' one-hot
+    # (channels 0..22: zeroed, then a flat index_put_ of ones), has_deletion, deletion_value, the
+    # cluster profile (counts / cluster size) and the deletion mean.
+    msa_feat = torch.empty(out_msa, pad_res, MSA_FEAT_DIM)
+    msa_feat[num_clust:].zero_()
+    msa_feat[:num_clust, res:].zero_()
+    feat = msa_feat[:num_clust, :res]
+    feat[..., :MSA_NUM_CLASSES].zero_()
+    one_hot = centres + torch.arange(0, res * MSA_FEAT_DIM, MSA_FEAT_DIM)
+    one_hot += torch.arange(0, num_clust * pad_res * MSA_FEAT_DIM, pad_res * MSA_FEAT_DIM)[:, None]
+    msa_feat.view(-1)[one_hot.view(-1)] = 1.0
+    torch.clamp(centre_del, 0.0, 1.0, out=feat[..., MSA_NUM_CLASSES])
     deletion_value(centre_del, out=feat[..., MSA_NUM_CLASSES + 1])
+    profile_counts = counts.view(num_clust, res, _KEY_STRIDE)
+    torch.div(profile_counts, sizes[:, None, None], out=feat[..., _PROFILE_CHANNELS])
     deletion_value(del_sum / sizes[:, None], out=feat[..., MSA_FEAT_DIM - 1])
 
+    # 6. The other outputs, written straight into zero-padded buffers.
     out: dict[str, torch.Tensor] = {}
     out["aatype"] = torch.zeros(pad_res, dtype=torch.int64)
     out["aatype"][:res] = aatype.index_select(0, cols)
@@ -529,10 +595,7 @@ def process_features(
     out["bert_mask"] = torch.zeros(out_msa, pad_res)
     out["bert_mask"][:num_clust, :res] = bert_mask
 
-    extra_del = vote_del[:num_extra]
-    real_extra = (num_extra, res)
-    out["extra_msa"] = _padded((out_extra, pad_res), real_extra, torch.int64)
-    out["extra_msa"][:num_extra, :res] = vote_ids[:num_extra]
+    out["extra_msa"] = extra_msa
     out["extra_msa_mask"] = _padded((out_extra, pad_res), real_extra, torch.float32)
     out["extra_msa_mask"][:num_extra, :res] = 1.0
     out["extra_has_deletion"] = _padded((out_extra, pad_res), real_extra, torch.float32)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import json
+import math
 import mmap
 import os
 import shutil
@@ -173,15 +174,86 @@ def _st_metadata(data: bytes) -> dict[str, str]:
     return header.get("__metadata__") or {}
 
 
-def decode_sample(data: bytes) -> Sample:
+# safetensors dtype names -> numpy (little-endian); BF16 and F8 have no numpy dtype.
+_ST_DTYPES = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype("u1"),
+    "I8": np.dtype("i1"),
+    "I16": np.dtype("<i2"),
+    "U16": np.dtype("<u2"),
+    "F16": np.dtype("<f2"),
+    "I32": np.dtype("<i4"),
+    "U32": np.dtype("<u4"),
+    "F32": np.dtype("<f4"),
+    "I64": np.dtype("<i8"),
+    "U64": np.dtype("<u8"),
+    "F64": np.dtype("<f8"),
+}
+
+
+def _st_views(data: bytes | bytearray | memoryview) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Arrays of a safetensors payload as views of `data` (no copy), and its metadata.
+
+    Checks what safetensors' own loader checks: a JSON object header, known dtypes, shapes of
+    non-negative ints, and tensors that tile the data region exactly, in order, without overlap.
+    """
+    size = len(data)
+    if size < 8:
+        raise ValueError(f"payload of {size} bytes is shorter than the 8-byte header length")
+    (n,) = struct.unpack_from("<Q", data, 0)
+    if n > size - 8:
+        raise ValueError(f"header length {n} runs past the payload end ({size} bytes)")
+    header = json.loads(bytes(memoryview(data)[8 : 8 + n]))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise ValueError("__metadata__ is not a JSON object")
+    start = 8 + n
+    spans = []
+    for key, info in header.items():
+        if not isinstance(info, dict) or info.get("dtype") not in _ST_DTYPES:
+            raise ValueError(f"tensor {key!r}: bad entry or unsupported dtype")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ValueError(f"tensor {key!r}: bad shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise ValueError(f"tensor {key!r}: bad data_offsets {offsets!r}")
+        dtype = _ST_DTYPES[info["dtype"]]
+        if offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"tensor {key!r}: data_offsets {offsets} do not match shape {shape}")
+        spans.append((offsets[0], offsets[1], key, dtype, shape))
+    spans.sort(key=lambda span: span[:2])
+    end = 0
+    for begin, stop, key, _, _ in spans:
+        if begin != end:
+            raise ValueError(f"tensor {key!r}: data_offsets leave a gap or overlap at byte {end}")
+        end = stop
+    if start + end != size:
+        raise ValueError(f"tensors cover {end} data bytes, the payload holds {size - start}")
+    arrays = {
+        key: np.frombuffer(
+            data, dtype=dtype, count=(stop - begin) // dtype.itemsize, offset=start + begin
+        ).reshape(shape)
+        for begin, stop, key, dtype, shape in spans
+    }
+    return arrays, meta
+
+
+def decode_sample(data: bytes | bytearray | memoryview, copy: bool = True) -> Sample:
     """Deserialize bytes written by `encode_sample` back to `{name: np.ndarray}`.
 
-    Arrays come back writable with their dtype and shape; string keys come back as numpy `str` arrays
-    (0-d or 1-d). Raises `ValueError` when the bytes are not a valid safetensors payload.
+    Arrays come back with their dtype and shape; string keys come back as numpy `str` arrays (0-d or
+    1-d). With `copy` (the default) arrays are writable copies; without, numeric arrays are views of
+    `data` (read-only when `data` is `bytes`), which saves one pass over the payload. Raises
+    `ValueError` when the bytes are not a valid safetensors payload.
     """
     try:
-        arrays = _st_load(bytes(data))
-        meta = _st_metadata(data)
+        if copy:
+            arrays = _st_load(bytes(data))
+            meta = _st_metadata(data)
+        else:
+            arrays, meta = _st_views(data)
     except Exception as err:  # safetensors raises its own error type; callers want a ValueError
         raise ValueError(f"not a safetensors payload: {err}") from err
     strings = json.loads(meta.get(_STRINGS_KEY, "{}"))
@@ -410,9 +482,18 @@ class RecordReader:
 
     def read_bytes(self, index: int) -> bytes:
         """Return the raw payload of record `index`, its CRC checked when `verify` is on."""
+        return bytes(self.read_view(index))
+
+    def read_view(self, index: int) -> memoryview:
+        """Record `index`'s payload as a read-only view of the mapped file: no copy.
+
+        Its CRC is checked when `verify` is on. A view (and arrays decoded from it with
+        `decode_sample(view, copy=False)`) keeps the mapping alive; `close` then leaves the
+        mapping to be unmapped when the last view is gone.
+        """
         i = self._check_index(index)
         mm = self._map()
-        data = mm[int(self.offsets[i]) : int(self.ends[i])]
+        data = memoryview(mm)[int(self.offsets[i]) : int(self.ends[i])]
         if self.verify:
             crc = zlib.crc32(data)
             if crc != int(self.checksums[i]):
@@ -445,7 +526,9 @@ class RecordReader:
         """Unmap the file; a later read maps it again."""
         if self._mm is not None:
             if self._pid == os.getpid():
-                self._mm.close()
+                # Views from `read_view` still alive: the mapping goes when the last one does.
+                with contextlib.suppress(BufferError):
+                    self._mm.close()
             self._mm = None
 
     def __enter__(self) -> RecordReader:
