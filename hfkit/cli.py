@@ -185,7 +185,8 @@ def _cmd_bench_comms(args: argparse.Namespace) -> int:
 
 
 def _run_kernel_bench(args: argparse.Namespace, file_name: str, run: Callable[..., object]) -> int:
-    """Run one kernel benchmark (`run(device)` returns a `KernelBench`), save it and print its tables."""
+    """Run one kernel benchmark (`run(device, on_row)` returns a `KernelBench` and calls `on_row` with
+    each row as it is measured), save it and print its tables."""
     import pandas as pd
 
     from hfkit.bench import environment_info, gpu_slug, resolve_device, results_dir, save_results
@@ -195,7 +196,15 @@ def _run_kernel_bench(args: argparse.Namespace, file_name: str, run: Callable[..
 
     device = resolve_device(args.device)
     out = Path(args.out) if args.out else results_dir() / gpu_slug(device_name(device)) / file_name
-    result = run(device)
+    done: list = []
+
+    def save_so_far(row) -> None:
+        # Every finished case is on disk at once, marked partial: a run that is cut short (a time
+        # limit, a crash in a peer library) keeps what it measured.
+        done.append(row)
+        save_results(done, out, meta={**environment_info(device, args.command), "partial": True})
+
+    result = run(device, save_so_far)
     for line in result.skipped:
         print(f"skipped: {line}", file=sys.stderr)
     if not result.rows:
@@ -220,7 +229,7 @@ def _run_kernel_bench(args: argparse.Namespace, file_name: str, run: Callable[..
 def _cmd_bench_attention(args: argparse.Namespace) -> int:
     from hfkit.bench.attention import attention_cases, run_attention_benchmark
 
-    def run(device):
+    def run(device, on_row):
         cases = attention_cases(args.ops, args.sizes, device, args.quick)
         return run_attention_benchmark(
             device,
@@ -232,6 +241,7 @@ def _cmd_bench_attention(args: argparse.Namespace) -> int:
             command=args.command,
             warmup=args.warmup,
             reps=args.reps,
+            on_row=on_row,
         )
 
     return _run_kernel_bench(args, "attention.json", run)
@@ -240,7 +250,7 @@ def _cmd_bench_attention(args: argparse.Namespace) -> int:
 def _cmd_bench_softmax(args: argparse.Namespace) -> int:
     from hfkit.bench.softmax_bench import run_softmax_benchmark
 
-    def run(device):
+    def run(device, on_row):
         return run_softmax_benchmark(
             device,
             args.shapes,
@@ -252,6 +262,7 @@ def _cmd_bench_softmax(args: argparse.Namespace) -> int:
             command=args.command,
             warmup=args.warmup,
             reps=args.reps,
+            on_row=on_row,
         )
 
     return _run_kernel_bench(args, "softmax.json", run)
@@ -260,7 +271,7 @@ def _cmd_bench_softmax(args: argparse.Namespace) -> int:
 def _cmd_bench_trimul(args: argparse.Namespace) -> int:
     from hfkit.bench.trimul import run_trimul_benchmark, trimul_cases
 
-    def run(device):
+    def run(device, on_row):
         return run_trimul_benchmark(
             device,
             trimul_cases(args.sizes, args.directions, device, args.quick),
@@ -271,6 +282,7 @@ def _cmd_bench_trimul(args: argparse.Namespace) -> int:
             command=args.command,
             warmup=args.warmup,
             reps=args.reps,
+            on_row=on_row,
         )
 
     return _run_kernel_bench(args, "triangle_multiplication.json", run)

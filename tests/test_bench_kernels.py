@@ -64,11 +64,13 @@ def fake_cueq_trimul(x, direction, mask, norm_in_weight, norm_in_bias, p_in_weig
 
 def test_attention_benchmark_rows_on_cpu():
     case = attn_bench.AttentionCase("msa_row_attention", 1, 3, 2, 9, 16)
+    seen = []
     result = attn_bench.run_attention_benchmark(
         CPU, [case], modes=("fwd+bwd",), providers=("hfkit", "eager", "sdpa", "trifast", "cuequivariance"),
-        progress=False, ceilings=CEILINGS, warmup=0, reps=1,
+        progress=False, ceilings=CEILINGS, warmup=0, reps=1, on_row=seen.append,
     )  # fmt: skip
     assert [r.provider for r in result.rows] == ["hfkit", "eager", "sdpa"]
+    assert seen == result.rows  # each row handed over as it is measured (the CLI saves it at once)
     assert len(result.skipped) == 2 and all("needs a CUDA device" in s for s in result.skipped)
     fwd_flops = 4 * 3 * 2 * 9 * 9 * 16
     for row in result.rows:
@@ -303,6 +305,7 @@ def test_cli_bench_softmax_writes_results_and_load_kernel_results(tmp_path, caps
     doc = json.loads(out.read_text())
     assert doc["meta"]["command"] == "hfkit " + " ".join(argv) and doc["meta"]["peers"]["trifast"]
     assert len(doc["rows"]) == 2 and "best peer" in capsys.readouterr().out
+    assert "partial" not in doc["meta"]  # the rows were saved one by one, then the whole run over them
     frame = load_kernel_results(tmp_path)
     assert list(frame["case"]) == ["2x2x3x9", "2x2x3x9"] and frame["ceiling_copy_gbps"].notna().all()
     with pytest.raises(SystemExit):

@@ -40,6 +40,7 @@ from hfkit.bench.kernels import (
 )
 from hfkit.bench.layernorm import DTYPES
 from hfkit.bench.peers import load_cuequivariance, load_trifast
+from hfkit.bench.results import ResultRow
 from hfkit.bench.timing import rotating
 from hfkit.ops.softmax import MASK_INF
 
@@ -313,6 +314,7 @@ def run_attention_benchmark(
     command: str | None = None,
     warmup: int | None = None,
     reps: int | None = None,
+    on_row: Callable[[ResultRow], None] | None = None,
 ) -> KernelBench:
     """Time every (case, dtype, provider, mode) on `device`; return rows, ceilings and skipped providers.
 
@@ -375,6 +377,8 @@ def run_attention_benchmark(
                             extra={"rotating_sets": len(sets), **impl.note},
                         )
                     )
+                    if on_row is not None:
+                        on_row(rows[-1])  # e.g. save the rows so far: a run cut short keeps them
                     free_memory(device)
                     bar.update(1)
             del sets

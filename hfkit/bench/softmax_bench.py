@@ -27,6 +27,7 @@ from hfkit.bench.kernels import (
     row_environment,
 )
 from hfkit.bench.layernorm import DTYPES
+from hfkit.bench.results import ResultRow
 from hfkit.bench.timing import rotating
 from hfkit.ops.softmax import MASK_INF
 
@@ -158,6 +159,7 @@ def run_softmax_benchmark(
     command: str | None = None,
     warmup: int | None = None,
     reps: int | None = None,
+    on_row: Callable[[ResultRow], None] | None = None,
 ) -> KernelBench:
     """Time the fused softmax over (shape, dtype, provider, mode); return rows, ceilings, skipped.
 
@@ -224,6 +226,8 @@ def run_softmax_benchmark(
                             },
                         )
                     )
+                    if on_row is not None:
+                        on_row(rows[-1])  # e.g. save the rows so far: a run cut short keeps them
                     free_memory(device)
                     bar.update(1)
             del sets

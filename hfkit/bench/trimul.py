@@ -41,6 +41,7 @@ from hfkit.bench.kernels import (
     row_environment,
 )
 from hfkit.bench.peers import load_cuequivariance
+from hfkit.bench.results import ResultRow
 from hfkit.bench.timing import rotating
 
 __all__ = [
@@ -258,6 +259,7 @@ def run_trimul_benchmark(
     command: str | None = None,
     warmup: int | None = None,
     reps: int | None = None,
+    on_row: Callable[[ResultRow], None] | None = None,
 ) -> KernelBench:
     """Time the triangle multiplicative update over (case, precision, provider, mode).
 
@@ -345,6 +347,8 @@ def run_trimul_benchmark(
                             },
                         )
                     )
+                    if on_row is not None:
+                        on_row(rows[-1])  # e.g. save the rows so far: a run cut short keeps them
                     free_memory(device)
                     bar.update(1)
                 del f, params
