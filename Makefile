@@ -10,11 +10,12 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.hfkit-installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-.PHONY: help setup report test lint format strip clean
+.PHONY: help setup report test bench lint format strip clean
 
 help:
 	@echo "make report  - run every notebook in order on the best device; executed notebooks + HTML in reports/"
 	@echo "make test    - ruff, pytest (Triton kernels under TRITON_INTERPRET=1 on CPU) and nbmake on the notebooks"
+	@echo "make bench   - (GPU) every benchmark; results in data/results/<gpu>/, each file with its command"
 	@echo "make lint    - ruff check + ruff format --check"
 
 $(STAMP): pyproject.toml
@@ -38,6 +39,14 @@ report: $(STAMP)
 
 test: $(STAMP) lint
 	HFKIT_PROFILE=smoke TRITON_INTERPRET=1 $(BIN)/python -m pytest tests notebooks --nbmake -q
+
+# Every benchmark on the current GPU, one process each (a failure stops the list). The kernel and
+# model benchmarks save their rows as they go, so a run cut short keeps what it measured. Peers
+# (trifast, cuEquivariance) are measured when installed and skipped with the reason otherwise.
+BENCHES := layernorm attention softmax trimul elementwise model
+
+bench: $(STAMP)
+	@for b in $(BENCHES); do echo "== hfkit bench $$b"; $(BIN)/hfkit bench $$b --no-progress || exit 1; done
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

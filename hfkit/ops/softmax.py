@@ -29,6 +29,10 @@ MAX_FUSED_SIZE = 16384
 _LEAD = 4  # leading dims the kernel indexes bias and mask by
 
 
+# Set by the tuning sweep only: 'fwd' | 'bwd' -> (BLOCK_M rows a program, num_warps).
+CONFIG_OVERRIDE: dict[str, tuple[int, int]] = {}
+
+
 def softmax_reference(
     x: torch.Tensor, bias: torch.Tensor | None = None, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -183,9 +187,13 @@ if HAS_TRITON:
         dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=ok)
 
-    def _config(k: int) -> tuple[int, int, int]:
-        """(BLOCK_M, BLOCK_K, num_warps): about 2048 elements a program, 16 a thread (untuned)."""
+    def _config(k: int, pass_: str) -> tuple[int, int, int]:
+        """(BLOCK_M, BLOCK_K, num_warps) of the 'fwd' or 'bwd' kernel: about 2048 elements a program,
+        16 a thread (untuned; `python -m hfkit.bench.tune_softmax` sweeps the alternatives)."""
         block_k = max(16, triton.next_power_of_2(k))
+        if pass_ in CONFIG_OVERRIDE:
+            block_m, warps = CONFIG_OVERRIDE[pass_]
+            return block_m, block_k, warps
         block_m = max(1, 2048 // block_k)
         return block_m, block_k, max(1, min(16, block_m * block_k // 512))
 
@@ -199,7 +207,7 @@ if HAS_TRITON:
         sizes, (bs, ms) = _merge_lead(list(x.shape[:-1]), [bs, ms])
         pad = _LEAD - len(sizes)
         sizes, bs, ms = [1] * pad + sizes, [0] * pad + bs, [0] * pad + ms
-        block_m, block_k, warps = _config(k)
+        block_m, block_k, warps = _config(k, "fwd")
         wrap_triton(_softmax_fwd_kernel)[(triton.cdiv(m, block_m),)](
             xc, bias, mask, y,
             m, k, sizes[1], sizes[2], sizes[3],
@@ -216,7 +224,7 @@ if HAS_TRITON:
         dx = torch.empty_like(y)
         k = y.shape[-1]
         m = y.numel() // k
-        block_m, block_k, warps = _config(k)
+        block_m, block_k, warps = _config(k, "bwd")
         wrap_triton(_softmax_bwd_kernel)[(triton.cdiv(m, block_m),)](
             y, dyc, dx, m, k, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=warps
         )
