@@ -1,0 +1,155 @@
+"""Compile hfkit's Triton kernels for Hopper (sm_90: H100, H200) on a machine without a GPU.
+
+Run as a script with TRITON_INTERPRET unset or 0 (`python tests/compile_sm90.py`; the interpreter's
+kernels cannot be compiled): tests/test_compile_sm90.py does so in a subprocess.
+
+The interpreter tests check what the kernels compute, but not that Triton's compiler accepts them:
+the compiler types every value and rejects what the interpreter lets through (a loop-carried value
+that changes dtype, operands of mismatched types, an unsupported random-number call). Here
+each kernel is compiled through Triton's NVIDIA backend all the way to a cubin for sm_90, with the
+constexpr combinations the CUDA path launches, so a kernel that would fail to compile on the GPU
+fails in CI first. Nothing is run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    raise SystemExit("compile_sm90: run with TRITON_INTERPRET=0 (interpreted kernels cannot be compiled)")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import hfkit.ops  # noqa: E402, F401  (imports every op module)
+from hfkit.ops import elementwise as ew  # noqa: E402
+
+# hfkit.ops re-exports functions named like their modules; take the modules.
+ea = sys.modules["hfkit.ops.evoformer_attention"]
+ln = sys.modules["hfkit.ops.layer_norm"]
+sm = sys.modules["hfkit.ops.softmax"]
+HOPPER = GPUTarget("cuda", 90, 32)
+FLOAT_ARGS = {"p", "scale", "qk_scale", "sm_scale", "eps", "mask_inf"}
+
+
+def compile_sm90(fn, pointers: dict[str, str], constexprs: dict[str, object], num_warps: int = 4) -> dict:
+    """Compile the @triton.jit `fn` for sm_90: `pointers` maps pointer arguments to element types
+    ('bf16', 'fp32', 'i64', ...), `constexprs` gives every constexpr; other arguments are float32 when
+    named in FLOAT_ARGS, else int32. Returns the compiled kernel's assembly by stage."""
+    signature = {}
+    for param in fn.params:
+        name = param.name
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = "*" + pointers[name]
+        else:
+            signature[name] = "fp32" if name in FLOAT_ARGS else "i32"
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
+    assert not missing, f"constexprs missing for {fn.__name__}: {missing}"
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    kernel = triton.compile(source, target=HOPPER, options={"num_warps": num_warps})
+    COMPILED.append(fn.__name__)
+    return kernel.asm
+
+
+COMPILED: list[str] = []
+
+
+def elementwise_kernels() -> None:
+    data = {"G": "bf16", "O": "bf16", "Bias": "bf16", "Y": "bf16", "DY": "bf16", "DG": "bf16", "DO": "bf16"}
+    for has_bias in (True, False):
+        tiles = {"HAS_BIAS": has_bias, "BLOCK_M": 8, "BLOCK_N": 256}
+        assert "cubin" in compile_sm90(ew._gate_fwd_kernel, data, tiles)
+        assert "cubin" in compile_sm90(ew._gate_bwd_kernel, data, tiles)
+    drop = {
+        "X": "bf16",
+        "Res": "bf16",
+        "Bias": "bf16",
+        "Seed": "i64",
+        "Y": "bf16",
+        "DY": "bf16",
+        "DX": "bf16",
+    }
+    for row_shared, block_m in ((True, 16), (False, 8)):
+        for mask64 in (False, True):
+            tiles = {"MASK64": mask64, "ROW_SHARED": row_shared, "BLOCK_M": block_m, "BLOCK_N": 128}
+            flags = {"HAS_BIAS": True, "DROPOUT": True, **tiles}
+            assert "cubin" in compile_sm90(ew._bias_dropout_add_kernel, drop, flags)
+            assert "cubin" in compile_sm90(ew._dropout_bwd_kernel, drop, tiles)
+    eval_mode = {
+        "HAS_BIAS": True,
+        "DROPOUT": False,
+        "MASK64": False,
+        "ROW_SHARED": False,
+        "BLOCK_M": 8,
+        "BLOCK_N": 256,
+    }
+    assert "cubin" in compile_sm90(ew._bias_dropout_add_kernel, drop, eval_mode)
+    keep = {"MASK64": False, "BLOCK": 1024}
+    assert "cubin" in compile_sm90(ew._keep_mask_kernel, {"Seed": "i64", "Mask": "fp32"}, keep)
+
+
+def attention_kernels(even: bool) -> None:
+    """The forward and the three backward passes with the tuned bf16 tiles (D = 32), ragged or whole."""
+    ptrs = {k: "bf16" for k in ("Q", "K", "V", "Bias", "O", "DO", "DQ", "DK", "DV")}
+    ptrs.update({k: "fp32" for k in ("KeyBias", "Mx", "Lg", "Delta", "DB")})
+    flags = {"HAS_BIAS": True, "HAS_KEY_BIAS": True, "DOT": 0, "EVEN": even, "BLOCK_D": 32}
+    bm, bn, warps, stages = ea.CONFIGS_SMALL_D["fwd"]
+    assert "cubin" in compile_sm90(ea._evo_fwd_kernel, ptrs, {**flags, "BLOCK_M": bm, "BLOCK_N": bn}, warps)
+    for mode, pass_ in ((1, "dq"), (0, "dkdv"), (2, "dbias")):
+        bm, bn, warps, stages = ea.CONFIGS_SMALL_D[pass_]
+        tiles = {**flags, "MODE": mode, "BLOCK_M": bm, "BLOCK_N": bn}
+        assert "cubin" in compile_sm90(ea._evo_bwd_kernel, ptrs, tiles, warps)
+
+
+def norm_and_softmax_kernels() -> None:
+    """LayerNorm and the fused softmax at the AlphaFold sizes (128-wide pair rows, 256-key logits)."""
+    ptrs = {"X": "bf16", "Y": "bf16", "W": "fp32", "B": "fp32", "Mean": "fp32", "Rstd": "fp32"}
+    bm, bn, warps = ln._fwd_config(128, 2)
+    flags = {"HAS_W": True, "HAS_B": True, "BLOCK_M": bm, "BLOCK_N": bn}
+    compile_sm90(ln._layer_norm_fwd_kernel, ptrs, flags, warps)
+    ptrs = {
+        "X": "bf16",
+        "DY": "bf16",
+        "DX": "bf16",
+        "W": "fp32",
+        "Mean": "fp32",
+        "Rstd": "fp32",
+        "DWB": "fp32",
+    }
+    bm, bn, warps = ln._bwd_config(128, 2)
+    for prefetch in (True, False):
+        flags = {
+            "HAS_W": True,
+            "HAS_DW": True,
+            "PREFETCH": prefetch,
+            "ACC2D": True,
+            "BLOCK_M": bm,
+            "BLOCK_N": bn,
+        }
+        compile_sm90(ln._layer_norm_bwd_kernel, ptrs, flags, warps)
+    for pass_, fn in (("fwd", sm._softmax_fwd_kernel), ("bwd", sm._softmax_bwd_kernel)):
+        bm, bk, warps = sm._config(256, pass_)
+        flags = {"BLOCK_M": bm, "BLOCK_K": bk}
+        if pass_ == "fwd":
+            flags.update(HAS_BIAS=True, HAS_MASK=True)
+        ptrs = {k: "bf16" for k in ("X", "Bias", "Mask", "Y", "DY", "DX")}
+        compile_sm90(fn, ptrs, flags, warps)
+
+
+def main() -> int:
+    start = time.perf_counter()
+    norm_and_softmax_kernels()
+    elementwise_kernels()
+    for even in (True, False):
+        attention_kernels(even)
+    print(f"compiled {len(COMPILED)} kernels for sm_90 in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
