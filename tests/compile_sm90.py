@@ -31,6 +31,7 @@ from hfkit.ops import elementwise as ew  # noqa: E402
 ea = sys.modules["hfkit.ops.evoformer_attention"]
 ln = sys.modules["hfkit.ops.layer_norm"]
 sm = sys.modules["hfkit.ops.softmax"]
+tm = sys.modules["hfkit.ops.triangle_multiplication"]
 HOPPER = GPUTarget("cuda", 90, 32)
 FLOAT_ARGS = {"p", "scale", "qk_scale", "sm_scale", "eps", "mask_inf"}
 
@@ -141,8 +142,52 @@ def norm_and_softmax_kernels() -> None:
         compile_sm90(fn, ptrs, flags, warps)
 
 
+def triangle_multiplication_kernels() -> None:
+    """Every kernel of the fused triangle update at c_z = c_hidden = 128, bf16 (statistics and the
+    per-block partial sums in float32)."""
+    c = 128
+    fp32 = ("Mean", "Rstd", "Part")
+    names = (
+        "ZN",
+        "W",
+        "Bias",
+        "Mask",
+        "A",
+        "B",
+        "DA",
+        "DB",
+        "P",
+        "DP",
+        "X",
+        "Y",
+        "DY",
+        "DX",
+        "O",
+        "OUT",
+        "DO",
+    )
+    ptrs = {**{k: "bf16" for k in names + ("DOUT",)}, **{k: "fp32" for k in fp32}}
+    block_p, block_c, block_k, warps = tm.PROJ_TILES
+    proj = {"HAS_BIAS": True, "HAS_MASK": True, "DOT": 0, "BLOCK_P": block_p, "BLOCK_C": block_c}
+    proj["BLOCK_K"] = block_k
+    compile_sm90(tm._proj_gate_fwd_kernel, ptrs, proj, warps)
+    compile_sm90(tm._proj_gate_bwd_kernel, ptrs, proj, warps)
+    block_p, block_c, warps = tm._gate_config(c)
+    gate = {"HAS_MASK": True, "BLOCK_P": block_p, "BLOCK_C": block_c}
+    compile_sm90(tm._gate_ab_fwd_kernel, ptrs, gate, warps)
+    compile_sm90(tm._gate_ab_bwd_kernel, ptrs, gate, warps)
+    block_p, block_c, warps = tm._ln_out_config(c)
+    tiles = {"HAS_W": True, "BLOCK_P": block_p, "BLOCK_C": block_c}
+    compile_sm90(tm._ln_out_t_fwd_kernel, ptrs, {**tiles, "HAS_B": True}, warps)
+    compile_sm90(tm._ln_out_t_bwd_kernel, ptrs, {**tiles, "HAS_DW": True}, warps)
+    block_m, block_c, warps = tm._elementwise_config(c)
+    compile_sm90(tm._out_gate_fwd_kernel, ptrs, {"BLOCK_M": block_m, "BLOCK_C": block_c}, warps)
+    compile_sm90(tm._out_gate_bwd_kernel, ptrs, {"BLOCK_M": block_m, "BLOCK_C": block_c}, warps)
+
+
 def main() -> int:
     start = time.perf_counter()
+    triangle_multiplication_kernels()
     norm_and_softmax_kernels()
     elementwise_kernels()
     for even in (True, False):
