@@ -7,6 +7,7 @@ the exit status instead of calling `sys.exit`, so tests can call it directly.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -193,16 +194,27 @@ def _run_kernel_bench(args: argparse.Namespace, file_name: str, run: Callable[..
     from hfkit.bench.ceilings import device_name
     from hfkit.bench.kernels import best_peer_table, kernel_summary
     from hfkit.bench.peers import peer_status
+    from hfkit.bench.results import merge_rows
 
     device = resolve_device(args.device)
     out = Path(args.out) if args.out else results_dir() / gpu_slug(device_name(device)) / file_name
+    # --append: the rows already in `out` stay, except those this run measures again.
+    earlier, earlier_commands = [], []
+    if args.append and out.exists():
+        doc = json.loads(out.read_text())
+        earlier = doc.get("rows", [])
+        meta = doc.get("meta", {})
+        earlier_commands = meta.get("earlier_commands", []) + [meta.get("command")]
     done: list = []
 
     def save_so_far(row) -> None:
         # Every finished case is on disk at once, marked partial: a run that is cut short (a time
         # limit, a crash in a peer library) keeps what it measured.
         done.append(row)
-        save_results(done, out, meta={**environment_info(device, args.command), "partial": True})
+        meta = {**environment_info(device, args.command), "partial": True}
+        if earlier_commands:
+            meta["earlier_commands"] = earlier_commands
+        save_results(merge_rows(earlier, done), out, meta=meta)
 
     result = run(device, save_so_far)
     for line in result.skipped:
@@ -212,7 +224,9 @@ def _run_kernel_bench(args: argparse.Namespace, file_name: str, run: Callable[..
         return 1
     meta = environment_info(device, args.command)
     meta.update(timestamp=result.rows[0].timestamp, skipped=result.skipped, peers=peer_status(device))
-    path = save_results(result.rows, out, ceilings=result.ceilings, meta=meta)
+    if earlier_commands:
+        meta["earlier_commands"] = earlier_commands
+    path = save_results(merge_rows(earlier, result.rows), out, ceilings=result.ceilings, meta=meta)
     ceilings = result.ceilings
     print(
         f"\n{ceilings.device_name}: copy {ceilings.copy_gbps:,.1f} GB/s, "
@@ -346,6 +360,11 @@ def _add_kernel_benches(bench_sub: argparse._SubParsersAction) -> None:
                 "--dtypes", type=_choices(["fp32", "bf16", "fp16"]), default=dtypes, help="e.g. bf16,fp32"
             )
         p.add_argument("--quick", action="store_true", help="a few shapes (tiny ones on a CPU)")
+        p.add_argument(
+            "--append",
+            action="store_true",
+            help="keep the rows in --out that this run does not repeat",
+        )
         p.add_argument("--warmup", type=int, default=None, help="warm-up calls per case (default 5 on a GPU)")
         p.add_argument("--reps", type=int, default=None, help="timed replays per case")
         p.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: the GPU if any)")

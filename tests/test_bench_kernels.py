@@ -308,5 +308,18 @@ def test_cli_bench_softmax_writes_results_and_load_kernel_results(tmp_path, caps
     assert "partial" not in doc["meta"]  # the rows were saved one by one, then the whole run over them
     frame = load_kernel_results(tmp_path)
     assert list(frame["case"]) == ["2x2x3x9", "2x2x3x9"] and frame["ceiling_copy_gbps"].notna().all()
+    # --append: a run of another mode keeps the first run's rows; a repeated configuration replaces its row.
+    again = [*argv[:8], "--providers", "hfkit", "--reps", "1", "--no-progress", "--out", str(out), "--append"]
+    assert main([*again, "--modes", "fwd+bwd"]) == 0
+    doc = json.loads(out.read_text())
+    assert sorted((r["provider"], r["mode"]) for r in doc["rows"]) == [
+        ("eager", "fwd"),
+        ("hfkit", "fwd"),
+        ("hfkit", "fwd+bwd"),
+    ]
+    assert doc["meta"]["earlier_commands"] == ["hfkit " + " ".join(argv)]
+    assert main([*again, "--modes", "fwd"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 3 and (rows[-1]["provider"], rows[-1]["mode"]) == ("hfkit", "fwd")
     with pytest.raises(SystemExit):
         main(["bench", "attention", "--providers", "hfkit,flash"])

@@ -40,6 +40,7 @@ __all__ = [
     "git_commit",
     "gpu_slug",
     "load_results",
+    "merge_rows",
     "repo_root",
     "results_dir",
     "rows_to_frame",
@@ -223,6 +224,25 @@ def save_results(
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+# What identifies a measurement: a later run of the same configuration replaces it.
+ROW_KEY: tuple[str, ...] = ("op", "provider", "mode", "shape", "dtype")
+
+
+def merge_rows(
+    earlier: Sequence[ResultRow | Mapping[str, Any]], later: Sequence[ResultRow | Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """`earlier` rows that `later` does not measure again (same `ROW_KEY` fields), then `later`: how a
+    run that completes a results file (`--append`) keeps what it did not repeat. Rows stay as they
+    were measured, each with its own command, commit and timestamp."""
+
+    def key(row: Mapping[str, Any]) -> tuple:
+        return tuple(tuple(row[k]) if isinstance(row[k], list) else row[k] for k in ROW_KEY)
+
+    new = [_row_dict(r) for r in later]
+    replaced = {key(r) for r in new}
+    return [r for r in map(_row_dict, earlier) if key(r) not in replaced] + new
 
 
 def _resolve_source(source: str | os.PathLike[str]) -> list[Path]:
