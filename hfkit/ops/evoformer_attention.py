@@ -19,13 +19,15 @@ from typing import NamedTuple
 
 import torch
 
-from hfkit.ops._triton import HAS_TRITON, triton_can_run
+from hfkit.ops._triton import HAS_TRITON, dot_mode, num_sms, triton_can_run
 from hfkit.ops.softmax import MASK_INF
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
     from torch.library import triton_op, wrap_triton
+
+    from hfkit.ops._triton import dot
 
 __all__ = ["MAX_HEAD_DIM", "evoformer_attention", "evoformer_attention_reference", "uses_triton"]
 
@@ -225,17 +227,6 @@ def _key_bias_strides(key_bias: torch.Tensor | None) -> list[int]:
 if HAS_TRITON:
 
     @triton.jit
-    def _mm(a, b, DOT: tl.constexpr):
-        # DOT 0: tl.dot in the input dtype; 1: float32 inputs, full precision (not tf32); 2: upcast
-        # first (the interpreter cannot multiply bfloat16; products of bf16 are exact in float32).
-        if DOT == 2:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        elif DOT == 1:
-            return tl.dot(a, b, input_precision="ieee")
-        else:
-            return tl.dot(a, b)
-
-    @triton.jit
     def _ld(ptrs, mask, EVEN: tl.constexpr):
         # EVEN: every tile is full (no ragged rows, keys or head dims), so no load needs a mask.
         if EVEN:
@@ -268,7 +259,7 @@ if HAS_TRITON:
         k_ok = offs_n < n_k
         kt = _ld(k_ptrs, k_ok[None, :] & k_ok_d, EVEN)
         # (float32 explicitly: under torch.compile, Inductor may pass the scale as a float64 scalar.)
-        s = (_mm(q, kt, DOT) * qk_scale).to(tl.float32)
+        s = (dot(q, kt, DOT) * qk_scale).to(tl.float32)
         if HAS_BIAS or HAS_KEY_BIAS:
             t = tl.zeros_like(s)
             if HAS_BIAS:
@@ -329,7 +320,7 @@ if HAS_TRITON:
                 (offs_n < n_k)[:, None] & d_ok[None, :],
                 EVEN,
             )
-            acc = acc * alpha[:, None] + _mm(p.to(vt.dtype), vt, DOT)
+            acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, DOT)
             m_i = m_new
         o = acc / l_i[:, None]
         o_ptrs = O + bsh.to(tl.int64) * n_q * d + offs_m[:, None] * d + offs_d[None, :]
@@ -356,7 +347,7 @@ if HAS_TRITON:
         if not EVEN:
             p = tl.where((offs_m < n_q)[:, None] & (offs_n < n_k)[None, :], p, 0.0)
         vt = _ld(vt_ptrs, (offs_n < n_k)[None, :] & k_ok_d, EVEN)
-        dp = _mm(do, vt, DOT)
+        dp = dot(do, vt, DOT)
         ds = p * (dp - delta[:, None])
         return p, ds
 
@@ -453,7 +444,7 @@ if HAS_TRITON:
                     mx = _ld(Mx + row0 + offs_m, m_ok, EVEN)
                     lg = _ld(Lg + row0 + offs_m, m_ok, EVEN)
                     delta = _ld(Delta + row0 + offs_m, m_ok, EVEN)
-                    st = (_mm(k, qt, DOT) * qk_scale).to(tl.float32) + kbias[:, None]
+                    st = (dot(k, qt, DOT) * qk_scale).to(tl.float32) + kbias[:, None]
                     if HAS_BIAS:
                         ok = n_ok[:, None] & m_ok[None, :]
                         b_ptrs = Bias + b_off + offs_n[:, None] * sbk + offs_m[None, :] * sbq
@@ -461,10 +452,10 @@ if HAS_TRITON:
                     pt = tl.exp2((st - mx[None, :]) - lg[None, :])
                     if not EVEN:
                         pt = tl.where(n_ok[:, None] & m_ok[None, :], pt, 0.0)
-                    dpt = _mm(v, tl.trans(do), DOT)
+                    dpt = dot(v, tl.trans(do), DOT)
                     dst = pt * (dpt - delta[None, :])
-                    dv += _mm(pt.to(do.dtype), do, DOT)
-                    dk += _mm(dst.to(do.dtype), tl.trans(qt), DOT)
+                    dv += dot(pt.to(do.dtype), do, DOT)
+                    dk += dot(dst.to(do.dtype), tl.trans(qt), DOT)
                 out = (bsh.to(tl.int64) * n_k + offs_n[:, None]) * d + offs_d[None, :]
                 _st(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), nd, EVEN)
                 _st(DV + out, dv.to(DV.dtype.element_ty), nd, EVEN)
@@ -494,7 +485,7 @@ if HAS_TRITON:
                             HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, False,
                         )  # fmt: skip
                         kt = _ld(k_ptrs, (offs_n < n_k)[None, :] & d_ok[:, None], EVEN)
-                        dq += _mm(ds.to(kt.dtype), tl.trans(kt), DOT)
+                        dq += dot(ds.to(kt.dtype), tl.trans(kt), DOT)
                     _st(
                         DQ + (row0 + offs_m[:, None]) * d + offs_d[None, :],
                         (dq * sm_scale).to(DQ.dtype.element_ty),
@@ -531,11 +522,6 @@ if HAS_TRITON:
         bm, bn, warps, stages = table[pass_]
         return Config(bm, bn, block_d, warps, stages)
 
-    def _dot_mode(q: torch.Tensor) -> int:
-        if q.dtype == torch.float32:
-            return 1
-        return 2 if q.dtype == torch.bfloat16 and not q.is_cuda else 0
-
     def _qkv_strides(t: torch.Tensor) -> list[int]:
         return list(t.stride()[:4])
 
@@ -554,7 +540,7 @@ if HAS_TRITON:
             s, h, n_q, n_k, d, LOG2E / math.sqrt(d),
             *_qkv_strides(q), *_qkv_strides(k), *_qkv_strides(v),
             *_bias_strides(bias), *_key_bias_strides(key_bias),
-            HAS_BIAS=bias is not None, HAS_KEY_BIAS=key_bias is not None, DOT=_dot_mode(q),
+            HAS_BIAS=bias is not None, HAS_KEY_BIAS=key_bias is not None, DOT=dot_mode(q),
             EVEN=_even(n_q, n_k, d, cfg), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
             num_warps=cfg.warps, num_stages=cfg.stages,
         )  # fmt: skip
@@ -582,7 +568,7 @@ if HAS_TRITON:
             *_bias_strides(bias), *_key_bias_strides(key_bias),
             *nb,
             MODE=_MODES[pass_], HAS_BIAS=bias is not None, HAS_KEY_BIAS=key_bias is not None,
-            DOT=_dot_mode(q), EVEN=_even(n_q, n_k, d, cfg),
+            DOT=dot_mode(q), EVEN=_even(n_q, n_k, d, cfg),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
             num_warps=cfg.warps, num_stages=cfg.stages,
         )  # fmt: skip
@@ -592,7 +578,7 @@ if HAS_TRITON:
         tiles: enough for about four programs per SM, each walking at least 16 rows."""
         if device.type != "cuda":
             return min(reps, 2)  # the interpreter: exercise the partial sums cheaply
-        want = triton.cdiv(4 * torch.cuda.get_device_properties(device).multi_processor_count, max(1, tiles))
+        want = triton.cdiv(4 * num_sms(device), max(1, tiles))
         per = max(16, triton.cdiv(reps, want))
         return triton.cdiv(reps, per)
 

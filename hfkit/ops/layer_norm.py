@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hfkit.ops._triton import HAS_TRITON, triton_can_run
+from hfkit.ops._triton import HAS_TRITON, num_sms, triton_can_run
 
 if HAS_TRITON:
     import triton
@@ -344,13 +344,7 @@ def _bwd_programs(m: int, cfg: tuple[int, int, int], device: torch.device, per_s
     num_blocks = triton.cdiv(m, block_m) if m else 0
     if per_sm is None:
         per_sm = max(1, 16 // num_warps)  # 16 resident warps an SM: the sweep's best
-    return max(1, min(num_blocks, _num_sms(device) * per_sm))
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter runs programs one after another; few partials keep it quick
+    return max(1, min(num_blocks, num_sms(device) * per_sm))
 
 
 if HAS_TRITON:

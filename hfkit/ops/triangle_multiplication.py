@@ -42,7 +42,7 @@ import math
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from hfkit.ops._triton import HAS_TRITON, TRITON_DTYPES, triton_can_run
+from hfkit.ops._triton import HAS_TRITON, TRITON_DTYPES, dot_mode, triton_can_run
 from hfkit.ops.layer_norm import (
     MAX_FUSED_SIZE,
     _bwd_config,
@@ -57,6 +57,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
     from torch.library import triton_op, wrap_triton
+
+    from hfkit.ops._triton import dot
 
 __all__ = [
     "FUSE_PROJECTION",
@@ -351,30 +353,14 @@ class _TriangleMultiplication(torch.autograd.Function):
 if HAS_TRITON:
 
     @triton.jit
-    def _sigmoid(x):
-        return 1.0 / (1.0 + tl.exp(-x))
-
-    @triton.jit
-    def _dot(a, b, DOT: tl.constexpr):
-        # a @ b with float32 accumulation. DOT 0: in the input dtype (bf16/fp16 tensor cores); 1:
-        # float32 inputs at full precision (no TF32); 2: upcast first, for the interpreter, which
-        # cannot multiply bfloat16 (products of bfloat16 are exact in float32).
-        if DOT == 2:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        elif DOT == 1:
-            return tl.dot(a, b, input_precision="ieee")
-        else:
-            return tl.dot(a, b)
-
-    @triton.jit
     def _store_gated(
         A, B, Mask, a_p, a_g, b_p, b_g, rows, p, c, ok, bat, NN, CH, HAS_MASK: tl.constexpr
     ):  # fmt: skip
         # a, b = mask * sigmoid(gate) * proj of a [BLOCK_P, BLOCK_C] tile, stored channel-first
         # [batch, C_h, N*N]: the tile is computed along channels and stored along pairs (Triton
         # transposes it through shared memory).
-        a = _sigmoid(a_g) * a_p
-        b = _sigmoid(b_g) * b_p
+        a = tl.sigmoid(a_g) * a_p
+        b = tl.sigmoid(b_g) * b_p
         if HAS_MASK:
             m = tl.load(Mask + rows, mask=p < NN, other=0.0).to(tl.float32)[:, None]
             a = a * m
@@ -398,8 +384,8 @@ if HAS_TRITON:
             m = tl.load(Mask + rows, mask=p < NN, other=0.0).to(tl.float32)[:, None]
             da = da * m
             db = db * m
-        s_a = _sigmoid(a_g)
-        s_b = _sigmoid(b_g)
+        s_a = tl.sigmoid(a_g)
+        s_b = tl.sigmoid(b_g)
         d_ap = da * s_a
         d_ag = da * a_p * s_a * (1.0 - s_a)
         d_bp = db * s_b
@@ -445,13 +431,13 @@ if HAS_TRITON:
             zn = tl.load(ZN + rows[:, None] * CZ + k[None, :], mask=p_ok[:, None] & k_ok[None, :], other=0.0)
             w_ptr = W + w_rows + k[:, None]  # [BLOCK_K, BLOCK_C]: W.T of the channel block
             w_ok = k_ok[:, None] & c_ok[None, :]
-            acc_ap += _dot(zn, tl.load(w_ptr, mask=w_ok, other=0.0), DOT)
+            acc_ap += dot(zn, tl.load(w_ptr, mask=w_ok, other=0.0), DOT)
             w_ag = tl.load(w_ptr + CH * CZ, mask=w_ok, other=0.0)
-            acc_ag += _dot(zn, w_ag, DOT)
+            acc_ag += dot(zn, w_ag, DOT)
             w_bp = tl.load(w_ptr + 2 * CH * CZ, mask=w_ok, other=0.0)
-            acc_bp += _dot(zn, w_bp, DOT)
+            acc_bp += dot(zn, w_bp, DOT)
             w_bg = tl.load(w_ptr + 3 * CH * CZ, mask=w_ok, other=0.0)
-            acc_bg += _dot(zn, w_bg, DOT)
+            acc_bg += dot(zn, w_bg, DOT)
         if HAS_BIAS:
             acc_ap += tl.load(Bias + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
             acc_ag += tl.load(Bias + CH + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
@@ -616,7 +602,7 @@ if HAS_TRITON:
         ok = (rows < M)[:, None] & (c < CZ)[None, :]
         o = tl.load(O + rows[:, None] * CZ + c[None, :], mask=ok, other=0.0).to(tl.float32)
         g = tl.load(P + rows[:, None] * stride_p + g_off + c[None, :], mask=ok, other=0.0).to(tl.float32)
-        tl.store(OUT + rows[:, None] * CZ + c[None, :], (o * _sigmoid(g)).to(OUT.dtype.element_ty), mask=ok)
+        tl.store(OUT + rows[:, None] * CZ + c[None, :], (o * tl.sigmoid(g)).to(OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _out_gate_bwd_kernel(
@@ -633,7 +619,7 @@ if HAS_TRITON:
         dout = tl.load(DOUT + rows[:, None] * stride_dout + c[None, :], mask=ok, other=0.0).to(tl.float32)
         o = tl.load(O + rows[:, None] * CZ + c[None, :], mask=ok, other=0.0).to(tl.float32)
         g = tl.load(P + rows[:, None] * stride_p + g_off + c[None, :], mask=ok, other=0.0).to(tl.float32)
-        s = _sigmoid(g)
+        s = tl.sigmoid(g)
         do = dout * s
         dg = dout * o * s * (1.0 - s)
         tl.store(DO + rows[:, None] * CZ + c[None, :], do.to(DO.dtype.element_ty), mask=ok)
@@ -743,7 +729,7 @@ if HAS_TRITON:
         block_p, block_c, block_k, warps = PROJ_TILES
         block_c = min(block_c, max(16, triton.next_power_of_2(c_h)))
         block_k = min(block_k, max(16, triton.next_power_of_2(c_z)))
-        dot = 1 if zn.dtype == torch.float32 else 2 if zn.dtype == torch.bfloat16 and not zn.is_cuda else 0
+        dot = dot_mode(zn)
         return block_p, block_c, block_k, warps, dot
 
     @triton_op("hfkit::tri_mul_proj_gate_fwd", mutates_args=())
