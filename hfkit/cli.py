@@ -203,18 +203,20 @@ def _run_kernel_bench(args: argparse.Namespace, file_name: str, run: Callable[..
     if args.append and out.exists():
         doc = json.loads(out.read_text())
         earlier = doc.get("rows", [])
-        meta = doc.get("meta", {})
-        earlier_commands = meta.get("earlier_commands", []) + [meta.get("command")]
+        earlier_commands = doc.get("meta", {}).get("earlier_commands", []) + [
+            doc.get("meta", {}).get("command")
+        ]
+    # The environment (versions, git commit: a subprocess) is read once, not once per saved row.
+    meta = environment_info(device, args.command)
+    if earlier_commands:
+        meta["earlier_commands"] = earlier_commands
     done: list = []
 
     def save_so_far(row) -> None:
         # Every finished case is on disk at once, marked partial: a run that is cut short (a time
         # limit, a crash in a peer library) keeps what it measured.
         done.append(row)
-        meta = {**environment_info(device, args.command), "partial": True}
-        if earlier_commands:
-            meta["earlier_commands"] = earlier_commands
-        save_results(merge_rows(earlier, done), out, meta=meta)
+        save_results(merge_rows(earlier, done), out, meta={**meta, "partial": True})
 
     result = run(device, save_so_far)
     for line in result.skipped:
@@ -222,10 +224,7 @@ def _run_kernel_bench(args: argparse.Namespace, file_name: str, run: Callable[..
     if not result.rows:
         print("no rows measured (see the skipped providers above)", file=sys.stderr)
         return 1
-    meta = environment_info(device, args.command)
     meta.update(timestamp=result.rows[0].timestamp, skipped=result.skipped, peers=peer_status(device))
-    if earlier_commands:
-        meta["earlier_commands"] = earlier_commands
     path = save_results(merge_rows(earlier, result.rows), out, ceilings=result.ceilings, meta=meta)
     ceilings = result.ceilings
     print(

@@ -31,7 +31,6 @@ from hfkit.bench.ceilings import Ceilings, resolve_device
 from hfkit.bench.kernels import (
     KernelBench,
     Steps,
-    check_choice,
     free_memory,
     kernel_ceilings,
     max_abs_err,
@@ -40,7 +39,7 @@ from hfkit.bench.kernels import (
 )
 from hfkit.bench.layernorm import DTYPES
 from hfkit.bench.peers import load_cuequivariance, load_trifast
-from hfkit.bench.results import ResultRow
+from hfkit.bench.results import ResultRow, check_choice
 from hfkit.bench.timing import rotating
 from hfkit.ops.softmax import MASK_INF
 

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from hfkit.bench.ceilings import Ceilings, measure_ceilings, resolve_device
-from hfkit.bench.results import ResultRow, environment_info
-from hfkit.bench.timing import Timing, rotating, time_fn
+from hfkit.bench.results import ResultRow, check_choice, environment_info
+from hfkit.bench.timing import rotating, time_step
 from hfkit.ops.elementwise import bias_dropout_add, sigmoid_gate
 
 __all__ = [
@@ -98,12 +98,6 @@ def _provider_fn(op: str, provider: str) -> Callable[..., torch.Tensor]:
     raise ValueError(f"provider: expected one of {PROVIDERS}, got {provider!r}")
 
 
-def _check_choice(name: str, values: Sequence[str], allowed: Sequence[str]) -> None:
-    bad = [v for v in values if v not in allowed]
-    if bad or not values:
-        raise ValueError(f"{name}: expected a non-empty subset of {list(allowed)}, got {list(values)}")
-
-
 def _smoke(case: Case) -> Case:
     """The case scaled down for CPU runs: the last two dims kept, the leading ones cut to 4."""
     shape = tuple(min(d, 4) for d in case.shape[:-2]) + case.shape[-2:]
@@ -134,9 +128,9 @@ def run_elementwise_benchmark(
 
     device = resolve_device(device)
     on_cuda = device.type == "cuda"
-    _check_choice("dtypes", dtypes, list(DTYPES))
-    _check_choice("modes", modes, MODES)
-    _check_choice("providers", providers, PROVIDERS)
+    check_choice("dtypes", dtypes, list(DTYPES))
+    check_choice("modes", modes, MODES)
+    check_choice("providers", providers, PROVIDERS)
     case_list = list(cases) if cases is not None else [c if on_cuda else _smoke(c) for c in CASES]
     warmup = warmup if warmup is not None else (10 if on_cuda else 1)
     reps = reps if reps is not None else (50 if on_cuda else 3)
@@ -203,7 +197,7 @@ def _bench_one(
             if backward:
                 torch.autograd.grad(y, (a, b), dy)
 
-    timing, note = _time_step(step, device, len(sets), warmup, reps)
+    timing, note = time_step(step, device, len(sets), warmup, reps)
     extra: dict[str, Any] = {"case": case.name, "rotating_sets": len(sets)}
     if case.op == "bias_dropout_add":
         extra.update(p=case.p, shared_dim=case.shared_dim)
@@ -230,20 +224,6 @@ def _bench_one(
         peak_mem_bytes=extra.pop("peak_mem_bytes", None),
         extra=extra,
     )
-
-
-def _time_step(
-    step: Callable[[], Any], device: torch.device, calls: int, warmup: int, reps: int
-) -> tuple[Timing, str | None]:
-    """Graph-timed on CUDA; if capture fails, event-timed with the reason returned as a note."""
-    if device.type != "cuda":
-        return time_fn(step, device, calls=calls, warmup=warmup, reps=reps), None
-    try:
-        return time_fn(step, device, calls=calls, warmup=warmup, reps=reps, graph=True), None
-    except Exception as err:  # noqa: BLE001 - any capture failure means: time it eagerly instead
-        torch.cuda.synchronize(device)
-        note = f"CUDA graph capture failed ({type(err).__name__}: {str(err)[:200]}); timed eagerly"
-        return time_fn(step, device, calls=calls, warmup=warmup, reps=reps, graph=False), note
 
 
 def _peak_and_error(

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from hfkit.bench.ceilings import Ceilings, measure_ceilings
-from hfkit.bench.layernorm import _time_step
 from hfkit.bench.results import ResultRow, environment_info
+from hfkit.bench.timing import time_step
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -37,7 +37,6 @@ __all__ = [
     "ENV_KEYS",
     "RESULT_FILES",
     "best_peer_table",
-    "check_choice",
     "free_memory",
     "kernel_ceilings",
     "kernel_errors",
@@ -73,15 +72,6 @@ class KernelBench(NamedTuple):
     rows: list[ResultRow]
     ceilings: Ceilings
     skipped: list[str]
-
-
-def check_choice(name: str, values: Sequence[str], allowed: Sequence[str]) -> list[str]:
-    """`values` as a list if it is a non-empty subset of `allowed`, else ValueError naming `name`."""
-    values = list(values)
-    bad = [v for v in values if v not in allowed]
-    if bad or not values:
-        raise ValueError(f"{name}: expected a non-empty subset of {list(allowed)}, got {values}")
-    return values
 
 
 def kernel_ceilings(device: torch.device) -> Ceilings:
@@ -174,7 +164,7 @@ def measure_case(
         # Seconds spent before timing: input layouts, the check, compilation and autotuning.
         extra["setup_s"] = round(time.perf_counter() - start, 2)
         peak = peak_memory(steps.single, device)
-        timing, note = _time_step(steps.step, device, steps.calls, warmup, reps)
+        timing, note = time_step(steps.step, device, steps.calls, warmup, reps)
     except Exception as err:  # noqa: BLE001 - one failing provider (e.g. out of memory) must not end the run
         error = _short(err)
     if error is not None:

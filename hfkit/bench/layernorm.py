@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from hfkit.bench.ceilings import Ceilings, measure_ceilings, resolve_device
-from hfkit.bench.results import ResultRow, environment_info, rows_to_frame, with_speedup
-from hfkit.bench.timing import Timing, rotating, time_fn
+from hfkit.bench.results import ResultRow, check_choice, environment_info, rows_to_frame, with_speedup
+from hfkit.bench.timing import rotating, time_step
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -129,26 +129,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return next(name for name, d in DTYPES.items() if d == dtype)
 
 
-def _check_choice(name: str, values: Sequence[str], allowed: Sequence[str]) -> None:
-    bad = [v for v in values if v not in allowed]
-    if bad or not values:
-        raise ValueError(f"{name}: expected a non-empty subset of {list(allowed)}, got {list(values)}")
-
-
-def _time_step(
-    step: Callable[[], Any], device: torch.device, calls: int, warmup: int, reps: int
-) -> tuple[Timing, str | None]:
-    """Graph-timed on CUDA; if capture fails, event-timed with the reason returned as a note."""
-    if device.type != "cuda":
-        return time_fn(step, device, calls=calls, warmup=warmup, reps=reps), None
-    try:
-        return time_fn(step, device, calls=calls, warmup=warmup, reps=reps, graph=True), None
-    except Exception as err:  # noqa: BLE001 - any capture failure means: time it eagerly instead
-        torch.cuda.synchronize(device)
-        note = f"CUDA graph capture failed ({type(err).__name__}: {str(err)[:200]}); timed eagerly"
-        return time_fn(step, device, calls=calls, warmup=warmup, reps=reps, graph=False), note
-
-
 def run_layernorm_benchmark(
     device: torch.device | str | None = None,
     shapes: Sequence[Sequence[int]] | None = None,
@@ -177,9 +157,9 @@ def run_layernorm_benchmark(
 
     device = resolve_device(device)
     on_cuda = device.type == "cuda"
-    _check_choice("dtypes", dtypes, list(DTYPES))
-    _check_choice("modes", modes, MODES)
-    _check_choice("providers", providers, PROVIDERS)
+    check_choice("dtypes", dtypes, list(DTYPES))
+    check_choice("modes", modes, MODES)
+    check_choice("providers", providers, PROVIDERS)
     shape_list = [
         tuple(int(d) for d in s) for s in (shapes if shapes is not None else default_shapes(device, quick))
     ]
@@ -271,7 +251,7 @@ def _bench_shape(
         for x, _, out in sets:
             out.copy_(x)
 
-    copy_timing, _ = _time_step(copy_loop, device, len(sets), warmup, reps)
+    copy_timing, _ = time_step(copy_loop, device, len(sets), warmup, reps)
     copy_gbps_same = 2 * tensor_bytes / (copy_timing.p50 * 1e-3) / 1e9
 
     w0 = torch.randn(normalized, device=device, dtype=dtype, generator=gen)
@@ -292,7 +272,7 @@ def _bench_shape(
             f = _provider_fn(provider)
             step = _make_step(f, xs, dys, w, b, normalized, eps, backward)
             try:
-                timing, note = _time_step(step, device, len(xs), warmup, reps)
+                timing, note = time_step(step, device, len(xs), warmup, reps)
             except Exception as err:  # noqa: BLE001 - one broken provider must not lose the others' rows
                 warnings.warn(
                     f"layernorm benchmark: provider {provider!r} failed on {shape} {dtype} {mode}: "

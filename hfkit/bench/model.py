@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from hfkit.bench.ceilings import Ceilings, measure_ceilings, resolve_device
-from hfkit.bench.results import ResultRow, environment_info, save_results
+from hfkit.bench.results import ResultRow, check_choice, environment_info, merge_rows, row_key, save_results
 from hfkit.bench.timing import Timing, time_fn
 from hfkit.model import AlphaFoldLite, EvoformerBlock, EvoformerStack, ModelConfig
 
@@ -400,7 +400,7 @@ class _Run:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         if self.out is not None:
-            save_results([*self.keep, *(r.as_dict() for r in self.rows)], self.out, ceilings=self.ceilings)
+            save_results(merge_rows(self.keep, self.rows, _row_key), self.out, ceilings=self.ceilings)
 
     def cpu_path(self) -> contextlib.AbstractContextManager[Any]:
         return _cpu_path(self.device, self.interpret)
@@ -735,22 +735,9 @@ def _precision(name: str) -> Precision:
     return PRECISIONS[name]
 
 
-def _check_subset(name: str, values: Sequence[Any], allowed: Sequence[Any]) -> None:
-    bad = [v for v in values if v not in allowed]
-    if bad or not values:
-        raise ValueError(f"{name}: expected a non-empty subset of {list(allowed)}, got {list(values)}")
-
-
 def _row_key(row: Mapping[str, Any]) -> tuple:
-    extra = row.get("extra") or {}
-    return (
-        row["op"],
-        row["provider"],
-        row["mode"],
-        tuple(row["shape"]),
-        row["dtype"],
-        extra.get("checkpointing"),
-    )
+    """`row_key` and checkpointing: a stack or step with and without it are two configurations."""
+    return (*row_key(row), (row.get("extra") or {}).get("checkpointing"))
 
 
 def run_model_benchmark(
@@ -791,13 +778,13 @@ def run_model_benchmark(
 
     device = resolve_device(device)
     on_cuda = device.type == "cuda"
-    _check_subset("parts", parts, PARTS)
-    _check_subset("variants", variants, VARIANTS)
-    _check_subset("step_variants", step_variants, VARIANTS)
-    _check_subset("dtypes", dtypes, list(PRECISIONS))
-    _check_subset("stack_dtypes", stack_dtypes, list(PRECISIONS))
-    _check_subset("modes", modes, MODES)
-    _check_subset("checkpointing", list(checkpointing), [False, True])
+    check_choice("parts", parts, PARTS)
+    check_choice("variants", variants, VARIANTS)
+    check_choice("step_variants", step_variants, VARIANTS)
+    check_choice("dtypes", dtypes, list(PRECISIONS))
+    check_choice("stack_dtypes", stack_dtypes, list(PRECISIONS))
+    check_choice("modes", modes, MODES)
+    check_choice("checkpointing", list(checkpointing), [False, True])
     step_precision = _precision(step_dtype)
     shape_list = [
         tuple(int(d) for d in s) for s in (shapes or (QUICK_BLOCK_SHAPES if quick else BLOCK_SHAPES))
@@ -864,11 +851,6 @@ def run_model_benchmark(
                     _bench_profile(run, config.replace(checkpoint=True), step_precision)
     finally:
         bar.close()
-    if keep:
-        measured = {_row_key(r.as_dict()) for r in run.rows}
-        run.keep[:] = [r for r in keep if _row_key(r) not in measured]
-        if out_path is not None:
-            save_results([*run.keep, *(r.as_dict() for r in run.rows)], out_path, ceilings=ceilings)
     return run.rows
 
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from functools import cache
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ResultRow",
     "SCHEMA_VERSION",
+    "check_choice",
     "environment_info",
     "git_commit",
     "gpu_slug",
@@ -226,20 +227,30 @@ def save_results(
     return path
 
 
-# What identifies a measurement: a later run of the same configuration replaces it.
-ROW_KEY: tuple[str, ...] = ("op", "provider", "mode", "shape", "dtype")
+def check_choice(name: str, values: Sequence[str], allowed: Sequence[str]) -> list[str]:
+    """`values` as a list if it is a non-empty subset of `allowed`, else ValueError naming `name`
+    (a benchmark's providers, modes, dtypes ...)."""
+    values = list(values)
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise ValueError(f"{name}: expected a non-empty subset of {list(allowed)}, got {values}")
+    return values
+
+
+def row_key(row: Mapping[str, Any]) -> tuple:
+    """What identifies a measurement: op, provider, mode, shape and dtype. A later run of the same
+    configuration replaces it (`merge_rows`)."""
+    return (row["op"], row["provider"], row["mode"], tuple(row["shape"]), row["dtype"])
 
 
 def merge_rows(
-    earlier: Sequence[ResultRow | Mapping[str, Any]], later: Sequence[ResultRow | Mapping[str, Any]]
+    earlier: Sequence[ResultRow | Mapping[str, Any]],
+    later: Sequence[ResultRow | Mapping[str, Any]],
+    key: Callable[[Mapping[str, Any]], tuple] = row_key,
 ) -> list[dict[str, Any]]:
-    """`earlier` rows that `later` does not measure again (same `ROW_KEY` fields), then `later`: how a
-    run that completes a results file (`--append`) keeps what it did not repeat. Rows stay as they
-    were measured, each with its own command, commit and timestamp."""
-
-    def key(row: Mapping[str, Any]) -> tuple:
-        return tuple(tuple(row[k]) if isinstance(row[k], list) else row[k] for k in ROW_KEY)
-
+    """`earlier` rows that `later` does not measure again (same `key`), then `later`: how a run that
+    completes a results file (`--append`) keeps what it did not repeat. Rows stay as they were
+    measured, each with its own command, commit and timestamp."""
     new = [_row_dict(r) for r in later]
     replaced = {key(r) for r in new}
     return [r for r in map(_row_dict, earlier) if key(r) not in replaced] + new

@@ -19,7 +19,6 @@ from hfkit.bench.ceilings import Ceilings, resolve_device
 from hfkit.bench.kernels import (
     KernelBench,
     Steps,
-    check_choice,
     free_memory,
     kernel_ceilings,
     max_abs_err,
@@ -27,7 +26,7 @@ from hfkit.bench.kernels import (
     row_environment,
 )
 from hfkit.bench.layernorm import DTYPES
-from hfkit.bench.results import ResultRow
+from hfkit.bench.results import ResultRow, check_choice
 from hfkit.bench.timing import rotating
 from hfkit.ops.softmax import MASK_INF
 

@@ -18,7 +18,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import torch
 
-__all__ = ["Timing", "rotating", "time_cuda", "time_cpu", "time_fn"]
+__all__ = ["Timing", "rotating", "time_cpu", "time_cuda", "time_fn", "time_step"]
 
 TimingMethod = Literal["cuda_graph", "cuda_events", "wall"]
 T = TypeVar("T")
@@ -179,3 +179,18 @@ def time_fn(
         with torch.cuda.device(device):
             return time_cuda(fn, graph=graph, calls_per_graph=calls, **kwargs)
     return time_cpu(fn, calls=calls, **kwargs)
+
+
+def time_step(
+    step: Callable[[], Any], device: torch.device, calls: int, warmup: int, reps: int
+) -> tuple[Timing, str | None]:
+    """`time_fn` of a benchmark step: CUDA-graph timed on a GPU and, if the capture fails, timed with
+    CUDA events on eager calls, with the reason returned as a note (None when nothing fell back)."""
+    if device.type != "cuda":
+        return time_fn(step, device, calls=calls, warmup=warmup, reps=reps), None
+    try:
+        return time_fn(step, device, calls=calls, warmup=warmup, reps=reps, graph=True), None
+    except Exception as err:  # noqa: BLE001 - any capture failure means: time it eagerly instead
+        torch.cuda.synchronize(device)
+        note = f"CUDA graph capture failed ({type(err).__name__}: {str(err)[:200]}); timed eagerly"
+        return time_fn(step, device, calls=calls, warmup=warmup, reps=reps, graph=False), note

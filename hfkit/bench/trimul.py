@@ -33,7 +33,6 @@ from hfkit.bench.ceilings import Ceilings, resolve_device
 from hfkit.bench.kernels import (
     KernelBench,
     Steps,
-    check_choice,
     free_memory,
     kernel_ceilings,
     max_abs_err,
@@ -41,7 +40,7 @@ from hfkit.bench.kernels import (
     row_environment,
 )
 from hfkit.bench.peers import load_cuequivariance
-from hfkit.bench.results import ResultRow
+from hfkit.bench.results import ResultRow, check_choice
 from hfkit.bench.timing import rotating
 
 __all__ = [
