@@ -26,7 +26,7 @@ from hfkit.bench.results import (
     save_results,
     with_speedup,
 )
-from hfkit.bench.timing import Timing, rotating, time_cpu, time_cuda, time_fn
+from hfkit.bench.timing import Timing, peak_memory, rotating, time_cpu, time_cuda, time_fn, time_step
 
 __all__ = [
     "Ceilings",
@@ -44,6 +44,7 @@ __all__ = [
     "measure_ceilings",
     "measure_copy_bandwidth",
     "measure_matmul_tflops",
+    "peak_memory",
     "resolve_device",
     "results_dir",
     "rotating",
@@ -55,5 +56,6 @@ __all__ = [
     "time_cpu",
     "time_cuda",
     "time_fn",
+    "time_step",
     "with_speedup",
 ]

@@ -24,7 +24,7 @@ import torch
 
 from hfkit.bench.ceilings import Ceilings, measure_ceilings, resolve_device
 from hfkit.bench.results import ResultRow, check_choice, environment_info
-from hfkit.bench.timing import rotating, time_step
+from hfkit.bench.timing import peak_memory, rotating, time_step
 from hfkit.ops.elementwise import bias_dropout_add, sigmoid_gate
 
 __all__ = [
@@ -232,18 +232,15 @@ def _peak_and_error(
     """Peak memory of one call above what was allocated (CUDA), and the max abs difference to eager:
     the gate's output, or for dropout the eval-mode output and the kept fraction of the train mode."""
     a, b, dy = inputs
-    on_cuda = a.is_cuda
-    if on_cuda:
-        torch.cuda.synchronize(a.device)
-        torch.cuda.reset_peak_memory_stats(a.device)
-        base = torch.cuda.memory_allocated(a.device)
-    y = f(a, b, *args)
-    if backward:
-        torch.autograd.grad(y, (a, b), dy)
-    out: dict[str, Any] = {}
-    if on_cuda:
-        torch.cuda.synchronize(a.device)
-        out["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated(a.device) - base)
+
+    def call() -> torch.Tensor:
+        y = f(a, b, *args)
+        if backward:
+            torch.autograd.grad(y, (a, b), dy)
+        return y
+
+    peak, y = peak_memory(call, a.device)
+    out: dict[str, Any] = {} if peak is None else {"peak_mem_bytes": peak}
     with torch.no_grad():
         if case.op == "sigmoid_gate":
             expected = _eager_gate(a.float(), b.float())

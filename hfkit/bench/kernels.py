@@ -28,7 +28,7 @@ import torch
 
 from hfkit.bench.ceilings import Ceilings, measure_ceilings
 from hfkit.bench.results import ResultRow, environment_info
-from hfkit.bench.timing import time_step
+from hfkit.bench.timing import peak_memory, time_step
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -47,7 +47,6 @@ __all__ = [
     "load_kernel_results",
     "max_abs_err",
     "measure_case",
-    "peak_memory",
     "row_environment",
     "Steps",
 ]
@@ -93,20 +92,6 @@ def free_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-
-
-def peak_memory(step: Callable[[], Any], device: torch.device) -> int | None:
-    """Peak CUDA memory of one call of `step`, in bytes above what was allocated before it (the
-    inputs); None on a CPU (the step still runs, so it doubles as a warm-up)."""
-    if device.type != "cuda":
-        step()
-        return None
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    step()
-    torch.cuda.synchronize(device)
-    return int(torch.cuda.max_memory_allocated(device) - base)
 
 
 def _short(err: BaseException) -> str:
@@ -163,7 +148,7 @@ def measure_case(
             steps.single()
         # Seconds spent before timing: input layouts, the check, compilation and autotuning.
         extra["setup_s"] = round(time.perf_counter() - start, 2)
-        peak = peak_memory(steps.single, device)
+        peak, _ = peak_memory(steps.single, device)
         timing, note = time_step(steps.step, device, steps.calls, warmup, reps)
     except Exception as err:  # noqa: BLE001 - one failing provider (e.g. out of memory) must not end the run
         error = _short(err)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from hfkit.bench.ceilings import Ceilings, measure_ceilings, resolve_device
 from hfkit.bench.results import ResultRow, check_choice, environment_info, rows_to_frame, with_speedup
-from hfkit.bench.timing import rotating, time_step
+from hfkit.bench.timing import peak_memory, rotating, time_step
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -354,18 +354,17 @@ def _peak_and_error(
 ) -> dict[str, Any]:
     """One extra call on the first set: peak memory above what was allocated (CUDA only) and the
     forward's max abs error against float64, a guard that fast numbers come from right answers."""
-    on_cuda = x.is_cuda
-    if on_cuda:
-        torch.cuda.synchronize(x.device)
-        torch.cuda.reset_peak_memory_stats(x.device)
-        base = torch.cuda.memory_allocated(x.device)
-    y = f(x, normalized, w, b, eps)
-    if backward:
-        torch.autograd.grad(y, (x, w, b), dy)
+
+    def call() -> torch.Tensor:
+        y = f(x, normalized, w, b, eps)
+        if backward:
+            torch.autograd.grad(y, (x, w, b), dy)
+        return y
+
+    peak, y = peak_memory(call, x.device)
     out: dict[str, Any] = {"max_abs_err_vs_fp64": float((y.detach().double() - y_ref).abs().max())}
-    if on_cuda:
-        torch.cuda.synchronize(x.device)
-        out["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated(x.device) - base)
+    if peak is not None:
+        out["peak_mem_bytes"] = peak
     return out
 
 

@@ -44,7 +44,7 @@ from torch import nn
 
 from hfkit.bench.ceilings import Ceilings, measure_ceilings, resolve_device
 from hfkit.bench.results import ResultRow, check_choice, environment_info, merge_rows, row_key, save_results
-from hfkit.bench.timing import Timing, time_fn
+from hfkit.bench.timing import Timing, peak_memory, time_fn, time_step
 from hfkit.model import AlphaFoldLite, EvoformerBlock, EvoformerStack, ModelConfig
 
 __all__ = [
@@ -258,25 +258,14 @@ def _measure(
     call()
     _sync(device)
     first = time.perf_counter() - t0
-    note = None
-    if device.type == "cuda" and graph:
-        try:
-            timing = time_fn(call, device, warmup=warmup, reps=reps, graph=True)
-        except Exception as err:  # noqa: BLE001 - any capture failure means: time it with events
-            _sync(device)
-            note = f"CUDA graph capture failed ({type(err).__name__}: {str(err)[:200]}); timed with events"
-            timing = time_fn(call, device, warmup=warmup, reps=reps, graph=False)
+    if graph:
+        timing, note = time_step(call, device, 1, warmup, reps)
     else:
-        timing = time_fn(call, device, warmup=warmup, reps=reps, graph=False)
+        timing, note = time_fn(call, device, warmup=warmup, reps=reps, graph=False), None
     peak = None
-    if device.type == "cuda":
+    if device.type == "cuda":  # a CPU has no peak to read: no extra call there
         gc.collect()
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        call()
-        torch.cuda.synchronize(device)
-        peak = int(torch.cuda.max_memory_allocated(device) - base)
+        peak, _ = peak_memory(call, device)
     return _Measurement(timing, first, peak, note)
 
 

@@ -18,7 +18,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import torch
 
-__all__ = ["Timing", "rotating", "time_cpu", "time_cuda", "time_fn", "time_step"]
+__all__ = ["Timing", "peak_memory", "rotating", "time_cpu", "time_cuda", "time_fn", "time_step"]
 
 TimingMethod = Literal["cuda_graph", "cuda_events", "wall"]
 T = TypeVar("T")
@@ -194,3 +194,16 @@ def time_step(
         torch.cuda.synchronize(device)
         note = f"CUDA graph capture failed ({type(err).__name__}: {str(err)[:200]}); timed eagerly"
         return time_fn(step, device, calls=calls, warmup=warmup, reps=reps, graph=False), note
+
+
+def peak_memory(fn: Callable[[], T], device: torch.device) -> tuple[int | None, T]:
+    """Run `fn` once; return the CUDA memory it peaked at above what was allocated before it (the
+    inputs), None on other devices, and what `fn` returned."""
+    if device.type != "cuda":
+        return None, fn()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device) - base), result
