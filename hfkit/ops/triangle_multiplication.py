@@ -479,17 +479,14 @@ if HAS_TRITON:
         )  # fmt: skip
 
     @triton.jit
-    def _proj_gate_fwd_kernel(
-        ZN, W, Bias, Mask, A, B, NN, CH, CZ,
-        HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, DOT: tl.constexpr,
+    def _projected_tile(
+        ZN, W, Bias, NN, CH, CZ,
+        HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
         BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        # Fused projection: the a/b projections of BLOCK_P pairs x BLOCK_C channels are computed from
-        # zn [M, C_z] (tl.dot, float32 accumulators) and gated in registers; only a and b (channel-
-        # first) are written. Traffic: read zn once per channel block, write a and b once; the
-        # [M, 4 C_h] projection never exists in memory.
-        # Channel blocks of one pair block are neighbours in launch order, so zn is read from HBM
-        # once and re-read from L2 by the other channel blocks.
+        # This program's BLOCK_P pairs x BLOCK_C channels (pair blocks major: the channel blocks of one
+        # pair block are launch neighbours, so zn is read from HBM once and re-read from L2) and
+        # their four projections, with the indices both projection kernels go on with.
         num_c_blocks = tl.cdiv(CH, BLOCK_C)
         pid_p, pid_c = tl.program_id(0) // num_c_blocks, tl.program_id(0) % num_c_blocks
         bat = tl.program_id(1)
@@ -502,6 +499,21 @@ if HAS_TRITON:
         a_p, a_g, b_p, b_g = _project(
             ZN, W, Bias, rows, p_ok, c, c_ok, CZ, CH, HAS_BIAS, DOT, BLOCK_P, BLOCK_C, BLOCK_K
         )
+        return a_p, a_g, b_p, b_g, rows, p, c, ok, c_ok, bat, pid_p
+
+    @triton.jit
+    def _proj_gate_fwd_kernel(
+        ZN, W, Bias, Mask, A, B, NN, CH, CZ,
+        HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, DOT: tl.constexpr,
+        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # Fused projection: the a/b projections of BLOCK_P pairs x BLOCK_C channels are computed from
+        # zn [M, C_z] (tl.dot, float32 accumulators) and gated in registers; only a and b (channel-
+        # first) are written. Traffic: read zn once per channel block, write a and b once; the
+        # [M, 4 C_h] projection never exists in memory.
+        a_p, a_g, b_p, b_g, rows, p, c, ok, c_ok, bat, pid_p = _projected_tile(
+            ZN, W, Bias, NN, CH, CZ, HAS_BIAS, DOT, BLOCK_P, BLOCK_C, BLOCK_K
+        )
         _store_gated(A, B, Mask, a_p, a_g, b_p, b_g, rows, p, c, ok, bat, NN, CH, HAS_MASK)
 
     @triton.jit
@@ -512,19 +524,8 @@ if HAS_TRITON:
     ):  # fmt: skip
         # Fused projection, backward: recompute the four projection tiles from zn (cheaper than
         # saving and re-reading [M, 4 C_h]), then write their gradients from da and db.
-        # Channel blocks of one pair block are neighbours in launch order, so zn is read from HBM
-        # once and re-read from L2 by the other channel blocks.
-        num_c_blocks = tl.cdiv(CH, BLOCK_C)
-        pid_p, pid_c = tl.program_id(0) // num_c_blocks, tl.program_id(0) % num_c_blocks
-        bat = tl.program_id(1)
-        p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-        c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-        p_ok = p < NN
-        c_ok = c < CH
-        ok = p_ok[:, None] & c_ok[None, :]
-        rows = bat.to(tl.int64) * NN + p
-        a_p, a_g, b_p, b_g = _project(
-            ZN, W, Bias, rows, p_ok, c, c_ok, CZ, CH, HAS_BIAS, DOT, BLOCK_P, BLOCK_C, BLOCK_K
+        a_p, a_g, b_p, b_g, rows, p, c, ok, c_ok, bat, pid_p = _projected_tile(
+            ZN, W, Bias, NN, CH, CZ, HAS_BIAS, DOT, BLOCK_P, BLOCK_C, BLOCK_K
         )
         _store_gate_grads(
             DA, DB, Mask, DP, Part, a_p, a_g, b_p, b_g, rows, p, c, ok, c_ok, bat, pid_p,
