@@ -186,8 +186,9 @@ def _cmd_bench_comms(args: argparse.Namespace) -> int:
 
 
 def _run_kernel_bench(args: argparse.Namespace, file_name: str, run: Callable[..., object]) -> int:
-    """Run one kernel benchmark (`run(device, on_row)` returns a `KernelBench` and calls `on_row` with
-    each row as it is measured), save it and print its tables."""
+    """Run one kernel benchmark, save it and print its tables. `run(device, common)` returns a
+    `KernelBench`; `common` holds the options every kernel benchmark takes (modes, providers, progress,
+    command, warm-up, reps, and `on_row`, called with each row as it is measured)."""
     import pandas as pd
 
     from hfkit.bench import environment_info, gpu_slug, resolve_device, results_dir, save_results
@@ -218,7 +219,16 @@ def _run_kernel_bench(args: argparse.Namespace, file_name: str, run: Callable[..
         done.append(row)
         save_results(merge_rows(earlier, done), out, meta={**meta, "partial": True})
 
-    result = run(device, save_so_far)
+    common = dict(
+        modes=args.modes,
+        providers=args.providers,
+        progress=not args.no_progress,
+        command=args.command,
+        warmup=args.warmup,
+        reps=args.reps,
+        on_row=save_so_far,
+    )
+    result = run(device, common)
     for line in result.skipped:
         print(f"skipped: {line}", file=sys.stderr)
     if not result.rows:
@@ -242,20 +252,9 @@ def _run_kernel_bench(args: argparse.Namespace, file_name: str, run: Callable[..
 def _cmd_bench_attention(args: argparse.Namespace) -> int:
     from hfkit.bench.attention import attention_cases, run_attention_benchmark
 
-    def run(device, on_row):
+    def run(device, common):
         cases = attention_cases(args.ops, args.sizes, device, args.quick)
-        return run_attention_benchmark(
-            device,
-            cases,
-            dtypes=args.dtypes,
-            modes=args.modes,
-            providers=args.providers,
-            progress=not args.no_progress,
-            command=args.command,
-            warmup=args.warmup,
-            reps=args.reps,
-            on_row=on_row,
-        )
+        return run_attention_benchmark(device, cases, dtypes=args.dtypes, **common)
 
     return _run_kernel_bench(args, "attention.json", run)
 
@@ -263,20 +262,8 @@ def _cmd_bench_attention(args: argparse.Namespace) -> int:
 def _cmd_bench_softmax(args: argparse.Namespace) -> int:
     from hfkit.bench.softmax_bench import run_softmax_benchmark
 
-    def run(device, on_row):
-        return run_softmax_benchmark(
-            device,
-            args.shapes,
-            dtypes=args.dtypes,
-            modes=args.modes,
-            providers=args.providers,
-            progress=not args.no_progress,
-            quick=args.quick,
-            command=args.command,
-            warmup=args.warmup,
-            reps=args.reps,
-            on_row=on_row,
-        )
+    def run(device, common):
+        return run_softmax_benchmark(device, args.shapes, dtypes=args.dtypes, quick=args.quick, **common)
 
     return _run_kernel_bench(args, "softmax.json", run)
 
@@ -284,19 +271,9 @@ def _cmd_bench_softmax(args: argparse.Namespace) -> int:
 def _cmd_bench_trimul(args: argparse.Namespace) -> int:
     from hfkit.bench.trimul import run_trimul_benchmark, trimul_cases
 
-    def run(device, on_row):
-        return run_trimul_benchmark(
-            device,
-            trimul_cases(args.sizes, args.directions, device, args.quick),
-            precisions=args.precisions,
-            modes=args.modes,
-            providers=args.providers,
-            progress=not args.no_progress,
-            command=args.command,
-            warmup=args.warmup,
-            reps=args.reps,
-            on_row=on_row,
-        )
+    def run(device, common):
+        cases = trimul_cases(args.sizes, args.directions, device, args.quick)
+        return run_trimul_benchmark(device, cases, precisions=args.precisions, **common)
 
     return _run_kernel_bench(args, "triangle_multiplication.json", run)
 
