@@ -111,21 +111,11 @@ def bench_config(quick: bool = False) -> ModelConfig:
 
 
 def make_block(config: ModelConfig, dropout: bool = False) -> EvoformerBlock:
-    """One `EvoformerBlock` with `config`'s sizes; dropout rates 0 unless `dropout`."""
-    return EvoformerBlock(
-        c_m=config.c_m,
-        c_z=config.c_z,
-        c_hidden_msa_att=config.c_hidden_msa_att,
-        c_hidden_opm=config.c_hidden_opm,
-        c_hidden_mul=config.c_hidden_mul,
-        c_hidden_pair_att=config.c_hidden_pair_att,
-        no_heads_msa=config.no_heads_msa,
-        no_heads_pair=config.no_heads_pair,
-        transition_n=config.transition_n,
-        msa_dropout=config.msa_dropout if dropout else 0.0,
-        pair_dropout=config.pair_dropout if dropout else 0.0,
-        inf=config.inf,
-    )
+    """One `EvoformerBlock` with `config`'s sizes (the block a one-block stack of `config` builds);
+    dropout rates 0 unless `dropout`."""
+    if not dropout:
+        config = config.replace(msa_dropout=0.0, pair_dropout=0.0)
+    return EvoformerStack.from_config(config.replace(no_blocks=1)).blocks[0]
 
 
 def evoformer_block_flops(s: int, n: int, config: ModelConfig) -> int:
