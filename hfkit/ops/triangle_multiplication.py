@@ -479,14 +479,12 @@ if HAS_TRITON:
         )  # fmt: skip
 
     @triton.jit
-    def _projected_tile(
-        ZN, W, Bias, NN, CH, CZ,
-        HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
-        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
+    def _tile_indices(NN, CH, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
         # This program's BLOCK_P pairs x BLOCK_C channels (pair blocks major: the channel blocks of one
-        # pair block are launch neighbours, so zn is read from HBM once and re-read from L2) and
-        # their four projections, with the indices both projection kernels go on with.
+        # pair block are launch neighbours, so zn is read from HBM once and re-read from L2). It takes
+        # no pointers on purpose: Inductor's mutation analysis counts every argument of a call whose
+        # results feed a store address as written, so indices must not come from a call that also
+        # takes zn or the weights (that made torch.compile copy stale values back into them).
         num_c_blocks = tl.cdiv(CH, BLOCK_C)
         pid_p, pid_c = tl.program_id(0) // num_c_blocks, tl.program_id(0) % num_c_blocks
         bat = tl.program_id(1)
@@ -496,10 +494,7 @@ if HAS_TRITON:
         c_ok = c < CH
         ok = p_ok[:, None] & c_ok[None, :]
         rows = bat.to(tl.int64) * NN + p
-        a_p, a_g, b_p, b_g = _project(
-            ZN, W, Bias, rows, p_ok, c, c_ok, CZ, CH, HAS_BIAS, DOT, BLOCK_P, BLOCK_C, BLOCK_K
-        )
-        return a_p, a_g, b_p, b_g, rows, p, c, ok, c_ok, bat, pid_p
+        return rows, p, c, p_ok, c_ok, ok, bat, pid_p
 
     @triton.jit
     def _proj_gate_fwd_kernel(
@@ -511,8 +506,9 @@ if HAS_TRITON:
         # zn [M, C_z] (tl.dot, float32 accumulators) and gated in registers; only a and b (channel-
         # first) are written. Traffic: read zn once per channel block, write a and b once; the
         # [M, 4 C_h] projection never exists in memory.
-        a_p, a_g, b_p, b_g, rows, p, c, ok, c_ok, bat, pid_p = _projected_tile(
-            ZN, W, Bias, NN, CH, CZ, HAS_BIAS, DOT, BLOCK_P, BLOCK_C, BLOCK_K
+        rows, p, c, p_ok, c_ok, ok, bat, pid_p = _tile_indices(NN, CH, BLOCK_P, BLOCK_C)
+        a_p, a_g, b_p, b_g = _project(
+            ZN, W, Bias, rows, p_ok, c, c_ok, CZ, CH, HAS_BIAS, DOT, BLOCK_P, BLOCK_C, BLOCK_K
         )
         _store_gated(A, B, Mask, a_p, a_g, b_p, b_g, rows, p, c, ok, bat, NN, CH, HAS_MASK)
 
@@ -524,8 +520,9 @@ if HAS_TRITON:
     ):  # fmt: skip
         # Fused projection, backward: recompute the four projection tiles from zn (cheaper than
         # saving and re-reading [M, 4 C_h]), then write their gradients from da and db.
-        a_p, a_g, b_p, b_g, rows, p, c, ok, c_ok, bat, pid_p = _projected_tile(
-            ZN, W, Bias, NN, CH, CZ, HAS_BIAS, DOT, BLOCK_P, BLOCK_C, BLOCK_K
+        rows, p, c, p_ok, c_ok, ok, bat, pid_p = _tile_indices(NN, CH, BLOCK_P, BLOCK_C)
+        a_p, a_g, b_p, b_g = _project(
+            ZN, W, Bias, rows, p_ok, c, c_ok, CZ, CH, HAS_BIAS, DOT, BLOCK_P, BLOCK_C, BLOCK_K
         )
         _store_gate_grads(
             DA, DB, Mask, DP, Part, a_p, a_g, b_p, b_g, rows, p, c, ok, c_ok, bat, pid_p,
