@@ -306,7 +306,7 @@ def kernel_summary(results: pd.DataFrame | Sequence[ResultRow]) -> pd.DataFrame:
             "max_err",
         ]
     ].copy()
-    table["error"] = [(e or "")[:60] for e in frame["error"]]
+    table["error"] = [e[:60] if isinstance(e, str) else "" for e in frame["error"]]  # NaN where none
     return table.round({"p50_ms": 3, "tflops": 1, "pct_matmul": 1, "gbps": 1, "pct_copy": 1, "peak_mib": 1})
 
 
