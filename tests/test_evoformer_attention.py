@@ -116,6 +116,18 @@ def test_strided_inputs_and_fully_masked_rows(device, seed):
         assert rel_err(actual, expected) < TOL[torch.float32], name
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_pair_bias_as_a_permuted_projection(device, seed):
+    # The Evoformer's pair bias: linear(z) [B, N, N, H] moved to [B, 1, H, N, N], a view with key stride H.
+    h, n = 3, 19
+    q, k, v = qkv(1, 2, h, n, n, 16, torch.float32, device)
+    src = torch.randn(1, n, n, h, device=device, requires_grad=True)
+    bias = src.movedim(-1, -3).unsqueeze(1)
+    assert bias.stride(-1) == h
+    for name, actual, expected in run_both(q, k, v, bias, torch.rand(1, 2, n, device=device) > 0.2):
+        assert rel_err(actual, expected) < TOL[torch.float32], name
+
+
 def test_float64_runs_the_reference(seed):
     q, k, v = qkv(1, 1, 1, 5, 5, 8, torch.float64, "cpu")
     assert not uses_triton(q)

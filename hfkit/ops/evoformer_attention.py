@@ -187,8 +187,19 @@ def evoformer_attention(
         add = (mask.detach().to(torch.float32) - 1.0) * MASK_INF
     if key_bias is not None:
         add = key_bias.to(torch.float32) if add is None else add + key_bias.to(torch.float32)
+    # A unit key stride lets the kernels load bias rows as vectors (Triton specializes a stride of 1);
+    # a pair bias that is a permuted view of the pair projection (key stride H, as in the Evoformer)
+    # would be gathered element by element on every one of its S re-reads. One copy is cheap beside
+    # that. (Expected from the kernels' code; not yet timed in the model on a GPU.)
+    bias, add = _unit_key_stride(bias), _unit_key_stride(add)
     o, _, _ = torch.ops.hfkit.evoformer_attention_fwd(q, k, v, bias, add)
     return o
+
+
+def _unit_key_stride(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None or t.shape[-1] == 1 or t.stride(-1) == 1:
+        return t
+    return t.contiguous()
 
 
 def _check_key_bias(key_bias: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> None:
