@@ -475,6 +475,60 @@ def test_deletion_sums_past_float_precision_keep_row_order() -> None:
     assert torch.equal(got, row_order)
 
 
+@pytest.mark.parametrize("crop", ["window", "few_runs", "many_runs"])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint16, torch.float32])
+def test_row_order_deletion_sums_match_one_index_add(crop: str, dtype: torch.dtype) -> None:
+    """Block-streamed deletion sums equal, bit for bit, one index_add_ of the cropped float32 matrix."""
+    from hfkit.data import msa_sampling
+    from hfkit.data.msa_sampling import _column_runs, _row_order_deletion_sums
+
+    rng = np.random.default_rng(1)
+    num_seq, num_res, num_clust = 1300, 40, 2  # more rows than a block: sums carry across blocks
+    if dtype == torch.float32:  # fractional values: float32 rounding depends on the order
+        values = rng.random((num_seq, num_res)).astype(np.float32) * 1e6
+    elif dtype == torch.uint16:  # sums past 2**24: float32 rounding depends on the order
+        values = rng.integers(40001, 65536, (num_seq, num_res)).astype(np.uint16)
+    else:
+        values = rng.integers(0, 256, (num_seq, num_res)).astype(np.uint8)
+    deletions = torch.from_numpy(values)
+    cols = {
+        "window": torch.arange(5, 37),
+        "few_runs": torch.tensor([0, 1, 2, 7, 8, 20, 21, 22, 23, 39]),
+        "many_runs": torch.arange(0, num_res, 2),
+    }[crop]
+    cluster = torch.from_numpy(rng.integers(0, num_clust, num_seq))
+    want = torch.zeros(num_clust, cols.numel()).index_add_(0, cluster, deletions.float()[:, cols])
+    got = _row_order_deletion_sums(deletions, cluster, num_clust, cols, _column_runs(cols))
+    assert num_seq > msa_sampling._DELETION_BLOCK_ROWS
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    if dtype != torch.uint8:  # the order matters for these: a different one gives other sums
+        shuffled = torch.from_numpy(rng.permutation(num_seq))
+        other = torch.zeros(num_clust, cols.numel()).index_add_(
+            0, cluster[shuffled], deletions.float()[shuffled][:, cols]
+        )
+        assert not torch.equal(other, want)
+
+
+def test_deep_msa_samples_match_unblocked_deletion_sums(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Samples of an MSA deeper than a deletion block do not depend on the block size."""
+    from hfkit.data import msa_sampling
+
+    rng = np.random.default_rng(3)
+    num_seq, num_res = 700, 48
+    raw = {
+        "aatype": rng.integers(0, 21, num_res).astype(np.int8),
+        "msa": rng.integers(0, 22, (num_seq, num_res)).astype(np.int8),
+        "deletion_matrix": (
+            rng.integers(0, 3, (num_seq, num_res)) * (rng.random((num_seq, num_res)) < 0.1)
+        ).astype(np.uint8),
+    }
+    config = FeatureConfig(crop_size=32, max_msa_clusters=8, max_extra_msa=64)
+    small = {seed: process_features(raw, config, seed) for seed in range(3)}
+    monkeypatch.setattr(msa_sampling, "_DELETION_BLOCK_ROWS", 10**9)
+    for seed in range(3):
+        assert_samples_equal(small[seed], process_features(raw, config, seed), seed)
+
+
 def test_samples_do_not_alias_reused_buffers() -> None:
     """Intermediates live in per-thread buffers reused across calls; no output may share them."""
     config = FeatureConfig.tiny()

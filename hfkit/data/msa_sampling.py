@@ -429,6 +429,41 @@ def _deletion_sums(
     return sums[:num_clust].index_select(1, cols)
 
 
+_DELETION_BLOCK_ROWS = 512  # raw rows converted at a time by `_row_order_deletion_sums`
+_DELETION_MAX_RUNS = 1  # crops of more runs of columns: full rows converted, cropped after
+
+
+def _row_order_deletion_sums(
+    deletions: torch.Tensor,
+    cluster: torch.Tensor,
+    num_clust: int,
+    cols: torch.Tensor,
+    runs: list[tuple[int, int, int]] | None,
+) -> torch.Tensor:
+    """float32 sums [C, len(cols)] of `deletions[r, cols]` ([N, L]) into cluster `cluster[r]` ([N]).
+
+    The same float32 additions in the same order (raw row order) as an `index_add_` of the whole
+    cropped float32 matrix, so the same result bit for bit whatever the deletions' dtype. The rows
+    are converted a block at a time into a small reused buffer (cache-resident) instead of a full
+    [N, crop] float32 copy: as one window of columns when the crop is one run (at most
+    `_DELETION_MAX_RUNS`), else as full rows whose sums are cropped after (columns are summed
+    independently; copying many short runs costs more than the extra columns).
+    """
+    cropped = runs is not None and len(runs) <= _DELETION_MAX_RUNS
+    num_seq = deletions.shape[0]
+    width = cols.numel() if cropped else deletions.shape[1]
+    sums = torch.zeros(num_clust, width)
+    for start in range(0, num_seq, _DELETION_BLOCK_ROWS):
+        stop = min(start + _DELETION_BLOCK_ROWS, num_seq)
+        if cropped:
+            block = _take(deletions[start:stop], None, cols, runs, "deletion_block", torch.float32)
+        else:
+            block = _scratch("deletion_block", (stop - start, width), torch.float32)
+            block.copy_(deletions[start:stop])
+        sums.index_add_(0, cluster[start:stop], block)
+    return sums if cropped else sums.index_select(1, cols)
+
+
 def process_features(
     raw: Mapping[str, np.ndarray | torch.Tensor],
     config: FeatureConfig,
@@ -512,11 +547,16 @@ def process_features(
     # the row's cluster c, the bin of its (cluster, column, class) profile count.
     offsets = _key_offsets(res, torch.int32)
     keys = _take(msa, rows, cols, runs, "keys", torch.int32, add=offsets)
-    row_del = _take(deletions, rows, cols, runs, "deletions", torch.float32)
     if every_row:
         centre_rows, kept_rows = order[:num_clust], order[num_clust : num_clust + num_extra]
+        # Only the centres' and the kept rows' deletions are outputs: those rows alone are cropped
+        # and converted here; the cluster sums stream through the raw rows (_row_order_deletion_sums).
+        row_del = _take(deletions, order[: num_clust + num_extra], cols, runs, "deletions", torch.float32)
+        centre_del, extra_del = row_del[:num_clust], row_del[num_clust:]
     else:
         centre_rows, kept_rows = torch.arange(num_clust), torch.arange(num_clust, num_clust + num_extra)
+        row_del = _take(deletions, rows, cols, runs, "deletions", torch.float32)
+        centre_del, extra_del = row_del.index_select(0, centre_rows), row_del.index_select(0, kept_rows)
     out_msa, out_extra = config.max_msa_clusters, config.max_extra_msa
     real_extra = (num_extra, res)
     extra_msa = _padded((out_extra, pad_res), real_extra, torch.int64)
@@ -524,7 +564,6 @@ def process_features(
     torch.sub(kept, offsets, out=extra_msa[:num_extra, :res])
     true_msa = keys.index_select(0, centre_rows).sub_(offsets).long()
     centres, bert_mask = mask_msa(true_msa, profile, config, generator)
-    centre_del, extra_del = row_del.index_select(0, centre_rows), row_del.index_select(0, kept_rows)
 
     # 4. Nearest-neighbour clustering and cluster summaries (OpenFold's nearest_neighbor_clusters,
     # summarize_clusters): profile and mean deletion over each centre and its assigned rows.
@@ -537,7 +576,7 @@ def process_features(
             _assign_from_keys(keys, centres) if num_vote > 0 else torch.zeros(num_seq, dtype=torch.int64)
         )
         cluster[centre_rows] = torch.arange(num_clust)
-        del_sum = torch.zeros(num_clust, res).index_add_(0, cluster, row_del)
+        del_sum = _row_order_deletion_sums(deletions, cluster, num_clust, cols, runs)
     else:
         vote_del = row_del[num_clust:]
         assignment = _assign_from_keys(keys[num_clust:], centres) if num_vote > 0 else vote_rows
