@@ -328,6 +328,16 @@ def test_committed_results_load_if_present():
     assert len(frame) > 0 and set(ROW_FIELDS) <= set(frame.columns)
 
 
+def test_every_committed_results_file_follows_the_schema():
+    # Every results document under data/results/<device>/ loads whole (tuning sweeps are not results).
+    folders = [p for p in Path(results_mod.results_dir()).iterdir() if p.is_dir()]
+    if not folders:
+        pytest.skip("no committed results yet")
+    for folder in folders:
+        frame = load_results(folder)
+        assert len(frame) > 0 and frame["command"].map(bool).all(), folder
+
+
 def test_layernorm_benchmark_compile_provider_on_cpu():
     # One small compile (Inductor's C++ backend on CPU): the provider builds, runs and is correct.
     rows, _ = run_layernorm_benchmark(
