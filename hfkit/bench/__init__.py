@@ -1,12 +1,14 @@
 """Benchmark harness: timers, measured ceilings, the result store, and the op benchmarks.
 
 `time_fn` times a callable on GPU (CUDA graph / events) or CPU (wall clock); `measure_ceilings` gives the
-copy bandwidth and matmul rate that every result is a percentage of; `save_results`/`load_results` keep
+copy bandwidth and matmul rate that every result is a percentage of (`bench_ceilings`: at the
+sizes every benchmark uses); `save_results`/`load_results` keep
 results as JSON under `data/results/<gpu>/`; `run_layernorm_benchmark` is the LayerNorm comparison.
 """
 
 from hfkit.bench.ceilings import (
     Ceilings,
+    bench_ceilings,
     device_name,
     measure_ceilings,
     measure_copy_bandwidth,
@@ -33,6 +35,7 @@ __all__ = [
     "KernelBench",
     "ResultRow",
     "Timing",
+    "bench_ceilings",
     "best_peer_table",
     "device_name",
     "environment_info",

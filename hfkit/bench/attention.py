@@ -27,19 +27,17 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from hfkit.bench.ceilings import Ceilings, resolve_device
+from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
 from hfkit.bench.kernels import (
     KernelBench,
     Steps,
     free_memory,
-    kernel_ceilings,
     max_abs_err,
     measure_case,
-    row_environment,
 )
 from hfkit.bench.layernorm import DTYPES
 from hfkit.bench.peers import load_cuequivariance, load_trifast
-from hfkit.bench.results import ResultRow, check_choice
+from hfkit.bench.results import ResultRow, check_choice, row_environment
 from hfkit.bench.timing import rotating
 from hfkit.ops.softmax import MASK_INF
 
@@ -334,7 +332,7 @@ def run_attention_benchmark(
     cases = list(cases) if cases is not None else attention_cases(device=device, quick=quick)
     warmup = warmup if warmup is not None else (5 if on_cuda else 1)
     reps = reps if reps is not None else (20 if on_cuda else 3)
-    ceilings = ceilings or kernel_ceilings(device)
+    ceilings = ceilings or bench_ceilings(device)
     env = row_environment(device, command)
 
     rows, skipped = [], []

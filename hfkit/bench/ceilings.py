@@ -17,6 +17,7 @@ from hfkit.bench.timing import time_fn
 
 __all__ = [
     "Ceilings",
+    "bench_ceilings",
     "device_name",
     "measure_ceilings",
     "measure_copy_bandwidth",
@@ -123,3 +124,12 @@ def measure_ceilings(
     if on_cuda:
         torch.cuda.empty_cache()
     return ceilings
+
+
+def bench_ceilings(device: torch.device | str | None = None) -> Ceilings:
+    """The ceilings a benchmark run reports against: full size on a GPU; small and quick on a CPU,
+    where they only label smoke runs."""
+    device = resolve_device(device)
+    if device.type == "cuda":
+        return measure_ceilings(device)
+    return measure_ceilings(device, copy_nbytes=16 << 20, matmul_n=256)

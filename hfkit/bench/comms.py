@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hfkit.bench.results import ResultRow, environment_info, save_results
+from hfkit.bench.results import ENV_KEYS, ResultRow, environment_info, save_results
 from hfkit.bench.timing import Timing
 
 __all__ = [
@@ -46,7 +46,6 @@ __all__ = [
 ]
 
 AF2_PARAMS = 93_200_000
-ROW_ENV_KEYS = ("gpu", "torch", "triton", "python", "commit", "command", "timestamp")
 GB = 1e9
 
 
@@ -391,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Timings, maxima and barriers travel on a gloo group: cheap, and independent of the measured one.
     ctrl = dist.new_group(backend="gloo")
     env_all = environment_info(device, args.command)
-    env = {k: env_all[k] for k in ROW_ENV_KEYS}
+    env = {k: env_all[k] for k in ENV_KEYS}
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     rows = _allreduce_rows(args, env, device, ctrl, log)
     if args.ddp:

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from hfkit.bench.ceilings import Ceilings, measure_ceilings, resolve_device
-from hfkit.bench.results import ResultRow, check_choice, environment_info
+from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
+from hfkit.bench.results import ResultRow, check_choice, row_environment
 from hfkit.bench.timing import peak_memory, rotating, time_step
 from hfkit.ops.elementwise import bias_dropout_add, sigmoid_gate
 
@@ -134,10 +134,8 @@ def run_elementwise_benchmark(
     case_list = list(cases) if cases is not None else [c if on_cuda else _smoke(c) for c in CASES]
     warmup = warmup if warmup is not None else (10 if on_cuda else 1)
     reps = reps if reps is not None else (50 if on_cuda else 3)
-    if ceilings is None:
-        ceilings = measure_ceilings(device) if on_cuda else measure_ceilings(device, copy_nbytes=16 << 20)
-    env = environment_info(device, command)
-    row_env = {k: env[k] for k in ("gpu", "torch", "triton", "python", "commit", "command", "timestamp")}
+    ceilings = ceilings or bench_ceilings(device)
+    row_env = row_environment(device, command)
     rows: list[ResultRow] = []
     bar = tqdm(total=len(case_list) * len(dtypes) * len(modes) * len(providers), disable=not progress)
     for case in case_list:

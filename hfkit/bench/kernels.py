@@ -26,19 +26,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from hfkit.bench.ceilings import Ceilings, measure_ceilings
-from hfkit.bench.results import ResultRow, environment_info
+from hfkit.bench.ceilings import Ceilings
+from hfkit.bench.results import ResultRow
 from hfkit.bench.timing import peak_memory, time_step
 
 if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = [
-    "ENV_KEYS",
     "RESULT_FILES",
     "best_peer_table",
     "free_memory",
-    "kernel_ceilings",
     "kernel_errors",
     "kernel_frame",
     "kernel_goals",
@@ -47,11 +45,8 @@ __all__ = [
     "load_kernel_results",
     "max_abs_err",
     "measure_case",
-    "row_environment",
     "Steps",
 ]
-
-ENV_KEYS = ("gpu", "torch", "triton", "python", "commit", "command", "timestamp")
 
 
 class Steps(NamedTuple):
@@ -71,19 +66,6 @@ class KernelBench(NamedTuple):
     rows: list[ResultRow]
     ceilings: Ceilings
     skipped: list[str]
-
-
-def kernel_ceilings(device: torch.device) -> Ceilings:
-    """Copy bandwidth and matmul rate of `device`: full size on a GPU, small and quick on a CPU."""
-    if device.type == "cuda":
-        return measure_ceilings(device)
-    return measure_ceilings(device, copy_nbytes=16 << 20, matmul_n=256)
-
-
-def row_environment(device: torch.device, command: str | None) -> dict[str, Any]:
-    """The environment fields every `ResultRow` repeats (`ENV_KEYS`), taken once per run."""
-    env = environment_info(device, command)
-    return {k: env[k] for k in ENV_KEYS}
 
 
 def free_memory(device: torch.device) -> None:

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from hfkit.bench.ceilings import Ceilings, measure_ceilings, resolve_device
-from hfkit.bench.results import ResultRow, check_choice, environment_info, rows_to_frame, with_speedup
+from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
+from hfkit.bench.results import ResultRow, check_choice, row_environment, rows_to_frame, with_speedup
 from hfkit.bench.timing import peak_memory, rotating, time_step
 
 if TYPE_CHECKING:
@@ -168,14 +168,8 @@ def run_layernorm_benchmark(
     warmup = warmup if warmup is not None else (10 if on_cuda else 2)
     reps = reps if reps is not None else (50 if on_cuda else 10)
 
-    if ceilings is None:
-        ceilings = (
-            measure_ceilings(device)
-            if on_cuda
-            else measure_ceilings(device, copy_nbytes=16 << 20, matmul_n=512)
-        )
-    env = environment_info(device, command)
-    row_env = {k: env[k] for k in ("gpu", "torch", "triton", "python", "commit", "command", "timestamp")}
+    ceilings = ceilings or bench_ceilings(device)
+    row_env = row_environment(device, command)
     l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size if on_cuda else None
 
     rows: list[ResultRow] = []

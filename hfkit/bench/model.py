@@ -42,8 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hfkit.bench.ceilings import Ceilings, measure_ceilings, resolve_device
-from hfkit.bench.results import ResultRow, check_choice, environment_info, merge_rows, row_key, save_results
+from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
+from hfkit.bench.results import ResultRow, check_choice, merge_rows, row_environment, row_key, save_results
 from hfkit.bench.timing import Timing, peak_memory, time_fn, time_step
 from hfkit.model import AlphaFoldLite, EvoformerBlock, EvoformerStack, ModelConfig
 
@@ -774,14 +774,8 @@ def run_model_benchmark(
         raise ValueError(f"budget_s: expected a positive number of seconds or None, got {budget_s}")
     config = bench_config(quick)
     t_start = time.perf_counter()
-    if ceilings is None:
-        ceilings = (
-            measure_ceilings(device)
-            if on_cuda
-            else measure_ceilings(device, copy_nbytes=4 << 20, matmul_n=128)
-        )
-    env = environment_info(device, command)
-    row_env = {k: env[k] for k in ("gpu", "torch", "triton", "python", "commit", "command", "timestamp")}
+    ceilings = ceilings or bench_ceilings(device)
+    row_env = row_environment(device, command)
     out_path = Path(out) if out is not None else None
     keep: list[dict[str, Any]] = []
     if append and out_path is not None and out_path.exists():

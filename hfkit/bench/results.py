@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from hfkit.bench.ceilings import Ceilings
 
 __all__ = [
+    "ENV_KEYS",
     "ResultRow",
     "SCHEMA_VERSION",
     "check_choice",
@@ -44,6 +45,7 @@ __all__ = [
     "merge_rows",
     "repo_root",
     "results_dir",
+    "row_environment",
     "rows_to_frame",
     "save_results",
     "with_speedup",
@@ -160,6 +162,10 @@ def default_command() -> str:
     return " ".join(sys.argv)
 
 
+# The environment fields every `ResultRow` repeats.
+ENV_KEYS = ("gpu", "torch", "triton", "python", "commit", "command", "timestamp")
+
+
 def environment_info(device: torch.device | str | None = None, command: str | None = None) -> dict[str, Any]:
     """Where and how a measurement was taken: device, versions, CUDA, git commit, command, UTC time.
 
@@ -178,6 +184,12 @@ def environment_info(device: torch.device | str | None = None, command: str | No
         "command": command if command is not None else default_command(),
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
     }
+
+
+def row_environment(device: torch.device | str | None, command: str | None) -> dict[str, Any]:
+    """The `ENV_KEYS` fields of `environment_info`, taken once per run and repeated in every row."""
+    env = environment_info(device, command)
+    return {k: env[k] for k in ENV_KEYS}
 
 
 def _row_dict(row: ResultRow | Mapping[str, Any]) -> dict[str, Any]:

@@ -15,18 +15,16 @@ from typing import NamedTuple
 
 import torch
 
-from hfkit.bench.ceilings import Ceilings, resolve_device
+from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
 from hfkit.bench.kernels import (
     KernelBench,
     Steps,
     free_memory,
-    kernel_ceilings,
     max_abs_err,
     measure_case,
-    row_environment,
 )
 from hfkit.bench.layernorm import DTYPES
-from hfkit.bench.results import ResultRow, check_choice
+from hfkit.bench.results import ResultRow, check_choice, row_environment
 from hfkit.bench.timing import rotating
 from hfkit.ops.softmax import MASK_INF
 
@@ -181,7 +179,7 @@ def run_softmax_benchmark(
         raise ValueError(f"shapes: expected 4-d shapes [S, H, N, K] of positive sizes, got {shape_list}")
     warmup = warmup if warmup is not None else (5 if on_cuda else 1)
     reps = reps if reps is not None else (30 if on_cuda else 3)
-    ceilings = ceilings or kernel_ceilings(device)
+    ceilings = ceilings or bench_ceilings(device)
     env = row_environment(device, command)
 
     rows = []

@@ -29,18 +29,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from hfkit.bench.ceilings import Ceilings, resolve_device
+from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
 from hfkit.bench.kernels import (
     KernelBench,
     Steps,
     free_memory,
-    kernel_ceilings,
     max_abs_err,
     measure_case,
-    row_environment,
 )
 from hfkit.bench.peers import load_cuequivariance
-from hfkit.bench.results import ResultRow, check_choice
+from hfkit.bench.results import ResultRow, check_choice, row_environment
 from hfkit.bench.timing import rotating
 
 __all__ = [
@@ -277,7 +275,7 @@ def run_trimul_benchmark(
     cases = list(cases) if cases is not None else trimul_cases(device=device, quick=quick)
     warmup = warmup if warmup is not None else (5 if on_cuda else 1)
     reps = reps if reps is not None else (20 if on_cuda else 3)
-    ceilings = ceilings or kernel_ceilings(device)
+    ceilings = ceilings or bench_ceilings(device)
     env = row_environment(device, command)
 
     rows, skipped = [], []

@@ -142,7 +142,7 @@ class LayerNormExplorer:
         """Benchmark the selected shape and dtype now; show and return the summary table."""
         from IPython.display import display
 
-        from hfkit.bench.ceilings import measure_ceilings
+        from hfkit.bench.ceilings import bench_ceilings
         from hfkit.bench.layernorm import run_layernorm_benchmark, smoke_shape, summary_table
 
         shape = tuple(self.shape.value)
@@ -150,11 +150,7 @@ class LayerNormExplorer:
         if not on_cuda:
             shape = smoke_shape(shape)
         if self._ceilings is None:  # measured once per explorer: the ceilings do not change per click
-            self._ceilings = (
-                measure_ceilings(self.device)
-                if on_cuda
-                else measure_ceilings(self.device, copy_nbytes=16 << 20, matmul_n=256)
-            )
+            self._ceilings = bench_ceilings(self.device)
         rows, _ = run_layernorm_benchmark(
             self.device,
             shapes=[shape],
