@@ -27,17 +27,17 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
+from hfkit.bench.ceilings import Ceilings, resolve_device
 from hfkit.bench.kernels import (
     KernelBench,
+    KernelRun,
     Steps,
     free_memory,
     max_abs_err,
-    measure_case,
 )
 from hfkit.bench.layernorm import DTYPES
 from hfkit.bench.peers import load_cuequivariance, load_trifast
-from hfkit.bench.results import ResultRow, check_choice, row_environment
+from hfkit.bench.results import ResultRow, check_choice
 from hfkit.bench.timing import rotating
 from hfkit.ops.softmax import MASK_INF
 
@@ -322,7 +322,6 @@ def run_attention_benchmark(
     run a case at all (a peer not installed, trifast with S != N) are skipped and listed with their
     reason. Defaults: warm-up 5, 20 timed replays on a GPU (2 and 3 on a CPU).
     """
-    from tqdm.auto import tqdm
 
     device = resolve_device(device)
     on_cuda = device.type == "cuda"
@@ -330,14 +329,16 @@ def run_attention_benchmark(
     modes = check_choice("modes", modes, MODES)
     providers = check_choice("providers", providers, PROVIDERS)
     cases = list(cases) if cases is not None else attention_cases(device=device, quick=quick)
-    warmup = warmup if warmup is not None else (5 if on_cuda else 1)
-    reps = reps if reps is not None else (20 if on_cuda else 3)
-    ceilings = ceilings or bench_ceilings(device)
-    env = row_environment(device, command)
-
-    rows, skipped = [], []
-    bar = tqdm(
-        total=len(cases) * len(dtypes) * len(providers) * len(modes), disable=not progress, desc="attention"
+    run = KernelRun(
+        device,
+        total=len(cases) * len(dtypes) * len(providers) * len(modes),
+        desc="attention",
+        progress=progress,
+        ceilings=ceilings,
+        command=command,
+        warmup=warmup,
+        reps=reps,
+        on_row=on_row,
     )
     for case in cases:
         for dtype_name in dtypes:
@@ -350,35 +351,22 @@ def run_attention_benchmark(
                 try:
                     impl = _impl(provider, case, device)
                 except _Skip as why:
-                    skipped.append(f"{case.label()} {dtype_name}: {why}")
-                    bar.update(len(modes))
+                    run.skip(f"{case.label()} {dtype_name}: {why}", len(modes))
                     continue
                 for mode in modes:
                     backward = mode == "fwd+bwd"
-                    bar.set_postfix_str(f"{case.label()} {dtype_name} {mode} {provider}")
-                    rows.append(
-                        measure_case(
-                            env=env,
-                            ceilings=ceilings,
-                            device=device,
-                            op=case.op,
-                            provider=provider,
-                            mode=mode,
-                            shape=case.shape,
-                            dtype=dtype_name,
-                            nbytes=case.bytes(backward, itemsize),
-                            flops=case.flops(backward),
-                            build=_build(impl, sets, backward, dtype_name),
-                            warmup=warmup,
-                            reps=reps,
-                            extra={"rotating_sets": len(sets), **impl.note},
-                        )
+                    run.measure(
+                        f"{case.label()} {dtype_name} {mode} {provider}",
+                        op=case.op,
+                        provider=provider,
+                        mode=mode,
+                        shape=case.shape,
+                        dtype=dtype_name,
+                        nbytes=case.bytes(backward, itemsize),
+                        flops=case.flops(backward),
+                        build=_build(impl, sets, backward, dtype_name),
+                        extra={"rotating_sets": len(sets), **impl.note},
                     )
-                    if on_row is not None:
-                        on_row(rows[-1])  # e.g. save the rows so far: a run cut short keeps them
-                    free_memory(device)
-                    bar.update(1)
             del sets
             free_memory(device)
-    bar.close()
-    return KernelBench(rows, ceilings, skipped)
+    return run.result()

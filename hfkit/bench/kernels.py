@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from hfkit.bench.ceilings import Ceilings
-from hfkit.bench.results import ResultRow
+from hfkit.bench.ceilings import Ceilings, bench_ceilings
+from hfkit.bench.results import ResultRow, row_environment
 from hfkit.bench.timing import peak_memory, time_step
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ __all__ = [
     "kernel_goals",
     "kernel_summary",
     "KernelBench",
+    "KernelRun",
     "load_kernel_results",
     "max_abs_err",
     "measure_case",
@@ -66,6 +67,65 @@ class KernelBench(NamedTuple):
     rows: list[ResultRow]
     ceilings: Ceilings
     skipped: list[str]
+
+
+class KernelRun:
+    """What one run of a kernel benchmark shares: device, timing defaults (`warmup`/`reps` None: 5 and
+    `gpu_reps` on a GPU, 1 and 3 on a CPU), ceilings, row environment, progress bar, rows, skips."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        total: int,
+        desc: str,
+        progress: bool,
+        ceilings: Ceilings | None,
+        command: str | None,
+        warmup: int | None,
+        reps: int | None,
+        gpu_reps: int = 20,
+        on_row: Callable[[ResultRow], None] | None = None,
+    ) -> None:
+        from tqdm.auto import tqdm
+
+        on_cuda = device.type == "cuda"
+        self.device = device
+        self.warmup = warmup if warmup is not None else (5 if on_cuda else 1)
+        self.reps = reps if reps is not None else (gpu_reps if on_cuda else 3)
+        self.ceilings = ceilings or bench_ceilings(device)
+        self.env = row_environment(device, command)
+        self.bar = tqdm(total=total, disable=not progress, desc=desc)
+        self.on_row = on_row
+        self.rows: list[ResultRow] = []
+        self.skipped: list[str] = []
+
+    def measure(self, label: str, **case: Any) -> None:
+        """`measure_case` with this run's shared arguments; the row is kept and handed to `on_row` (e.g.
+        to save the rows so far: a run cut short keeps them)."""
+        self.bar.set_postfix_str(label)
+        row = measure_case(
+            env=self.env,
+            ceilings=self.ceilings,
+            device=self.device,
+            warmup=self.warmup,
+            reps=self.reps,
+            **case,
+        )
+        self.rows.append(row)
+        if self.on_row is not None:
+            self.on_row(row)
+        free_memory(self.device)
+        self.bar.update(1)
+
+    def skip(self, reason: str, cases: int) -> None:
+        """A provider that cannot run: its reason, and its `cases` counted as done on the bar."""
+        self.skipped.append(reason)
+        self.bar.update(cases)
+
+    def result(self) -> KernelBench:
+        self.bar.close()
+        return KernelBench(self.rows, self.ceilings, self.skipped)
 
 
 def free_memory(device: torch.device) -> None:

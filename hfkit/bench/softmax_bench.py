@@ -15,16 +15,16 @@ from typing import NamedTuple
 
 import torch
 
-from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
+from hfkit.bench.ceilings import Ceilings, resolve_device
 from hfkit.bench.kernels import (
     KernelBench,
+    KernelRun,
     Steps,
     free_memory,
     max_abs_err,
-    measure_case,
 )
 from hfkit.bench.layernorm import DTYPES
-from hfkit.bench.results import ResultRow, check_choice, row_environment
+from hfkit.bench.results import ResultRow, check_choice
 from hfkit.bench.timing import rotating
 from hfkit.ops.softmax import MASK_INF
 
@@ -164,7 +164,6 @@ def run_softmax_benchmark(
     provider is checked against `softmax_reference` in float32 before it is timed; the forward+backward
     step differentiates x and the bias. Defaults: warm-up 5, 30 replays on a GPU (1 and 3 on a CPU).
     """
-    from tqdm.auto import tqdm
 
     device = resolve_device(device)
     on_cuda = device.type == "cuda"
@@ -177,16 +176,17 @@ def run_softmax_benchmark(
     bad = [s for s in shape_list if len(s) != 4 or min(s) <= 0]
     if bad or not shape_list:
         raise ValueError(f"shapes: expected 4-d shapes [S, H, N, K] of positive sizes, got {shape_list}")
-    warmup = warmup if warmup is not None else (5 if on_cuda else 1)
-    reps = reps if reps is not None else (30 if on_cuda else 3)
-    ceilings = ceilings or bench_ceilings(device)
-    env = row_environment(device, command)
-
-    rows = []
-    bar = tqdm(
+    run = KernelRun(
+        device,
         total=len(shape_list) * len(dtypes) * len(providers) * len(modes),
-        disable=not progress,
         desc="softmax",
+        progress=progress,
+        ceilings=ceilings,
+        command=command,
+        warmup=warmup,
+        reps=reps,
+        gpu_reps=30,
+        on_row=on_row,
     )
     for shape in shape_list:
         for dtype_name in dtypes:
@@ -200,34 +200,22 @@ def run_softmax_benchmark(
                 f = _provider_fn(provider)
                 for mode in modes:
                     backward = mode == "fwd+bwd"
-                    bar.set_postfix_str(f"{'x'.join(map(str, shape))} {dtype_name} {mode} {provider}")
-                    rows.append(
-                        measure_case(
-                            env=env,
-                            ceilings=ceilings,
-                            device=device,
-                            op="softmax",
-                            provider=provider,
-                            mode=mode,
-                            shape=shape,
-                            dtype=dtype_name,
-                            nbytes=softmax_bytes(shape, itemsize, backward),
-                            flops=None,
-                            build=_build(f, sets, backward, dtype_name),
-                            warmup=warmup,
-                            reps=reps,
-                            extra={
-                                "rotating_sets": len(sets),
-                                "bias": [1, *shape[1:]],
-                                "mask": [shape[0], 1, 1, shape[3]],
-                            },
-                        )
+                    run.measure(
+                        f"{'x'.join(map(str, shape))} {dtype_name} {mode} {provider}",
+                        op="softmax",
+                        provider=provider,
+                        mode=mode,
+                        shape=shape,
+                        dtype=dtype_name,
+                        nbytes=softmax_bytes(shape, itemsize, backward),
+                        flops=None,
+                        build=_build(f, sets, backward, dtype_name),
+                        extra={
+                            "rotating_sets": len(sets),
+                            "bias": [1, *shape[1:]],
+                            "mask": [shape[0], 1, 1, shape[3]],
+                        },
                     )
-                    if on_row is not None:
-                        on_row(rows[-1])  # e.g. save the rows so far: a run cut short keeps them
-                    free_memory(device)
-                    bar.update(1)
             del sets
             free_memory(device)
-    bar.close()
-    return KernelBench(rows, ceilings, [])
+    return run.result()

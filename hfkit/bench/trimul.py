@@ -29,16 +29,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
+from hfkit.bench.ceilings import Ceilings, resolve_device
 from hfkit.bench.kernels import (
     KernelBench,
+    KernelRun,
     Steps,
     free_memory,
     max_abs_err,
-    measure_case,
 )
 from hfkit.bench.peers import load_cuequivariance
-from hfkit.bench.results import ResultRow, check_choice, row_environment
+from hfkit.bench.results import ResultRow, check_choice
 from hfkit.bench.timing import rotating
 
 __all__ = [
@@ -265,7 +265,6 @@ def run_trimul_benchmark(
     forward+backward step differentiates the pair and every parameter. Defaults: warm-up 5, 20 replays
     on a GPU (1 and 3 on a CPU).
     """
-    from tqdm.auto import tqdm
 
     device = resolve_device(device)
     on_cuda = device.type == "cuda"
@@ -273,14 +272,16 @@ def run_trimul_benchmark(
     modes = check_choice("modes", modes, MODES)
     providers = check_choice("providers", providers, PROVIDERS)
     cases = list(cases) if cases is not None else trimul_cases(device=device, quick=quick)
-    warmup = warmup if warmup is not None else (5 if on_cuda else 1)
-    reps = reps if reps is not None else (20 if on_cuda else 3)
-    ceilings = ceilings or bench_ceilings(device)
-    env = row_environment(device, command)
-
-    rows, skipped = [], []
-    bar = tqdm(
-        total=len(cases) * len(precisions) * len(providers) * len(modes), disable=not progress, desc="trimul"
+    run = KernelRun(
+        device,
+        total=len(cases) * len(precisions) * len(providers) * len(modes),
+        desc="trimul",
+        progress=progress,
+        ceilings=ceilings,
+        command=command,
+        warmup=warmup,
+        reps=reps,
+        on_row=on_row,
     )
     for case in cases:
         module32 = make_trimul_module(case, device)
@@ -308,8 +309,7 @@ def run_trimul_benchmark(
                 try:
                     f, params, note = _provider(provider, module, device)
                 except _Skip as why:
-                    skipped.append(f"{case.label()} {precision}: {why}")
-                    bar.update(len(modes))
+                    run.skip(f"{case.label()} {precision}: {why}", len(modes))
                     continue
                 extra_check = (
                     _cueq_mapping_check(module32, sets[0][0], mask, ref)
@@ -318,41 +318,27 @@ def run_trimul_benchmark(
                 )
                 for mode in modes:
                     backward = mode == "fwd+bwd"
-                    bar.set_postfix_str(f"{case.label()} {precision} {mode} {provider}")
-                    rows.append(
-                        measure_case(
-                            env=env,
-                            ceilings=ceilings,
-                            device=device,
-                            op="triangle_multiplication",
-                            provider=provider,
-                            mode=mode,
-                            shape=case.shape,
-                            dtype=precision,
-                            nbytes=case.bytes(backward, itemsize),
-                            flops=case.flops(backward),
-                            build=_build(
-                                f, params, sets, mask, ref, precision, backward, device, extra_check
-                            ),
-                            warmup=warmup,
-                            reps=reps,
-                            extra={
-                                "direction": case.direction,
-                                "c_hidden": case.c_hidden,
-                                "rotating_sets": len(sets),
-                                **note,
-                            },
-                        )
+                    run.measure(
+                        f"{case.label()} {precision} {mode} {provider}",
+                        op="triangle_multiplication",
+                        provider=provider,
+                        mode=mode,
+                        shape=case.shape,
+                        dtype=precision,
+                        nbytes=case.bytes(backward, itemsize),
+                        flops=case.flops(backward),
+                        build=_build(f, params, sets, mask, ref, precision, backward, device, extra_check),
+                        extra={
+                            "direction": case.direction,
+                            "c_hidden": case.c_hidden,
+                            "rotating_sets": len(sets),
+                            **note,
+                        },
                     )
-                    if on_row is not None:
-                        on_row(rows[-1])  # e.g. save the rows so far: a run cut short keeps them
-                    free_memory(device)
-                    bar.update(1)
                 del f, params
             del sets, ref, module
             free_memory(device)
-    bar.close()
-    return KernelBench(rows, ceilings, skipped)
+    return run.result()
 
 
 def _cueq_mapping_check(
