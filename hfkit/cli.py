@@ -116,9 +116,13 @@ def _cmd_bench_layernorm(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_elementwise(args: argparse.Namespace) -> int:
-    from hfkit.bench.elementwise import run_from_cli
+    from hfkit.bench.elementwise import elementwise_cases, run_elementwise_benchmark
 
-    return run_from_cli(args)
+    def run(device, common):
+        cases = elementwise_cases(args.cases, device, args.quick)
+        return run_elementwise_benchmark(device, cases, dtypes=args.dtypes, **common)
+
+    return _run_kernel_bench(args, "elementwise.json", run)
 
 
 def _cmd_bench_data(args: argparse.Namespace) -> int:
@@ -307,8 +311,8 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
 
 
 def _add_kernel_benches(bench_sub: argparse._SubParsersAction) -> None:
-    """`hfkit bench attention|softmax|trimul`: the Evoformer kernels against their peers."""
-    from hfkit.bench import attention, softmax_bench, trimul
+    """`hfkit bench attention|softmax|trimul|elementwise`: the Evoformer kernels against their peers."""
+    from hfkit.bench import attention, elementwise, softmax_bench, trimul
 
     ints = lambda t: [int(v) for v in _csv(t)]  # noqa: E731
     specs = [
@@ -318,6 +322,8 @@ def _add_kernel_benches(bench_sub: argparse._SubParsersAction) -> None:
          _cmd_bench_softmax, softmax_bench.PROVIDERS, ["bf16", "fp32"], "softmax.json"),
         ("trimul", "triangle multiplicative update: hfkit vs eager, compile, cuEquivariance",
          _cmd_bench_trimul, trimul.PROVIDERS, None, "triangle_multiplication.json"),
+        ("elementwise", "fused sigmoid gate and bias+dropout+residual: hfkit vs eager, compile",
+         _cmd_bench_elementwise, elementwise.PROVIDERS, ["fp32", "bf16"], "elementwise.json"),
     ]  # fmt: skip
     for name, help_text, func, providers, dtypes, file_name in specs:
         p = bench_sub.add_parser(name, help=help_text)
@@ -356,6 +362,8 @@ def _add_kernel_benches(bench_sub: argparse._SubParsersAction) -> None:
             p.add_argument(
                 "--sizes", type=ints, default=None, help="keep these N, e.g. 256,512 (default: all)"
             )
+        elif name == "elementwise":
+            p.add_argument("--cases", type=_csv, default=None, help="comma list of case names (default: all)")
         elif name == "softmax":
             p.add_argument(
                 "--shapes", type=_shapes, default=None, help="x shapes SxHxNxK, e.g. 128x8x256x256"
@@ -532,23 +540,6 @@ def _parser() -> argparse.ArgumentParser:
         "--out", default=None, help="results JSON (default: data/results/<gpu>x<n>/comms.json)"
     )
     comms.set_defaults(func=_cmd_bench_comms)
-
-    ew = bench_sub.add_parser(
-        "elementwise", help="fused sigmoid gate and bias+dropout+residual vs eager vs torch.compile"
-    )
-    ew.add_argument("--out", default=None, help="results JSON (default: data/results/<gpu>/elementwise.json)")
-    ew.add_argument("--cases", type=_csv, default=None, help="comma list of case names (default: all)")
-    ew.add_argument("--dtypes", type=_choices(list(DTYPES)), default=["fp32", "bf16"], help="fp32,bf16,fp16")
-    ew.add_argument("--modes", type=_choices(MODES), default=["fwd", "fwd+bwd"], help="fwd,fwd+bwd")
-    ew.add_argument(
-        "--providers",
-        type=_choices(PROVIDERS),
-        default=["hfkit", "torch", "compile"],
-        help="hfkit,torch,compile",
-    )
-    ew.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: the GPU if any)")
-    ew.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ew.set_defaults(func=_cmd_bench_elementwise)
 
     _add_kernel_benches(bench_sub)
     _add_model_bench(bench_sub)

@@ -311,9 +311,9 @@ def test_elementwise_benchmark_rows_on_cpu():
         Case("drop", "bias_dropout_add", (3, 4, 5), p=0.5, shared_dim=-2),
     ]
     ceilings = Ceilings(copy_gbps=10.0, matmul_tflops=1.0, device_name="cpu")
-    rows, _ = run_elementwise_benchmark(
+    rows = run_elementwise_benchmark(
         "cpu", cases, ["fp32"], ["fwd+bwd"], ["hfkit", "torch"], False, ceilings=ceilings, warmup=1, reps=1
-    )
+    ).rows
     assert [(r.op, r.provider) for r in rows] == [
         ("sigmoid_gate", "hfkit"),
         ("sigmoid_gate", "torch"),

@@ -12,19 +12,19 @@ Timing as `hfkit.bench.layernorm`: CUDA graphs over rotating input sets, CUDA ev
 
 from __future__ import annotations
 
-import gc
+import functools
 import math
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
-from hfkit.bench.results import ResultRow, check_choice, row_environment
-from hfkit.bench.timing import peak_memory, rotating, time_step
+from hfkit.bench.ceilings import Ceilings, resolve_device
+from hfkit.bench.kernels import KernelBench, KernelRun, Steps
+from hfkit.bench.results import ResultRow, check_choice
+from hfkit.bench.timing import rotating
 from hfkit.ops.elementwise import bias_dropout_add, sigmoid_gate
 
 __all__ = [
@@ -34,8 +34,8 @@ __all__ = [
     "PROVIDERS",
     "TRAFFIC",
     "Case",
+    "elementwise_cases",
     "run_elementwise_benchmark",
-    "run_from_cli",
 ]
 
 
@@ -105,6 +105,18 @@ def _smoke(case: Case) -> Case:
     return Case(case.name, case.op, shape, case.p, case.shared_dim)
 
 
+def elementwise_cases(
+    names: Sequence[str] | None = None, device: torch.device | str | None = None, quick: bool = False
+) -> list[Case]:
+    """The `CASES` named in `names` (default: all; the first two when `quick`), scaled down on a CPU."""
+    by_name = {c.name: c for c in CASES}
+    bad = [n for n in (names or []) if n not in by_name]
+    if bad:
+        raise ValueError(f"cases: unknown {bad}; expected some of {list(by_name)}")
+    cases = [by_name[n] for n in names] if names else list(CASES[:2] if quick else CASES)
+    return cases if resolve_device(device).type == "cuda" else [_smoke(c) for c in cases]
+
+
 def run_elementwise_benchmark(
     device: torch.device | str | None = None,
     cases: Sequence[Case] | None = None,
@@ -117,65 +129,58 @@ def run_elementwise_benchmark(
     command: str | None = None,
     warmup: int | None = None,
     reps: int | None = None,
-) -> tuple[list[ResultRow], Ceilings]:
-    """Time the fused elementwise ops over the (case, dtype, mode, provider) grid; return rows and ceilings.
+    on_row: Callable[[ResultRow], None] | None = None,
+) -> KernelBench:
+    """Time the fused elementwise ops over the (case, dtype, mode, provider) grid (`measure_case`: a
+    provider that fails gives an error row).
 
-    `cases=None` runs `CASES` on a GPU and tiny versions of them on a CPU. Rows have op
-    "sigmoid_gate" or "bias_dropout_add", `extra["case"]` the case name, and `extra["max_abs_err"]`
-    the difference to the eager provider (the gate; for dropout, of eval mode, where no mask is drawn).
+    `cases=None` runs `elementwise_cases(device=device)`: `CASES`, tiny versions of them on a CPU.
+    Rows have op "sigmoid_gate" or "bias_dropout_add", `extra["case"]` the case name, and
+    `extra["max_abs_err"]` the difference to the eager code in float32 (the gate; for dropout, of eval
+    mode, where no mask is drawn, plus the kept fraction of the training mode). Defaults: warm-up 5,
+    50 replays on a GPU (1 and 3 on a CPU).
     """
-    from tqdm.auto import tqdm
-
     device = resolve_device(device)
-    on_cuda = device.type == "cuda"
-    check_choice("dtypes", dtypes, list(DTYPES))
-    check_choice("modes", modes, MODES)
-    check_choice("providers", providers, PROVIDERS)
-    case_list = list(cases) if cases is not None else [c if on_cuda else _smoke(c) for c in CASES]
-    warmup = warmup if warmup is not None else (10 if on_cuda else 1)
-    reps = reps if reps is not None else (50 if on_cuda else 3)
-    ceilings = ceilings or bench_ceilings(device)
-    row_env = row_environment(device, command)
-    rows: list[ResultRow] = []
-    bar = tqdm(total=len(case_list) * len(dtypes) * len(modes) * len(providers), disable=not progress)
-    for case in case_list:
+    dtypes = check_choice("dtypes", dtypes, list(DTYPES))
+    modes = check_choice("modes", modes, MODES)
+    providers = check_choice("providers", providers, PROVIDERS)
+    cases = list(cases) if cases is not None else elementwise_cases(device=device)
+    run = KernelRun(
+        device,
+        total=len(cases) * len(dtypes) * len(modes) * len(providers),
+        desc="elementwise",
+        progress=progress,
+        ceilings=ceilings,
+        command=command,
+        warmup=warmup,
+        reps=reps,
+        gpu_reps=50,
+        on_row=on_row,
+    )
+    for case in cases:
         for dtype_name in dtypes:
+            itemsize = torch.empty((), dtype=DTYPES[dtype_name]).element_size()
             for mode in modes:
                 for provider in providers:
-                    bar.set_postfix_str(f"{case.name} {dtype_name} {mode} {provider}")
-                    try:
-                        rows.append(
-                            _bench_one(
-                                case, dtype_name, mode, provider, device, ceilings, row_env, warmup, reps
-                            )
-                        )
-                    except Exception as err:  # noqa: BLE001 - one broken provider must not lose the rest
-                        warnings.warn(
-                            f"elementwise benchmark: {provider} failed on {case.name} {dtype_name} {mode}: "
-                            f"{type(err).__name__}: {err}",
-                            RuntimeWarning,
-                            stacklevel=2,
-                        )
-                    bar.update(1)
-            gc.collect()
-            if on_cuda:
-                torch.cuda.empty_cache()
-    bar.close()
-    return rows, ceilings
+                    extra: dict[str, Any] = {"case": case.name}
+                    if case.op == "bias_dropout_add":
+                        extra.update(p=case.p, shared_dim=case.shared_dim)
+                    run.measure(
+                        f"{case.name} {dtype_name} {mode} {provider}",
+                        op=case.op,
+                        provider=provider,
+                        mode=mode,
+                        shape=case.shape,
+                        dtype=dtype_name,
+                        nbytes=TRAFFIC[(case.op, mode)] * math.prod(case.shape) * itemsize,
+                        flops=None,
+                        build=functools.partial(_build, case, DTYPES[dtype_name], mode, provider, device),
+                        extra=extra,
+                    )
+    return run.result()
 
 
-def _bench_one(
-    case: Case,
-    dtype_name: str,
-    mode: str,
-    provider: str,
-    device: torch.device,
-    ceilings: Ceilings,
-    row_env: dict[str, Any],
-    warmup: int,
-    reps: int,
-) -> ResultRow:
-    dtype = DTYPES[dtype_name]
+def _build(case: Case, dtype: torch.dtype, mode: str, provider: str, device: torch.device) -> Steps:
     backward = mode == "fwd+bwd"
     gen = torch.Generator(device=device).manual_seed(0)
     tensor_bytes = math.prod(case.shape) * torch.empty((), dtype=dtype).element_size()
@@ -189,57 +194,26 @@ def _bench_one(
     f = _provider_fn(case.op, provider)
     args = () if case.op == "sigmoid_gate" else (case.p, case.shared_dim)
 
-    def step() -> None:
-        for a, b, dy in sets:
-            y = f(a, b, *args)
-            if backward:
-                torch.autograd.grad(y, (a, b), dy)
+    def run(inputs: Sequence[tuple[torch.Tensor, ...]]) -> Callable[[], torch.Tensor]:
+        def step() -> torch.Tensor:
+            for a, b, dy in inputs:
+                y = f(a, b, *args)
+                if backward:
+                    torch.autograd.grad(y, (a, b), dy)
+            return y
 
-    timing, note = time_step(step, device, len(sets), warmup, reps)
-    extra: dict[str, Any] = {"case": case.name, "rotating_sets": len(sets)}
-    if case.op == "bias_dropout_add":
-        extra.update(p=case.p, shared_dim=case.shared_dim)
-    if note:
-        extra["note"] = note
-    extra.update(_peak_and_error(case, f, args, sets[0], backward))
-    nbytes = TRAFFIC[(case.op, mode)] * tensor_bytes
-    gbps = nbytes / (timing.p50 * 1e-3) / 1e9
-    return ResultRow(
-        **row_env,
-        op=case.op,
-        provider=provider,
-        mode=mode,
-        shape=list(case.shape),
-        dtype=dtype_name,
-        p20_ms=timing.p20,
-        p50_ms=timing.p50,
-        p80_ms=timing.p80,
-        method=timing.method,
-        n_reps=timing.n,
-        bytes=nbytes,
-        gbps=gbps,
-        pct_copy=100.0 * gbps / ceilings.copy_gbps if ceilings.copy_gbps > 0 else None,
-        peak_mem_bytes=extra.pop("peak_mem_bytes", None),
-        extra=extra,
-    )
+        return step
+
+    return Steps(run(sets), run(sets[:1]), len(sets), lambda: _check(case, f, args, sets[0]))
 
 
-def _peak_and_error(
-    case: Case, f: Callable[..., torch.Tensor], args: tuple, inputs: tuple, backward: bool
-) -> dict[str, Any]:
-    """Peak memory of one call above what was allocated (CUDA), and the max abs difference to eager:
-    the gate's output, or for dropout the eval-mode output and the kept fraction of the train mode."""
-    a, b, dy = inputs
-
-    def call() -> torch.Tensor:
-        y = f(a, b, *args)
-        if backward:
-            torch.autograd.grad(y, (a, b), dy)
-        return y
-
-    peak, y = peak_memory(call, a.device)
-    out: dict[str, Any] = {} if peak is None else {"peak_mem_bytes": peak}
+def _check(case: Case, f: Callable[..., torch.Tensor], args: tuple, inputs: tuple) -> dict[str, Any]:
+    """The max abs difference to eager in float32: the gate's output, or for dropout the eval-mode
+    output and the kept fraction of the train mode."""
+    a, b, _ = inputs
+    out: dict[str, Any] = {}
     with torch.no_grad():
+        y = f(a, b, *args)
         if case.op == "sigmoid_gate":
             expected = _eager_gate(a.float(), b.float())
         else:  # the mask is random: check its kept fraction, and the fused add in eval mode
@@ -248,43 +222,6 @@ def _peak_and_error(
             expected = b.float() + a.float()
         out["max_abs_err"] = float((y.float() - expected).abs().max())
     return out
-
-
-def run_from_cli(args: Any) -> int:
-    """`hfkit bench elementwise`: run, save to data/results/<gpu>/elementwise.json (or --out), print."""
-    from pathlib import Path
-
-    import pandas as pd
-
-    from hfkit.bench.ceilings import device_name
-    from hfkit.bench.results import gpu_slug, results_dir, rows_to_frame, save_results
-
-    device = resolve_device(args.device)
-    names = {c.name: c for c in CASES}
-    bad = [n for n in (args.cases or []) if n not in names]
-    if bad:
-        raise ValueError(f"cases: unknown {bad}; expected some of {list(names)}")
-    cases = [names[n] for n in args.cases] if args.cases else None
-    if cases is not None and device.type != "cuda":
-        cases = [_smoke(c) for c in cases]
-    out = Path(args.out) if args.out else results_dir() / gpu_slug(device_name(device)) / "elementwise.json"
-    rows, ceilings = run_elementwise_benchmark(
-        device, cases, args.dtypes, args.modes, args.providers, not args.no_progress, command=args.command
-    )
-    if not rows:
-        print("no rows measured (every provider failed; see the warnings above)", file=sys.stderr)
-        return 1
-    path = save_results(rows, out, ceilings=ceilings)
-    frame = rows_to_frame(rows)
-    frame["case"] = [r.extra["case"] for r in rows]
-    table = frame.pivot_table(index=["case", "dtype", "mode"], columns="provider", values="p50_ms")
-    pct = frame[frame.provider == "hfkit"].set_index(["case", "dtype", "mode"])["pct_copy"]
-    table["hfkit_pct_copy"] = pct
-    print(f"\n{ceilings.device_name}: copy {ceilings.copy_gbps:,.1f} GB/s; p50 ms per call")
-    with pd.option_context("display.max_rows", None, "display.width", 200):
-        print(table.round(4).to_string())
-    print(f"\nwrote {len(rows)} rows to {path}")
-    return 0
 
 
 if (

@@ -283,7 +283,9 @@ def kernel_frame(results: pd.DataFrame | Sequence[ResultRow]) -> pd.DataFrame:
     extras = [e if isinstance(e, dict) else {} for e in frame["extra"]]
     frame["direction"] = [e.get("direction", "") for e in extras]
     columns = zip(frame["op"], frame["shape"], frame["direction"], strict=True)
-    frame["case"] = [_case_label(o, s, d) for o, s, d in columns]
+    frame["case"] = [
+        e.get("case") or _case_label(o, s, d) for e, (o, s, d) in zip(extras, columns, strict=True)
+    ]
     frame["n"] = [_n_of(o, s) for o, s in zip(frame["op"], frame["shape"], strict=True)]
     frame["peak_mib"] = frame["peak_mem_bytes"].astype("float64") / 2**20
     frame["error"] = [e.get("error") for e in extras]
