@@ -411,12 +411,13 @@ def _deletion_sums(
     assignment: torch.Tensor,
     num_clust: int,
     cols: torch.Tensor,
+    runs: list[tuple[int, int, int]] | None = None,
 ) -> torch.Tensor:
     """Per-cluster deletion sums [C, res] of the voting rows (`vote_del`: their float deletions).
 
     Unsigned integer counts sum exactly in float32 while every sum stays below 2**24, whatever the
     order, so the gathered rows are summed as they come. Otherwise (float or signed counts, or huge
-    sums) they are summed in the raw row order, as full rows cropped after, which fixes the rounding.
+    sums) they are summed in the raw row order (`_row_order_deletion_sums`), which fixes the rounding.
     """
     if deletions.dtype in (torch.uint8, torch.uint16):
         sums = torch.zeros(num_clust, vote_del.shape[1]).index_add_(0, assignment, vote_del)
@@ -425,8 +426,7 @@ def _deletion_sums(
     # Every row of the MSA gets a target cluster, rows that do not vote go to a dummy one.
     target = torch.full((deletions.shape[0],), num_clust, dtype=torch.int64)
     target[vote_rows] = assignment
-    sums = torch.zeros(num_clust + 1, deletions.shape[1]).index_add_(0, target, deletions.float())
-    return sums[:num_clust].index_select(1, cols)
+    return _row_order_deletion_sums(deletions, target, num_clust + 1, cols, runs)[:num_clust]
 
 
 _DELETION_BLOCK_ROWS = 512  # raw rows converted at a time by `_row_order_deletion_sums`
@@ -583,7 +583,7 @@ def process_features(
         cluster = torch.cat([torch.arange(num_clust), assignment])
         del_sum = centre_del.clone()
         if num_vote > 0:
-            del_sum += _deletion_sums(deletions, vote_del, vote_rows, assignment, num_clust, cols)
+            del_sum += _deletion_sums(deletions, vote_del, vote_rows, assignment, num_clust, cols, runs)
     sizes = torch.bincount(cluster, minlength=num_clust).float()
     cluster = cluster.to(torch.int32)
     keys.add_(cluster.mul_(res * _KEY_STRIDE)[:, None])
