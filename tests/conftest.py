@@ -5,7 +5,10 @@
 """
 
 import os
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -60,3 +63,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def run_compiled_triton_script(name: str) -> subprocess.CompletedProcess:
+    """Run tests/<name> in a subprocess with TRITON_INTERPRET=0 (this session interprets; scripts that
+    compile kernels or read their TTIR cannot), after skipping where Triton has no NVIDIA backend.
+    Use as `from conftest import run_compiled_triton_script`."""
+    pytest.importorskip("triton.backends.nvidia", reason="this Triton build has no NVIDIA backend")
+    script = Path(__file__).with_name(name)
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    return subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)

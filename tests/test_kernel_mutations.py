@@ -5,21 +5,13 @@ Skipped where Triton has no NVIDIA backend."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
-
-SCRIPT = Path(__file__).with_name("kernel_mutations.py")
+from conftest import run_compiled_triton_script
 
 
 def test_compile_sees_no_kernel_writing_an_input():
-    pytest.importorskip("triton.backends.nvidia", reason="this Triton build has no NVIDIA backend")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    done = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
+    done = run_compiled_triton_script("kernel_mutations.py")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     found = re.search(r"checked (\d+) launches of (\d+) kernels", done.stdout)
     assert found and int(found.group(2)) >= 18, done.stdout
