@@ -8,12 +8,18 @@ each op's plain-torch reference is what Inductor compiles. Without Triton instal
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 try:
     import triton
     import triton.language as tl
+    from torch._library.triton import set_wrap_triton_enabled
+    from torch.library import triton_op
 
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - exercised only on machines without Triton
@@ -68,3 +74,73 @@ if HAS_TRITON:
             return tl.dot(a, b, input_precision="ieee")
         else:
             return tl.dot(a, b)
+
+
+_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
+
+
+def direct_call(args: tuple[Any, ...]) -> bool:
+    """Whether an hfkit op called with `args` may run its Python body directly (eager, real tensors):
+    not while torch.compile, export or functorch transforms trace or wrap the call, not under a
+    `TorchDispatchMode` (fake tensors, flop counters), not on tensor subclasses. Those take the
+    registered custom op through the dispatcher."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    if _get_current_dispatch_mode() is not None:
+        return False
+    return all(type(a) in _PLAIN_TENSORS for a in args if isinstance(a, torch.Tensor))
+
+
+class TritonOp:
+    """One hfkit op built on Triton kernels, callable two ways with the same semantics.
+
+    `op` is the `torch.library.triton_op` custom op (`torch.ops.hfkit.<name>`): what torch.compile
+    traces (Inductor sees the kernels), what `opcheck`, export and dispatch modes see. In eager mode
+    with plain tensors, calling the `TritonOp` runs `body` directly instead, with autograd through a
+    plain `autograd.Function` when `autograd` was given. The custom-op route costs hundreds of
+    microseconds of Python per call on the H200 host (the dispatcher, the custom-op autograd wrapper
+    and its per-call aliasing checks; data/results/h200/launch_overhead.json), more than many of
+    these kernels take on the GPU. Both routes run the same body and the same backward.
+    """
+
+    def __init__(self, name: str, body: Callable[..., Any], mutates_args: Any = ()) -> None:
+        self.name = name
+        self.body = body
+        self.op = triton_op(f"hfkit::{name}", mutates_args=mutates_args)(body)
+        self._function: type[torch.autograd.Function] | None = None
+
+    def autograd(self, backward: Callable[..., Any], setup_context: Callable[..., None]) -> None:
+        """Give the op a backward: `setup_context(ctx, inputs, output)` and `backward(ctx, *grads)`,
+        registered on the custom op and used by the eager `autograd.Function`. `backward` should call
+        other `TritonOp`s (not `torch.ops.hfkit.*`) so that it takes the direct route in eager mode."""
+        torch.library.register_autograd(self.op, backward, setup_context=setup_context)
+        body = self.body
+
+        class _Eager(torch.autograd.Function):
+            @staticmethod
+            def forward(*args: Any) -> Any:
+                with set_wrap_triton_enabled(False):
+                    return body(*args)
+
+        _Eager.setup_context = staticmethod(setup_context)  # type: ignore[method-assign]
+        _Eager.backward = staticmethod(backward)  # type: ignore[method-assign]
+        _Eager.__name__ = _Eager.__qualname__ = f"{self.name}_function"
+        self._function = _Eager
+
+    def __call__(self, *args: Any) -> Any:
+        if not direct_call(args):
+            return self.op(*args)
+        if self._function is not None and torch.is_grad_enabled():
+            return self._function.apply(*args)
+        with set_wrap_triton_enabled(False):
+            return self.body(*args)
+
+
+def hfkit_op(name: str, mutates_args: Any = ()) -> Callable[[Callable[..., Any]], TritonOp]:
+    """Decorator: `@hfkit_op("layer_norm_fwd")` over a body that launches its kernels through
+    `wrap_triton` makes a `TritonOp` named `hfkit::layer_norm_fwd`."""
+
+    def wrap(body: Callable[..., Any]) -> TritonOp:
+        return TritonOp(name, body, mutates_args)
+
+    return wrap

@@ -18,12 +18,12 @@ import math
 
 import torch
 
-from hfkit.ops._triton import HAS_TRITON, triton_can_run
+from hfkit.ops._triton import HAS_TRITON, hfkit_op, triton_can_run
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
-    from torch.library import triton_op, wrap_triton
+    from torch.library import wrap_triton
 
 __all__ = [
     "bias_dropout_add",
@@ -154,7 +154,7 @@ def sigmoid_gate(g: torch.Tensor, o: torch.Tensor, bias: torch.Tensor | None = N
     _check_bias(bias, g, "g", trailing_only=False)
     if not uses_triton(g, o) or g.numel() == 0 or (bias is not None and not triton_can_run(bias)):
         return sigmoid_gate_reference(g, o, bias)
-    return torch.ops.hfkit.sigmoid_gate_fwd(g, o, bias)
+    return _sigmoid_gate_fwd(g, o, bias)
 
 
 def bias_dropout_add(
@@ -204,7 +204,7 @@ def bias_dropout_add(
     if not dropout and bias is None:
         return residual + x  # one kernel already
     seed_t = _seed_tensor(seed, generator, x.device) if dropout else None
-    return torch.ops.hfkit.bias_dropout_add_fwd(
+    return _bias_dropout_add_fwd(
         x, residual, bias, seed_t, float(p) if dropout else 0.0, -1 if shared_dim is None else shared_dim
     )
 
@@ -411,7 +411,7 @@ if HAS_TRITON:
 
     # ------------------------------------------------------------------------- custom ops
 
-    @triton_op("hfkit::sigmoid_gate_fwd", mutates_args=())
+    @hfkit_op("sigmoid_gate_fwd")
     def _sigmoid_gate_fwd(g: torch.Tensor, o: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         gc, oc = g.contiguous(), o.contiguous()
         y = torch.empty(g.shape, dtype=torch.promote_types(g.dtype, o.dtype), device=g.device)
@@ -422,7 +422,7 @@ if HAS_TRITON:
         )
         return y
 
-    @triton_op("hfkit::sigmoid_gate_bwd", mutates_args=())
+    @hfkit_op("sigmoid_gate_bwd")
     def _sigmoid_gate_bwd(
         dy: torch.Tensor, g: torch.Tensor, o: torch.Tensor, bias: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -443,7 +443,7 @@ if HAS_TRITON:
 
     def _gate_backward(ctx, dy):
         g, o, bias = ctx.saved_tensors
-        dg, do = torch.ops.hfkit.sigmoid_gate_bwd(dy, g, o, bias)
+        dg, do = _sigmoid_gate_bwd(dy, g, o, bias)
         dbias = None
         if bias is not None and ctx.needs_input_grad[2]:
             dbias = (
@@ -451,11 +451,9 @@ if HAS_TRITON:
             )
         return dg, do, dbias
 
-    torch.library.register_autograd(
-        "hfkit::sigmoid_gate_fwd", _gate_backward, setup_context=_gate_setup_context
-    )
+    _sigmoid_gate_fwd.autograd(_gate_backward, _gate_setup_context)
 
-    @triton_op("hfkit::bias_dropout_add_fwd", mutates_args=())
+    @hfkit_op("bias_dropout_add_fwd")
     def _bias_dropout_add_fwd(
         x: torch.Tensor,
         residual: torch.Tensor,
@@ -476,7 +474,7 @@ if HAS_TRITON:
         )  # fmt: skip
         return y
 
-    @triton_op("hfkit::dropout_bwd", mutates_args=())
+    @hfkit_op("dropout_bwd")
     def _dropout_bwd(dy: torch.Tensor, seed: torch.Tensor, p: float, shared_dim: int) -> torch.Tensor:
         """dx = dy * keep / (1 - p) with the keep mask of `_bias_dropout_add_fwd` for this seed."""
         dyc = dy.contiguous()
@@ -499,13 +497,11 @@ if HAS_TRITON:
 
     def _bda_backward(ctx, dy):
         (seed,) = ctx.saved_tensors
-        dx = torch.ops.hfkit.dropout_bwd(dy, seed, ctx.p, ctx.shared_dim) if seed is not None else dy
+        dx = _dropout_bwd(dy, seed, ctx.p, ctx.shared_dim) if seed is not None else dy
         dbias = None
         if ctx.bias_meta is not None and ctx.needs_input_grad[2]:
             shape, dtype = ctx.bias_meta
             dbias = dx.reshape(-1, shape[0]).sum(0, dtype=torch.float32).to(dtype)
         return dx.to(ctx.x_dtype), dy.to(ctx.res_dtype), dbias, None, None, None
 
-    torch.library.register_autograd(
-        "hfkit::bias_dropout_add_fwd", _bda_backward, setup_context=_bda_setup_context
-    )
+    _bias_dropout_add_fwd.autograd(_bda_backward, _bda_setup_context)

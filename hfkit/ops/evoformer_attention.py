@@ -19,13 +19,13 @@ from typing import NamedTuple
 
 import torch
 
-from hfkit.ops._triton import HAS_TRITON, dot_mode, num_sms, triton_can_run
+from hfkit.ops._triton import HAS_TRITON, dot_mode, hfkit_op, num_sms, triton_can_run
 from hfkit.ops.softmax import MASK_INF
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
-    from torch.library import triton_op, wrap_triton
+    from torch.library import wrap_triton
 
     from hfkit.ops._triton import dot
 
@@ -192,7 +192,7 @@ def evoformer_attention(
     # would be gathered element by element on every one of its S re-reads. One copy is cheap beside
     # that. (Expected from the kernels' code; not yet timed in the model on a GPU.)
     bias, add = _unit_key_stride(bias), _unit_key_stride(add)
-    o, _, _ = torch.ops.hfkit.evoformer_attention_fwd(q, k, v, bias, add)
+    o, _, _ = _evo_fwd(q, k, v, bias, add)
     return o
 
 
@@ -593,7 +593,7 @@ if HAS_TRITON:
         per = max(16, triton.cdiv(reps, want))
         return triton.cdiv(reps, per)
 
-    @triton_op("hfkit::evoformer_attention_fwd", mutates_args=())
+    @hfkit_op("evoformer_attention_fwd")
     def _evo_fwd(
         q: torch.Tensor,
         k: torch.Tensor,
@@ -609,7 +609,7 @@ if HAS_TRITON:
         launch_fwd(q, k, v, bias, key_bias, o, mx, lg, _config("fwd", d, q.device))
         return o, mx, lg
 
-    @triton_op("hfkit::evoformer_attention_bwd", mutates_args=())
+    @hfkit_op("evoformer_attention_bwd")
     def _evo_bwd(
         do: torch.Tensor,
         q: torch.Tensor,
@@ -650,15 +650,14 @@ if HAS_TRITON:
     def _setup_context(ctx, inputs, output) -> None:
         q, k, v, bias, key_bias = inputs
         o, mx, lg = output
+        ctx.mark_non_differentiable(mx, lg)
         ctx.save_for_backward(q, k, v, bias, key_bias, o, mx, lg)
         ctx.bias_meta = (bias.shape, bias.dtype) if bias is not None else None
 
     def _backward(ctx, do, _dmx, _dlg):
         q, k, v, bias, key_bias, o, mx, lg = ctx.saved_tensors
         need_db = ctx.bias_meta is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, db = torch.ops.hfkit.evoformer_attention_bwd(
-            do, q, k, v, bias, key_bias, o, mx, lg, need_db
-        )
+        dq, dk, dv, db = _evo_bwd(do, q, k, v, bias, key_bias, o, mx, lg, need_db)
         dbias = None
         if need_db:
             shape, dtype = ctx.bias_meta
@@ -668,4 +667,4 @@ if HAS_TRITON:
         needs = ctx.needs_input_grad
         return (dq if needs[0] else None), (dk if needs[1] else None), (dv if needs[2] else None), dbias, None
 
-    torch.library.register_autograd("hfkit::evoformer_attention_fwd", _backward, setup_context=_setup_context)
+    _evo_fwd.autograd(_backward, _setup_context)

@@ -15,12 +15,12 @@ from collections.abc import Sequence
 
 import torch
 
-from hfkit.ops._triton import HAS_TRITON, num_sms, triton_can_run
+from hfkit.ops._triton import HAS_TRITON, hfkit_op, num_sms, triton_can_run
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
-    from torch.library import triton_op, wrap_triton
+    from torch.library import wrap_triton
 
 __all__ = ["layer_norm", "layer_norm_reference", "MAX_FUSED_SIZE", "uses_triton"]
 
@@ -138,7 +138,7 @@ def layer_norm(
     n = math.prod(shape)
     if not uses_triton(x, n):
         return layer_norm_reference(x, shape, weight, bias, eps)
-    y, _, _ = torch.ops.hfkit.layer_norm_fwd(x, weight, bias, n, float(eps))
+    y, _, _ = _layer_norm_fwd(x, weight, bias, n, float(eps))
     return y
 
 
@@ -349,7 +349,7 @@ def _bwd_programs(m: int, cfg: tuple[int, int, int], device: torch.device, per_s
 
 if HAS_TRITON:
 
-    @triton_op("hfkit::layer_norm_fwd", mutates_args=())
+    @hfkit_op("layer_norm_fwd")
     def _layer_norm_fwd(
         x: torch.Tensor,
         weight: torch.Tensor | None,
@@ -368,7 +368,7 @@ if HAS_TRITON:
         _launch_fwd(x2, y2, weight, bias, mean, rstd, eps, _fwd_config(n, x.element_size()))
         return y, mean, rstd
 
-    @triton_op("hfkit::layer_norm_bwd", mutates_args=())
+    @hfkit_op("layer_norm_bwd")
     def _layer_norm_bwd(
         dy: torch.Tensor,
         x: torch.Tensor,
@@ -398,6 +398,7 @@ if HAS_TRITON:
     def _setup_context(ctx, inputs, output) -> None:
         x, weight, bias, n, _eps = inputs
         _y, mean, rstd = output
+        ctx.mark_non_differentiable(mean, rstd)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.n = n
         ctx.bias_meta = (bias.shape, bias.dtype) if bias is not None else None
@@ -406,10 +407,10 @@ if HAS_TRITON:
         x, weight, mean, rstd = ctx.saved_tensors
         need_w = weight is not None and ctx.needs_input_grad[1]
         need_b = ctx.bias_meta is not None and ctx.needs_input_grad[2]
-        dx, dwb = torch.ops.hfkit.layer_norm_bwd(dy, x, weight, mean, rstd, ctx.n, need_w or need_b)
+        dx, dwb = _layer_norm_bwd(dy, x, weight, mean, rstd, ctx.n, need_w or need_b)
         grad_w = dwb[0].to(weight.dtype).view(weight.shape) if need_w else None
         grad_b = dwb[1].to(ctx.bias_meta[1]).view(ctx.bias_meta[0]) if need_b else None
         grad_x = dx if ctx.needs_input_grad[0] else None
         return grad_x, grad_w, grad_b, None, None
 
-    torch.library.register_autograd("hfkit::layer_norm_fwd", _backward, setup_context=_setup_context)
+    _layer_norm_fwd.autograd(_backward, _setup_context)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from hfkit.ops._triton import HAS_TRITON, triton_can_run
+from hfkit.ops._triton import HAS_TRITON, hfkit_op, triton_can_run
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
-    from torch.library import triton_op, wrap_triton
+    from torch.library import wrap_triton
 
 __all__ = ["MASK_INF", "MAX_FUSED_SIZE", "softmax", "softmax_reference", "uses_triton"]
 
@@ -130,7 +130,7 @@ def softmax(
     if not _fits(x, bias, mask):  # more than 4 independent broadcast patterns: materialize them
         bias = bias.expand(x.shape).contiguous() if bias is not None else None
         mask = mask.expand(x.shape).contiguous() if mask is not None else None
-    return torch.ops.hfkit.softmax_fwd(x, bias, mask)
+    return _softmax_fwd(x, bias, mask)
 
 
 if HAS_TRITON:
@@ -203,7 +203,7 @@ if HAS_TRITON:
         block_m = max(1, per_program // block_k)
         return block_m, block_k, max(1, min(16, block_m * block_k // (32 * per_thread)))
 
-    @triton_op("hfkit::softmax_fwd", mutates_args=())
+    @hfkit_op("softmax_fwd")
     def _softmax_fwd(x: torch.Tensor, bias: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
         xc = x.contiguous()
         y = torch.empty_like(xc)
@@ -224,7 +224,7 @@ if HAS_TRITON:
         )  # fmt: skip
         return y
 
-    @triton_op("hfkit::softmax_bwd", mutates_args=())
+    @hfkit_op("softmax_bwd")
     def _softmax_bwd(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         dyc = dy.contiguous()
         dx = torch.empty_like(y)
@@ -244,14 +244,14 @@ if HAS_TRITON:
 
     def _backward(ctx, dy):
         (y,) = ctx.saved_tensors
-        dx = torch.ops.hfkit.softmax_bwd(dy, y)
+        dx = _softmax_bwd(dy, y)
         dbias = None
         if ctx.bias_meta is not None and ctx.needs_input_grad[1]:
             shape, dtype = ctx.bias_meta
             dbias = _sum_to(dx, shape).to(dtype)
         return (dx if ctx.needs_input_grad[0] else None), dbias, None
 
-    torch.library.register_autograd("hfkit::softmax_fwd", _backward, setup_context=_setup_context)
+    _softmax_fwd.autograd(_backward, _setup_context)
 
 
 def _sum_to(g: torch.Tensor, shape: torch.Size) -> torch.Tensor:

@@ -42,7 +42,7 @@ import math
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from hfkit.ops._triton import HAS_TRITON, TRITON_DTYPES, dot_mode, triton_can_run
+from hfkit.ops._triton import HAS_TRITON, TRITON_DTYPES, dot_mode, hfkit_op, triton_can_run
 from hfkit.ops.layer_norm import (
     MAX_FUSED_SIZE,
     _bwd_config,
@@ -56,7 +56,7 @@ from hfkit.ops.layer_norm import (
 if HAS_TRITON:
     import triton
     import triton.language as tl
-    from torch.library import triton_op, wrap_triton
+    from torch.library import wrap_triton
 
     from hfkit.ops._triton import dot
 
@@ -281,18 +281,18 @@ class _TriangleMultiplication(torch.autograd.Function):
         *lead, n, _, c_z = z.shape
         c_h = w_z.shape[1]
         batch = math.prod(lead)
-        zn, mean_in, rstd_in = torch.ops.hfkit.tri_mul_ln_in_fwd(z, w_in, b_in, eps, w_proj.dtype)
+        zn, mean_in, rstd_in = _ln_in_fwd(z, w_in, b_in, eps, w_proj.dtype)
         w_ab, b_ab, w_g, b_g = _split_projection(w_proj, b_proj, c_h)
         if fuse:  # a, b straight from zn; only the output gate's projection is materialized
-            a, b = torch.ops.hfkit.tri_mul_proj_gate_fwd(zn, w_ab, b_ab, mask, batch, n, c_h)
+            a, b = _proj_gate_fwd(zn, w_ab, b_ab, mask, batch, n, c_h)
             g_src, g_off = F.linear(zn, w_g, b_g), 0  # [M, C_z]
         else:
             g_src, g_off = F.linear(zn, w_proj, b_proj), 4 * c_h  # [M, 4 C_h + C_z]
-            a, b = torch.ops.hfkit.tri_mul_gate_ab_fwd(g_src, mask, batch, n, c_h)
+            a, b = _gate_ab_fwd(g_src, mask, batch, n, c_h)
         x = _contract(a.view(-1, n, n), b.view(-1, n, n), outgoing)
-        y, mean_out, rstd_out = torch.ops.hfkit.tri_mul_ln_out_t_fwd(x, w_out_ln, b_out_ln, batch, c_h, eps)
+        y, mean_out, rstd_out = _ln_out_t_fwd(x, w_out_ln, b_out_ln, batch, c_h, eps)
         o = F.linear(y, w_z, b_z)  # [M, C_z]
-        out = torch.ops.hfkit.tri_mul_out_gate_fwd(o, g_src, g_off)
+        out = _out_gate_fwd(o, g_src, g_off)
         ctx.save_for_backward(
             z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z,
             mean_in, rstd_in, zn, g_src, a, b, x, mean_out, rstd_out, y, o,
@@ -310,16 +310,12 @@ class _TriangleMultiplication(torch.autograd.Function):
         c_z = z.shape[-1]
         needs = ctx.needs_input_grad
         # d(out) -> d(o) and dg (into columns 4 C_h: of d_proj), with the sums of each over pairs.
-        do, d_proj, do_dg_sum = torch.ops.hfkit.tri_mul_out_gate_bwd(
-            dout.reshape(-1, c_z), o, g_src, g_off, 4 * c_h + c_z
-        )
+        do, d_proj, do_dg_sum = _out_gate_bwd(dout.reshape(-1, c_z), o, g_src, g_off, 4 * c_h + c_z)
         grad_w_z = do.t().mm(y) if needs[8] else None
         grad_b_z = do_dg_sum[:c_z].to(b_z.dtype) if b_z is not None and needs[9] else None
         dy = do.mm(w_z)  # [M, C_h]
         need_ln_out = (w_out_ln is not None and needs[6]) or (b_out_ln is not None and needs[7])
-        dx, dwb_out = torch.ops.hfkit.tri_mul_ln_out_t_bwd(
-            dy, x, w_out_ln, mean_out, rstd_out, batch, c_h, need_ln_out
-        )
+        dx, dwb_out = _ln_out_t_bwd(dy, x, w_out_ln, mean_out, rstd_out, batch, c_h, need_ln_out)
         grad_w_out_ln = dwb_out[0].to(w_out_ln.dtype) if w_out_ln is not None and needs[6] else None
         grad_b_out_ln = dwb_out[1].to(b_out_ln.dtype) if b_out_ln is not None and needs[7] else None
         dx = dx.view(-1, n, n)
@@ -330,18 +326,16 @@ class _TriangleMultiplication(torch.autograd.Function):
             da, db = torch.bmm(b3, dx.transpose(1, 2)), torch.bmm(a3, dx)
         if fuse:
             w_ab, b_ab, _, _ = _split_projection(w_proj, b_proj, c_h)
-            dab_sum = torch.ops.hfkit.tri_mul_proj_gate_bwd(
-                da, db, zn, w_ab, b_ab, mask, d_proj, batch, n, c_h
-            )
+            dab_sum = _proj_gate_bwd(da, db, zn, w_ab, b_ab, mask, d_proj, batch, n, c_h)
         else:
-            dab_sum = torch.ops.hfkit.tri_mul_gate_ab_bwd(da, db, g_src, mask, d_proj, batch, n, c_h)
+            dab_sum = _gate_ab_bwd(da, db, g_src, mask, d_proj, batch, n, c_h)
         grad_w_proj = d_proj.t().mm(zn) if needs[4] else None
         grad_b_proj = None
         if b_proj is not None and needs[5]:
             grad_b_proj = torch.cat([dab_sum, do_dg_sum[c_z:]]).to(b_proj.dtype)
         dzn = d_proj.mm(w_proj)  # [M, C_z]
         need_ln_in = (w_in is not None and needs[2]) or (b_in is not None and needs[3])
-        dz, dwb_in = torch.ops.hfkit.tri_mul_ln_in_bwd(dzn, z, w_in, mean_in, rstd_in, need_ln_in)
+        dz, dwb_in = _ln_in_bwd(dzn, z, w_in, mean_in, rstd_in, need_ln_in)
         grad_w_in = dwb_in[0].to(w_in.dtype) if w_in is not None and needs[2] else None
         grad_b_in = dwb_in[1].to(b_in.dtype) if b_in is not None and needs[3] else None
         return (
@@ -642,7 +636,7 @@ if HAS_TRITON:
         block_c = min(128, max(16, triton.next_power_of_2(c_z)))
         return max(1, 4096 // block_c), block_c, 8
 
-    @triton_op("hfkit::tri_mul_ln_in_fwd", mutates_args=())
+    @hfkit_op("tri_mul_ln_in_fwd")
     def _ln_in_fwd(
         z: torch.Tensor,
         weight: torch.Tensor | None,
@@ -661,7 +655,7 @@ if HAS_TRITON:
         _launch_fwd(z2, zn, weight, bias, mean, rstd, eps, _fwd_config(c_z, z.element_size()))
         return zn, mean, rstd
 
-    @triton_op("hfkit::tri_mul_ln_in_bwd", mutates_args=())
+    @hfkit_op("tri_mul_ln_in_bwd")
     def _ln_in_bwd(
         dzn: torch.Tensor,
         z: torch.Tensor,
@@ -684,7 +678,7 @@ if HAS_TRITON:
             return dz, torch.zeros((2, c_z), dtype=torch.float32, device=z.device)
         return dz, dwb.sum(dim=1)
 
-    @triton_op("hfkit::tri_mul_gate_ab_fwd", mutates_args=())
+    @hfkit_op("tri_mul_gate_ab_fwd")
     def _gate_ab_fwd(
         proj: torch.Tensor, mask: torch.Tensor | None, batch: int, n: int, c_h: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -698,7 +692,7 @@ if HAS_TRITON:
         )  # fmt: skip
         return a, b
 
-    @triton_op("hfkit::tri_mul_gate_ab_bwd", mutates_args={"d_proj"})
+    @hfkit_op("tri_mul_gate_ab_bwd", mutates_args={"d_proj"})
     def _gate_ab_bwd(
         da: torch.Tensor,
         db: torch.Tensor,
@@ -730,7 +724,7 @@ if HAS_TRITON:
         dot = dot_mode(zn)
         return block_p, block_c, block_k, warps, dot
 
-    @triton_op("hfkit::tri_mul_proj_gate_fwd", mutates_args=())
+    @hfkit_op("tri_mul_proj_gate_fwd")
     def _proj_gate_fwd(
         zn: torch.Tensor,
         w_ab: torch.Tensor,
@@ -753,7 +747,7 @@ if HAS_TRITON:
         )  # fmt: skip
         return a, b
 
-    @triton_op("hfkit::tri_mul_proj_gate_bwd", mutates_args={"d_proj"})
+    @hfkit_op("tri_mul_proj_gate_bwd", mutates_args={"d_proj"})
     def _proj_gate_bwd(
         da: torch.Tensor,
         db: torch.Tensor,
@@ -779,7 +773,7 @@ if HAS_TRITON:
         )  # fmt: skip
         return part.sum(dim=0)
 
-    @triton_op("hfkit::tri_mul_ln_out_t_fwd", mutates_args=())
+    @hfkit_op("tri_mul_ln_out_t_fwd")
     def _ln_out_t_fwd(
         x: torch.Tensor,
         weight: torch.Tensor | None,
@@ -800,7 +794,7 @@ if HAS_TRITON:
         )  # fmt: skip
         return y, mean, rstd
 
-    @triton_op("hfkit::tri_mul_ln_out_t_bwd", mutates_args=())
+    @hfkit_op("tri_mul_ln_out_t_bwd")
     def _ln_out_t_bwd(
         dy: torch.Tensor,
         x: torch.Tensor,
@@ -825,7 +819,7 @@ if HAS_TRITON:
         )  # fmt: skip
         return dx, part.sum(dim=0).view(2, c_h)
 
-    @triton_op("hfkit::tri_mul_out_gate_fwd", mutates_args=())
+    @hfkit_op("tri_mul_out_gate_fwd")
     def _out_gate_fwd(o: torch.Tensor, proj: torch.Tensor, g_off: int) -> torch.Tensor:
         m, c_z = o.shape
         out = torch.empty_like(o)
@@ -835,7 +829,7 @@ if HAS_TRITON:
         )
         return out
 
-    @triton_op("hfkit::tri_mul_out_gate_bwd", mutates_args=())
+    @hfkit_op("tri_mul_out_gate_bwd")
     def _out_gate_bwd(
         dout: torch.Tensor, o: torch.Tensor, g_src: torch.Tensor, g_off: int, d_proj_width: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,144 @@
+"""hfkit.ops._triton.TritonOp: the two routes every fused op can take give the same results.
+
+In eager mode with plain tensors an op runs its body directly (no custom-op dispatch: the custom op
+is replaced by a stub that fails, and every op still runs forward and backward); under a
+`TorchDispatchMode` (as under torch.compile's tracing, fake tensors or flop counters) it goes through
+the registered `torch.ops.hfkit.*` custom ops, forward and backward (the mode records them). Outputs
+and gradients of the two routes are identical: the same kernels run on the same inputs. On CPU the
+kernels run under TRITON_INTERPRET=1 (conftest.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hfkit.ops as hops
+from hfkit.ops._triton import TritonOp, direct_call
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+        reason="the Triton path needs CUDA or TRITON_INTERPRET=1",
+    ),
+]
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+MODULES = ["layer_norm", "softmax", "evoformer_attention", "elementwise", "triangle_multiplication"]
+
+
+def all_ops() -> list[TritonOp]:
+    ops = []
+    for name in MODULES:
+        module = importlib.import_module(f"hfkit.ops.{name}")
+        ops += [v for v in vars(module).values() if isinstance(v, TritonOp)]
+    return ops
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "hfkit":
+            self.ops.add(func._opname)
+        return func(*args, **(kwargs or {}))
+
+
+def _randn(*shape, grad=True):
+    return torch.randn(*shape, device=DEVICE).requires_grad_(grad)
+
+
+def _cases():
+    """(name, inputs, call, the hfkit custom ops it must dispatch under a mode)."""
+    c_z, c_h = 6, 5
+    tri = [_randn(c_z), _randn(c_z), _randn(4 * c_h + c_z, c_z), _randn(4 * c_h + c_z)]
+    tri += [_randn(c_h), _randn(c_h), _randn(c_z, c_h), _randn(c_z)]
+    return [
+        (
+            "layer_norm",
+            [_randn(3, 7, 10), _randn(10), _randn(10)],
+            lambda x, w, b: hops.layer_norm(x, (10,), w, b),
+            {"layer_norm_fwd", "layer_norm_bwd"},
+        ),
+        (
+            "softmax",
+            [_randn(2, 3, 5, 9), _randn(1, 3, 5, 9)],
+            lambda x, b: hops.softmax(x, b, torch.ones(2, 1, 1, 9, device=DEVICE)),
+            {"softmax_fwd", "softmax_bwd"},
+        ),
+        (
+            "evoformer_attention",
+            [_randn(1, 2, 2, 5, 16), _randn(1, 2, 2, 7, 16), _randn(1, 2, 2, 7, 16), _randn(1, 1, 2, 5, 7)],
+            lambda q, k, v, b: hops.evoformer_attention(q, k, v, b),
+            {"evoformer_attention_fwd", "evoformer_attention_bwd"},
+        ),
+        (
+            "sigmoid_gate",
+            [_randn(3, 4, 6), _randn(3, 4, 6), _randn(6)],
+            hops.sigmoid_gate,
+            {"sigmoid_gate_fwd", "sigmoid_gate_bwd"},
+        ),
+        (
+            "bias_dropout_add",
+            [_randn(2, 5, 6), _randn(2, 5, 6), _randn(6)],
+            lambda x, r, b: hops.bias_dropout_add(x, r, b, p=0.3, shared_dim=-2, seed=7),
+            {"bias_dropout_add_fwd", "dropout_bwd"},
+        ),
+        (
+            "triangle_multiplication",
+            [_randn(1, 5, 5, c_z), *tri],
+            lambda z, *w: hops.triangle_multiplication(z, None, *w),
+            {"tri_mul_ln_in_fwd", "tri_mul_out_gate_bwd", "tri_mul_ln_in_bwd"},
+        ),
+    ]
+
+
+def _run(inputs, call):
+    out = call(*inputs)
+    grads = torch.autograd.grad(out, inputs, torch.ones_like(out))
+    return [out.detach(), *grads]
+
+
+@pytest.mark.parametrize("case", range(len(_cases())), ids=[c[0] for c in _cases()])
+def test_direct_and_dispatched_routes_agree(case, monkeypatch):
+    torch.manual_seed(case)
+    _name, inputs, call, expected_ops = _cases()[case]
+    recorder = _Recorder()
+    with recorder:
+        dispatched = _run(inputs, call)
+    assert expected_ops <= recorder.ops, f"custom ops dispatched: {sorted(recorder.ops)}"
+
+    def no_dispatch(*args):
+        raise AssertionError("eager call went through the custom op")
+
+    for op in all_ops():
+        monkeypatch.setattr(op, "op", no_dispatch)
+    direct = _run(inputs, call)
+    for a, b in zip(direct, dispatched, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_direct_call_rule():
+    x = torch.randn(3)
+    assert direct_call((x, torch.nn.Parameter(torch.randn(3)), 4, None))
+    with _Recorder():
+        assert not direct_call((x,))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(x)
+    assert not direct_call((fake,))
+
+
+def test_every_op_is_registered_with_torch():
+    ops = all_ops()
+    assert len(ops) == 20
+    for op in ops:
+        assert getattr(torch.ops.hfkit, op.name).default is not None
