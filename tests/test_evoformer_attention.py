@@ -117,6 +117,27 @@ def test_strided_inputs_and_fully_masked_rows(device, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_outputs_and_gradients_keep_the_projection_layout(device, seed):
+    # o, dq, dk, dv come back in q, k, v's memory order, so that the model's
+    # o.transpose(-2, -3).reshape(..., H * D) and the projections' backward need no copies; a strided
+    # incoming gradient is read in place.
+    q, k, v = (
+        t.transpose(2, 3).detach().requires_grad_() for t in qkv(1, 2, 17, 3, 3, 16, torch.float32, device)
+    )
+    o = evoformer_attention(q, k, v)
+    assert o.stride() == q.stride()
+    assert o.transpose(2, 3).is_contiguous()
+    do = torch.randn(1, 2, 17, 3, 16, device=device).transpose(2, 3)  # strided like o, not o itself
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    for name, g, t in zip("qkv", grads, (q, k, v), strict=True):
+        assert g.stride() == t.stride(), name
+    q0, k0, v0 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    expected = torch.autograd.grad(evoformer_attention_reference(q0, k0, v0), (q0, k0, v0), do)
+    for name, g, e in zip("qkv", grads, expected, strict=True):
+        assert rel_err(g, e) < TOL[torch.float32], name
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_pair_bias_as_a_permuted_projection(device, seed):
     # The Evoformer's pair bias: linear(z) [B, N, N, H] moved to [B, 1, H, N, N], a view with key stride H.
     h, n = 3, 19

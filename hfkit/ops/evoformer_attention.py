@@ -289,14 +289,14 @@ if HAS_TRITON:
     def _evo_fwd_kernel(
         Q, K, V, Bias, KeyBias, O, Mx, Lg,
         S, H, n_q, n_k, d, qk_scale,
-        sqb, sqs, sqh, sqn, skb, sks, skh, skn, svb, svs, svh, svn,
+        sqb, sqs, sqh, sqn, skb, sks, skh, skn, svb, svs, svh, svn, sob, sos, soh, son,
         sbb, sbs, sbh, sbq, sbk, skb_b, skb_s, skb_k,
         HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         # Grid (query blocks, B*S*H). Traffic: q and o once; k, v (and the bias rows) once per query
         # block. Registers hold the q tile, the [BLOCK_M, BLOCK_D] float32 accumulator and one logits
-        # tile; o is contiguous [B*S*H, Q, D], the statistics [B*S*H, Q].
+        # tile; o has its own strides (the host lays it out like q), the statistics are [B*S*H, Q].
         pid_m = tl.program_id(0)
         bsh = tl.program_id(1)
         h = bsh % H
@@ -334,7 +334,7 @@ if HAS_TRITON:
             acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, DOT)
             m_i = m_new
         o = acc / l_i[:, None]
-        o_ptrs = O + bsh.to(tl.int64) * n_q * d + offs_m[:, None] * d + offs_d[None, :]
+        o_ptrs = O + b.to(tl.int64) * sob + s_ * sos + h * soh + offs_m[:, None] * son + offs_d[None, :]
         _st(o_ptrs, o.to(O.dtype.element_ty), m_ok[:, None] & d_ok[None, :], EVEN)
         # Max and log-sum apart, not their sum: with every key masked both are about -1e9 and log(l)
         # would vanish in the float32 sum, turning p = 1/K into p = 1 in the backward.
@@ -367,6 +367,8 @@ if HAS_TRITON:
         Q, K, V, Bias, KeyBias, O, DO, Mx, Lg, Delta, DQ, DK, DV, DB,
         B, S, H, n_q, n_k, d, qk_scale, sm_scale, reps_per_split,
         sqb, sqs, sqh, sqn, skb, sks, skh, skn, svb, svs, svh, svn,
+        sob, sos, soh, son, sdob, sdos, sdoh, sdon,
+        sdqb, sdqs, sdqh, sdqn, sdkb, sdks, sdkh, sdkn, sdvb, sdvs, sdvh, sdvn,
         sbb, sbs, sbh, sbq, sbk, skb_b, skb_s, skb_k,
         nb_b, nb_s, nb_h,
         MODE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr,
@@ -379,8 +381,9 @@ if HAS_TRITON:
         #                  `reps_per_split` of the B, S, H rows the bias was broadcast over, sums their
         #                  dlogits in float32 registers and writes one partial sum per split (the host
         #                  adds the splits in a fixed order: deterministic). Its bias tile is loaded once.
-        # Each tile recomputes its logits from q, k, bias, mask and the saved row statistics; do, dq,
-        # dk, dv are contiguous [B*S*H, N, D], the statistics and delta = rowsum(do * o) [B*S*H, Q].
+        # Each tile recomputes its logits from q, k, bias, mask and the saved row statistics; o, do,
+        # dq, dk, dv have strides of their own (unit along D), the statistics and
+        # delta = rowsum(do * o) are [B*S*H, Q].
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < d
         n_mb = tl.cdiv(n_q, BLOCK_M)
@@ -425,6 +428,7 @@ if HAS_TRITON:
             q_base = Q + b.to(tl.int64) * sqb + s_ * sqs + h * sqh
             k_base = K + b.to(tl.int64) * skb + s_ * sks + h * skh
             v_base = V + b.to(tl.int64) * svb + s_ * svs + h * svh
+            do_base = DO + b.to(tl.int64) * sdob + s_ * sdos + h * sdoh
             b_off = b.to(tl.int64) * sbb + s_ * sbs + h * sbh
             kb_off = b.to(tl.int64) * skb_b + s_ * skb_s
             row0 = bsh.to(tl.int64) * n_q
@@ -448,7 +452,7 @@ if HAS_TRITON:
                         q_base + offs_m[None, :] * sqn + offs_d[:, None], d_ok[:, None] & m_ok[None, :], EVEN
                     )
                     do = _ld(
-                        DO + (row0 + offs_m[:, None]) * d + offs_d[None, :],
+                        do_base + offs_m[:, None] * sdon + offs_d[None, :],
                         m_ok[:, None] & d_ok[None, :],
                         EVEN,
                     )
@@ -467,19 +471,21 @@ if HAS_TRITON:
                     dst = pt * (dpt - delta[None, :])
                     dv += dot(pt.to(do.dtype), do, DOT)
                     dk += dot(dst.to(do.dtype), tl.trans(qt), DOT)
-                out = (bsh.to(tl.int64) * n_k + offs_n[:, None]) * d + offs_d[None, :]
-                _st(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), nd, EVEN)
-                _st(DV + out, dv.to(DV.dtype.element_ty), nd, EVEN)
+                dk_ptrs = DK + b.to(tl.int64) * sdkb + s_ * sdks + h * sdkh + offs_n[:, None] * sdkn
+                dv_ptrs = DV + b.to(tl.int64) * sdvb + s_ * sdvs + h * sdvh + offs_n[:, None] * sdvn
+                _st(dk_ptrs + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), nd, EVEN)
+                _st(dv_ptrs + offs_d[None, :], dv.to(DV.dtype.element_ty), nd, EVEN)
             else:
                 offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
                 m_ok = offs_m < n_q
                 md = m_ok[:, None] & d_ok[None, :]
                 q = _ld(q_base + offs_m[:, None] * sqn + offs_d[None, :], md, EVEN)
-                do = _ld(DO + (row0 + offs_m[:, None]) * d + offs_d[None, :], md, EVEN)
+                do = _ld(do_base + offs_m[:, None] * sdon + offs_d[None, :], md, EVEN)
                 mx = _ld(Mx + row0 + offs_m, m_ok, EVEN)
                 lg = _ld(Lg + row0 + offs_m, m_ok, EVEN)
                 if MODE == 1:
-                    o = _ld(O + (row0 + offs_m[:, None]) * d + offs_d[None, :], md, EVEN)
+                    o_base = O + b.to(tl.int64) * sob + s_ * sos + h * soh
+                    o = _ld(o_base + offs_m[:, None] * son + offs_d[None, :], md, EVEN)
                     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
                     _st(Delta + row0 + offs_m, delta, m_ok, EVEN)
                 else:
@@ -497,12 +503,9 @@ if HAS_TRITON:
                         )  # fmt: skip
                         kt = _ld(k_ptrs, (offs_n < n_k)[None, :] & d_ok[:, None], EVEN)
                         dq += dot(ds.to(kt.dtype), tl.trans(kt), DOT)
-                    _st(
-                        DQ + (row0 + offs_m[:, None]) * d + offs_d[None, :],
-                        (dq * sm_scale).to(DQ.dtype.element_ty),
-                        md,
-                        EVEN,
-                    )
+                    dq_base = DQ + b.to(tl.int64) * sdqb + s_ * sdqs + h * sdqh
+                    dq_ptrs = dq_base + offs_m[:, None] * sdqn + offs_d[None, :]
+                    _st(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), md, EVEN)
                 else:
                     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
                     k_ptrs = k_base + offs_n[None, :] * skn + offs_d[:, None]
@@ -549,7 +552,7 @@ if HAS_TRITON:
         wrap_triton(_evo_fwd_kernel)[(triton.cdiv(n_q, cfg.block_m), b * s * h)](
             q, k, v, bias, key_bias, o, mx, lg,
             s, h, n_q, n_k, d, LOG2E / math.sqrt(d),
-            *_qkv_strides(q), *_qkv_strides(k), *_qkv_strides(v),
+            *_qkv_strides(q), *_qkv_strides(k), *_qkv_strides(v), *_qkv_strides(o),
             *_bias_strides(bias), *_key_bias_strides(key_bias),
             HAS_BIAS=bias is not None, HAS_KEY_BIAS=key_bias is not None, DOT=dot_mode(q),
             EVEN=_even(n_q, n_k, d, cfg), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
@@ -576,6 +579,8 @@ if HAS_TRITON:
             q, k, v, bias, key_bias, o, do, mx, lg, delta, dq, dk, dv, db,
             b, s, h, n_q, n_k, d, LOG2E / math.sqrt(d), 1.0 / math.sqrt(d), triton.cdiv(reps, splits),
             *_qkv_strides(q), *_qkv_strides(k), *_qkv_strides(v),
+            *_qkv_strides(o), *_qkv_strides(do),
+            *_qkv_strides(dq), *_qkv_strides(dk), *_qkv_strides(dv),
             *_bias_strides(bias), *_key_bias_strides(key_bias),
             *nb,
             MODE=_MODES[pass_], HAS_BIAS=bias is not None, HAS_KEY_BIAS=key_bias is not None,
@@ -603,7 +608,10 @@ if HAS_TRITON:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
         b, s, h, n_q, d = q.shape
-        o = torch.empty((b, s, h, n_q, d), dtype=q.dtype, device=q.device)
+        # o, dq, dk, dv are laid out like q, k, v (empty_like keeps a dense tensor's strides): a model
+        # that made q as a [B, S, Q, H, D] projection viewed as [B, S, H, Q, D] gets o back in that
+        # memory order, so flattening the heads after the op needs no copy; gradients likewise.
+        o = torch.empty_like(q)
         mx = torch.empty((b, s, h, n_q), dtype=torch.float32, device=q.device)
         lg = torch.empty_like(mx)
         launch_fwd(q, k, v, bias, key_bias, o, mx, lg, _config("fwd", d, q.device))
@@ -623,15 +631,11 @@ if HAS_TRITON:
         need_dbias: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns dq, dk, dv (q's dtype) and dbias in float32 with bias's shape ([0] if not needed)."""
-        q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-        do = do.contiguous()
+        q, k, v, do = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(do)
         b, s, h, n_q, d = q.shape
         n_k = k.shape[3]
         delta = torch.empty((b, s, h, n_q), dtype=torch.float32, device=q.device)
-        dq = torch.empty((b, s, h, n_q, d), dtype=q.dtype, device=q.device)
-        dk = torch.empty((b, s, h, n_k, d), dtype=q.dtype, device=q.device)
-        dv = torch.empty_like(dk)
-        o = o.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         args = (q, k, v, bias, key_bias, o, do, mx, lg, delta, dq, dk, dv)
         dummy = torch.empty((0,), dtype=torch.float32, device=q.device)
         launch_bwd("dq", *args, dummy, _config("dq", d, q.device))
