@@ -404,6 +404,7 @@ def _cmd_bench_model(args: argparse.Namespace) -> int:
         stack_dtypes=args.stack_dtypes,
         step_dtype=args.step_dtype,
         checkpointing=args.checkpointing,
+        stack_launch=args.stack_launch,
         compile_backend=args.compile_backend,
         compile_mode=args.compile_mode,
         budget_s=args.budget_s,
@@ -421,7 +422,7 @@ def _cmd_bench_model(args: argparse.Namespace) -> int:
 
 def _add_model_bench(bench_sub: argparse._SubParsersAction) -> None:
     """`hfkit bench model`: Evoformer block, 48-block stack and training step, eager/hfkit/compile."""
-    from hfkit.bench.model import PARTS, PRECISIONS, VARIANTS
+    from hfkit.bench.model import LAUNCHES, PARTS, PRECISIONS, VARIANTS
 
     on_off = {"off": False, "on": True}
     p = bench_sub.add_parser(
@@ -458,6 +459,12 @@ def _add_model_bench(bench_sub: argparse._SubParsersAction) -> None:
         type=lambda t: [on_off[v] for v in _choices(list(on_off))(t)],
         default=[False, True],
         help="off,on: stack and step with/without per-block checkpointing",
+    )
+    p.add_argument(
+        "--stack-launch",
+        type=_choices(LAUNCHES),
+        default=["eager"],
+        help="eager,graph: stack launched from Python each call and/or replayed as one CUDA graph",
     )
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode (default: none)")

@@ -219,3 +219,19 @@ def test_waterfall_frame_and_figures() -> None:
         preset_config("huge")
     with pytest.raises(ValueError, match="crop"):
         preset_config("tiny", crop=0)
+
+
+def test_stack_launches_are_separate_configurations(tmp_path) -> None:
+    out = tmp_path / "model.json"
+    common = dict(parts=("stack",), variants=("eager",), checkpointing=(False,), out=out, **QUICK)
+    rows = run_model_benchmark("cpu", stack_launch=("eager", "graph"), **common)
+    assert [r.extra["launch"] for r in rows] == ["eager", "graph"]
+    # Measuring one launch again replaces only its own row.
+    run_model_benchmark("cpu", stack_launch=("graph",), append=True, **common)
+    saved = load_results(out)
+    assert sorted(e["launch"] for e in saved["extra"]) == ["eager", "graph"]
+    table = summary_table(saved)
+    assert sorted(table["launch"]) == ["eager", "graph"]
+    assert (table["vs eager"] == 1.0).all()  # each launch is compared with eager's own launch
+    with pytest.raises(ValueError, match="stack_launch"):
+        run_model_benchmark("cpu", parts=("stack",), stack_launch=("graphs",), **QUICK)

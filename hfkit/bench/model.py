@@ -9,7 +9,10 @@ Parts (`run_model_benchmark(parts=...)`, `hfkit bench model --parts`):
   forward (inputs require grad, activations are kept for backward), so a compiled block serves both
   modes with one compiled graph. Timed with CUDA graphs (CUDA events when capture fails).
 - `stack`: the 48-block `EvoformerStack` at the preset's sample size (S = clusters, N = crop),
-  forward+backward, with and without per-block checkpointing. Timed with CUDA events.
+  forward+backward, with and without per-block checkpointing. `stack_launch` "eager": launched from
+  Python each call, timed with CUDA events (what a plain training loop gets); "graph": the whole
+  forward+backward captured as one CUDA graph and replayed (what `torch.cuda.graph` capture of a
+  static-shape training step gets: no per-op launch cost).
 - `step`: `hfkit.train.train_step` of `AlphaFoldLite` (embedders, extra-MSA stack, Evoformer, heads,
   losses, Adam, clipping) on a synthetic batch of the preset's shapes, with and without checkpointing.
 - `waterfall`: the step with the registered ops of `hfkit.nn.convert.registered_ops()` swapped in
@@ -49,6 +52,7 @@ from hfkit.model import AlphaFoldLite, EvoformerBlock, EvoformerStack, ModelConf
 
 __all__ = [
     "BLOCK_SHAPES",
+    "LAUNCHES",
     "MODES",
     "PARTS",
     "PRECISIONS",
@@ -70,6 +74,7 @@ __all__ = [
 ]
 
 PARTS = ("block", "stack", "step", "waterfall", "profile")
+LAUNCHES = ("eager", "graph")
 VARIANTS = ("eager", "hfkit", "compile", "compile_hfkit")
 MODES = ("fwd", "fwd+bwd")
 BLOCK_SHAPES: tuple[tuple[int, int], ...] = ((128, 256), (256, 384), (128, 512))
@@ -466,7 +471,7 @@ def _bench_blocks(run, config, shapes, precisions, variants, modes, warmup, reps
             del base, inputs
 
 
-def _stack_variant(run, config, variant, precision, warmup, reps):
+def _stack_variant(run, config, variant, precision, graph, warmup, reps):
     s, n = config.max_msa_clusters, config.crop_size
     torch.manual_seed(0)
     stack = EvoformerStack.from_config(config).to(run.device, precision.params)
@@ -474,22 +479,29 @@ def _stack_variant(run, config, variant, precision, warmup, reps):
         stack, variant, inplace=True, compile_backend=run.compile_backend, compile_mode=run.compile_mode
     )
     inputs = _block_inputs(config, s, n, run.device, precision.params)
-    return _measure_module(run, stack, inputs, precision, ["fwd+bwd"], warmup, reps, False, notes)
+    return _measure_module(run, stack, inputs, precision, ["fwd+bwd"], warmup, reps, graph, notes)
 
 
-def _bench_stack(run, config, precisions, variants, checkpointing, warmup, reps) -> None:
+def _bench_stack(run, config, precisions, variants, checkpointing, launches, warmup, reps) -> None:
     s, n = config.max_msa_clusters, config.crop_size
     flops = config.no_blocks * evoformer_block_flops(s, n, config)
-    for precision in precisions:
-        for ckpt in checkpointing:
-            stack_config = config.replace(checkpoint=ckpt, msa_dropout=0.0, pair_dropout=0.0)
-            extra = {"n_blocks": config.no_blocks, "checkpointing": ckpt, "dropout": "off"}
-            for variant in variants:
-                key = ("evoformer_stack", variant, ["fwd+bwd"], [s, n], precision, flops)
-                measure = functools.partial(
-                    _stack_variant, run, stack_config, variant, precision, warmup, reps
-                )
-                run.attempt(f"stack ckpt={ckpt} {precision.name} {variant}", key, extra, measure)
+    for launch in launches:
+        for precision in precisions:
+            for ckpt in checkpointing:
+                stack_config = config.replace(checkpoint=ckpt, msa_dropout=0.0, pair_dropout=0.0)
+                extra = {
+                    "n_blocks": config.no_blocks,
+                    "checkpointing": ckpt,
+                    "dropout": "off",
+                    "launch": launch,
+                }
+                for variant in variants:
+                    key = ("evoformer_stack", variant, ["fwd+bwd"], [s, n], precision, flops)
+                    measure = functools.partial(
+                        _stack_variant, run, stack_config, variant, precision, launch == "graph", warmup, reps
+                    )
+                    label = f"stack {launch} ckpt={ckpt} {precision.name} {variant}"
+                    run.attempt(label, key, extra, measure)
 
 
 def _step_model(
@@ -715,8 +727,15 @@ def _precision(name: str) -> Precision:
 
 
 def _row_key(row: Mapping[str, Any]) -> tuple:
-    """`row_key` and checkpointing: a stack or step with and without it are two configurations."""
-    return (*row_key(row), (row.get("extra") or {}).get("checkpointing"))
+    """`row_key`, checkpointing and launch: a stack or step with and without checkpointing, launched
+    eagerly or replayed as a CUDA graph, are different configurations."""
+    extra = row.get("extra") or {}
+    return (*row_key(row), extra.get("checkpointing"), _launch(extra))
+
+
+def _launch(extra: Mapping[str, Any]) -> str:
+    # Rows from before the stack had a graph launch were all launched eagerly.
+    return extra.get("launch", "eager")
 
 
 def run_model_benchmark(
@@ -732,6 +751,7 @@ def run_model_benchmark(
     step_dtype: str = "bf16_autocast",
     modes: Sequence[str] = MODES,
     checkpointing: Sequence[bool] = (False, True),
+    stack_launch: Sequence[str] = ("eager",),
     compile_backend: str = "inductor",
     compile_mode: str | None = None,
     budget_s: float | None = None,
@@ -747,7 +767,8 @@ def run_model_benchmark(
     `quick` uses the `tiny` preset and `QUICK_BLOCK_SHAPES` (a smoke run on a CPU); otherwise
     `af2_initial` and `BLOCK_SHAPES` (`shapes` overrides: (S, N) pairs). `variants` apply to the block
     and stack, `step_variants` to the step; `dtypes` are the block's precisions, `stack_dtypes` the
-    stack's, `step_dtype` the step's, waterfall's and profile's. `budget_s`: configurations that
+    stack's, `step_dtype` the step's, waterfall's and profile's; `stack_launch` how the stack is
+    launched ("eager", "graph"; see the module docstring). `budget_s`: configurations that
     would start after this many seconds are recorded as skipped. With `out`, results are saved after
     every configuration (with `append`, rows already in `out` are kept unless this run measures the
     same configuration). Ceilings are measured first unless given (small ones on a CPU). On a CPU
@@ -764,6 +785,7 @@ def run_model_benchmark(
     check_choice("stack_dtypes", stack_dtypes, list(PRECISIONS))
     check_choice("modes", modes, MODES)
     check_choice("checkpointing", list(checkpointing), [False, True])
+    check_choice("stack_launch", stack_launch, LAUNCHES)
     step_precision = _precision(step_dtype)
     shape_list = [
         tuple(int(d) for d in s) for s in (shapes or (QUICK_BLOCK_SHAPES if quick else BLOCK_SHAPES))
@@ -785,7 +807,7 @@ def run_model_benchmark(
 
     counts = {
         "block": len(dtypes) * len(shape_list) * len(variants) * len(modes),
-        "stack": len(stack_dtypes) * len(checkpointing) * len(variants),
+        "stack": len(stack_launch) * len(stack_dtypes) * len(checkpointing) * len(variants),
         "step": len(checkpointing) * len(step_variants),
         "waterfall": len(waterfall_stages()),
         "profile": 1,
@@ -813,7 +835,7 @@ def run_model_benchmark(
                     _bench_blocks(run, config, shape_list, precisions, variants, modes, *big)
                 elif part == "stack":
                     precisions = [_precision(d) for d in stack_dtypes]
-                    _bench_stack(run, config, precisions, variants, checkpointing, *slow)
+                    _bench_stack(run, config, precisions, variants, checkpointing, stack_launch, *slow)
                 elif part == "step":
                     _bench_steps(run, config, step_precision, step_variants, checkpointing, *slow)
                 elif part == "waterfall":
@@ -845,6 +867,7 @@ def summary_table(frame: Any) -> Any:
             "S x N": frame["shape"].apply(lambda s: "x".join(map(str, s))),
             "dtype": frame["dtype"],
             "ckpt": extra.apply(lambda e: e.get("checkpointing")),
+            "launch": extra.apply(lambda e: _launch(e) if e.get("n_blocks", 1) > 1 else None),
             "p50 ms": frame["p50_ms"],
             "TFLOP/s": frame["tflops"],
             "peak GiB": frame["peak_mem_bytes"].astype(float) / 2**30,
@@ -852,8 +875,8 @@ def summary_table(frame: Any) -> Any:
             "error": extra.apply(lambda e: e.get("error", "")),
         }
     )
-    keys = ["op", "mode", "S x N", "dtype", "ckpt"]
+    keys = ["op", "mode", "S x N", "dtype", "ckpt", "launch"]
     eager = table[table["variant"] == "eager"].drop_duplicates(keys, keep="last").set_index(keys)["p50 ms"]
     base = table.set_index(keys).index.map(lambda k: eager.get(k, math.nan))
-    table.insert(7, "vs eager", base.to_numpy(dtype=float) / table["p50 ms"].to_numpy(dtype=float))
+    table.insert(8, "vs eager", base.to_numpy(dtype=float) / table["p50 ms"].to_numpy(dtype=float))
     return table.round({"p50 ms": 3, "vs eager": 2, "TFLOP/s": 1, "peak GiB": 2, "first call s": 1})

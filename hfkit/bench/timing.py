@@ -117,6 +117,10 @@ def time_cuda(
         )
     _warm_up(fn, max(1, warmup))
     if graph:
+        # The capture allocates in a private pool: hand the warm-up's cached blocks back first, or a
+        # step that uses most of the card (a 48-block stack) cannot be captured at all.
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         g = torch.cuda.CUDAGraph()
         # torch.cuda.graph captures on its own side stream and gives the graph a private memory pool,
         # so the tensors `fn` allocates inside the capture are reused by every replay.
