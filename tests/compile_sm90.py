@@ -94,11 +94,12 @@ def elementwise_kernels() -> None:
     assert "cubin" in compile_sm90(ew._keep_mask_kernel, {"Seed": "i64", "Mask": "fp32"}, keep)
 
 
-def attention_kernels(even: bool) -> None:
-    """The forward and the three backward passes with the tuned bf16 tiles (D = 32), ragged or whole."""
-    ptrs = {k: "bf16" for k in ("Q", "K", "V", "Bias", "O", "DO", "DQ", "DK", "DV")}
+def attention_kernels(even: bool, dtype: str = "bf16", dot: int = 0) -> None:
+    """The forward and the three backward passes with the tuned tiles (D = 32), ragged or whole; bf16
+    on the tensor cores (DOT 0) or float32 as 3xTF32 / TF32 (DOT 3 / 4)."""
+    ptrs = {k: dtype for k in ("Q", "K", "V", "Bias", "O", "DO", "DQ", "DK", "DV")}
     ptrs.update({k: "fp32" for k in ("KeyBias", "Mx", "Lg", "Delta", "DB")})
-    flags = {"HAS_BIAS": True, "HAS_KEY_BIAS": True, "DOT": 0, "EVEN": even, "BLOCK_D": 32}
+    flags = {"HAS_BIAS": True, "HAS_KEY_BIAS": True, "DOT": dot, "EVEN": even, "BLOCK_D": 32}
     bm, bn, warps, stages = ea.CONFIGS_SMALL_D["fwd"]
     assert "cubin" in compile_sm90(ea._evo_fwd_kernel, ptrs, {**flags, "BLOCK_M": bm, "BLOCK_N": bn}, warps)
     for mode, pass_ in ((1, "dq"), (0, "dkdv"), (2, "dbias")):
@@ -142,9 +143,9 @@ def norm_and_softmax_kernels() -> None:
         compile_sm90(fn, ptrs, flags, warps)
 
 
-def triangle_multiplication_kernels() -> None:
+def triangle_multiplication_kernels(dtype: str = "bf16", dot: int = 0) -> None:
     """Every kernel of the fused triangle update at c_z = c_hidden = 128, bf16 (statistics and the
-    per-block partial sums in float32)."""
+    per-block partial sums in float32), or float32 with 3xTF32 projections (DOT 3)."""
     c = 128
     fp32 = ("Mean", "Rstd", "Part")
     names = (
@@ -166,9 +167,9 @@ def triangle_multiplication_kernels() -> None:
         "OUT",
         "DO",
     )
-    ptrs = {**{k: "bf16" for k in names + ("DOUT",)}, **{k: "fp32" for k in fp32}}
+    ptrs = {**{k: dtype for k in names + ("DOUT",)}, **{k: "fp32" for k in fp32}}
     block_p, block_c, block_k, warps = tm.PROJ_TILES
-    proj = {"HAS_BIAS": True, "HAS_MASK": True, "DOT": 0, "BLOCK_P": block_p, "BLOCK_C": block_c}
+    proj = {"HAS_BIAS": True, "HAS_MASK": True, "DOT": dot, "BLOCK_P": block_p, "BLOCK_C": block_c}
     proj["BLOCK_K"] = block_k
     compile_sm90(tm._proj_gate_fwd_kernel, ptrs, proj, warps)
     compile_sm90(tm._proj_gate_bwd_kernel, ptrs, proj, warps)
@@ -192,6 +193,10 @@ def main() -> int:
     elementwise_kernels()
     for even in (True, False):
         attention_kernels(even)
+    # float32 on CUDA: 3xTF32 (torch's default "highest" matmul precision) and TF32.
+    triangle_multiplication_kernels("fp32", 3)
+    attention_kernels(False, "fp32", 3)
+    attention_kernels(False, "fp32", 4)
     print(f"compiled {len(COMPILED)} kernels for sm_90 in {time.perf_counter() - start:.1f} s")
     return 0
 

@@ -54,10 +54,19 @@ def num_sms(device: torch.device) -> int:
 
 
 def dot_mode(x: torch.Tensor) -> int:
-    """The `DOT` constexpr `dot` takes for operands of x's dtype and device: 1 for float32 (full
-    precision, no TF32), 2 for bfloat16 under the interpreter (which cannot multiply bfloat16), else 0."""
+    """The `DOT` constexpr `dot` takes for operands of x's dtype and device.
+
+    0: bfloat16/float16 on the tensor cores. float32 on CUDA follows torch's float32 matmul precision:
+    "highest" (torch's default) gives 3: three TF32 products per product on the tensor cores (each
+    operand split into a TF32 head and a TF32 tail), accurate to about 1e-6 relative, where IEEE
+    float32 `tl.dot` runs off the tensor cores several times slower than cuBLAS; "high" or "medium"
+    give 4: one TF32 product, as torch's own matmuls then use. Under the interpreter float32 is 1
+    (IEEE) and bfloat16 is 2 (upcast first: the interpreter cannot multiply bfloat16).
+    """
     if x.dtype == torch.float32:
-        return 1
+        if not x.is_cuda:
+            return 1
+        return 3 if torch.get_float32_matmul_precision() == "highest" else 4
     return 2 if x.dtype == torch.bfloat16 and not x.is_cuda else 0
 
 
@@ -65,13 +74,16 @@ if HAS_TRITON:
 
     @triton.jit
     def dot(a, b, DOT: tl.constexpr):
-        # a @ b with float32 accumulation. DOT 0: in the input dtype (bf16/fp16 tensor cores); 1:
-        # float32 inputs at full precision (not TF32); 2: upcast first, for the interpreter, which
-        # cannot multiply bfloat16 (products of bfloat16 are exact in float32).
+        # a @ b with float32 accumulation; DOT as `dot_mode` picks it. 2 upcasts first (products of
+        # bfloat16 are exact in float32).
         if DOT == 2:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         elif DOT == 1:
             return tl.dot(a, b, input_precision="ieee")
+        elif DOT == 3:
+            return tl.dot(a, b, input_precision="tf32x3")
+        elif DOT == 4:
+            return tl.dot(a, b, input_precision="tf32")
         else:
             return tl.dot(a, b)
 
