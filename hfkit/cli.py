@@ -199,22 +199,17 @@ def _run_kernel_bench(args: argparse.Namespace, file_name: str, run: Callable[..
     from hfkit.bench.ceilings import device_name
     from hfkit.bench.kernels import best_peer_table, kernel_summary
     from hfkit.bench.peers import peer_status
-    from hfkit.bench.results import merge_rows
+    from hfkit.bench.results import appended_meta, merge_rows
 
     device = resolve_device(args.device)
     out = Path(args.out) if args.out else results_dir() / gpu_slug(device_name(device)) / file_name
     # --append: the rows already in `out` stay, except those this run measures again.
-    earlier, earlier_commands = [], []
+    earlier, earlier_meta = [], None
     if args.append and out.exists():
         doc = json.loads(out.read_text())
-        earlier = doc.get("rows", [])
-        earlier_commands = doc.get("meta", {}).get("earlier_commands", []) + [
-            doc.get("meta", {}).get("command")
-        ]
+        earlier, earlier_meta = doc.get("rows", []), doc.get("meta")
     # The environment (versions, git commit: a subprocess) is read once, not once per saved row.
-    meta = environment_info(device, args.command)
-    if earlier_commands:
-        meta["earlier_commands"] = earlier_commands
+    meta = appended_meta(earlier_meta, environment_info(device, args.command))
     done: list = []
 
     def save_so_far(row) -> None:

@@ -224,10 +224,16 @@ def test_waterfall_frame_and_figures() -> None:
 def test_stack_launches_are_separate_configurations(tmp_path) -> None:
     out = tmp_path / "model.json"
     common = dict(parts=("stack",), variants=("eager",), checkpointing=(False,), out=out, **QUICK)
-    rows = run_model_benchmark("cpu", stack_launch=("eager", "graph"), **common)
+    rows = run_model_benchmark("cpu", stack_launch=("eager", "graph"), command="first", **common)
     assert [r.extra["launch"] for r in rows] == ["eager", "graph"]
-    # Measuring one launch again replaces only its own row.
-    run_model_benchmark("cpu", stack_launch=("graph",), append=True, **common)
+    doc = json.loads(out.read_text())
+    doc["meta"]["note"] = "how the first rows were made"
+    out.write_text(json.dumps(doc))
+    # Measuring one launch again replaces only its own row, and keeps the file's note and commands.
+    run_model_benchmark("cpu", stack_launch=("graph",), append=True, command="second", **common)
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["command"] == "second" and meta["earlier_commands"] == ["first"]
+    assert meta["note"] == "how the first rows were made"
     saved = load_results(out)
     assert sorted(e["launch"] for e in saved["extra"]) == ["eager", "graph"]
     table = summary_table(saved)

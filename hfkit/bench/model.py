@@ -46,7 +46,16 @@ import torch
 from torch import nn
 
 from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
-from hfkit.bench.results import ResultRow, check_choice, merge_rows, row_environment, row_key, save_results
+from hfkit.bench.results import (
+    ENV_KEYS,
+    ResultRow,
+    appended_meta,
+    check_choice,
+    environment_info,
+    merge_rows,
+    row_key,
+    save_results,
+)
 from hfkit.bench.timing import Timing, peak_memory, time_fn, time_step
 from hfkit.model import AlphaFoldLite, EvoformerBlock, EvoformerStack, ModelConfig
 
@@ -299,6 +308,7 @@ class _Run:
     deadline: float | None
     out: Path | None
     keep: list[dict[str, Any]]
+    meta: dict[str, Any]
     compile_backend: str
     compile_mode: str | None
     progress: Any
@@ -384,7 +394,9 @@ class _Run:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         if self.out is not None:
-            save_results(merge_rows(self.keep, self.rows, _row_key), self.out, ceilings=self.ceilings)
+            save_results(
+                merge_rows(self.keep, self.rows, _row_key), self.out, ceilings=self.ceilings, meta=self.meta
+            )
 
     def cpu_path(self) -> contextlib.AbstractContextManager[Any]:
         return _cpu_path(self.device, self.interpret)
@@ -797,13 +809,16 @@ def run_model_benchmark(
     config = bench_config(quick)
     t_start = time.perf_counter()
     ceilings = ceilings or bench_ceilings(device)
-    row_env = row_environment(device, command)
+    env = environment_info(device, command)
+    row_env = {k: env[k] for k in ENV_KEYS}
     out_path = Path(out) if out is not None else None
     keep: list[dict[str, Any]] = []
+    earlier_meta = None
     if append and out_path is not None and out_path.exists():
         import json
 
-        keep = json.loads(out_path.read_text()).get("rows", [])
+        doc = json.loads(out_path.read_text())
+        keep, earlier_meta = doc.get("rows", []), doc.get("meta")
 
     counts = {
         "block": len(dtypes) * len(shape_list) * len(variants) * len(modes),
@@ -820,6 +835,7 @@ def run_model_benchmark(
         deadline=None if budget_s is None else t_start + budget_s,
         out=out_path,
         keep=keep,
+        meta=appended_meta(earlier_meta, env),
         compile_backend=compile_backend,
         compile_mode=compile_mode,
         progress=bar,

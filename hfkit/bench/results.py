@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENV_KEYS",
+    "appended_meta",
     "ResultRow",
     "SCHEMA_VERSION",
     "check_choice",
@@ -190,6 +191,24 @@ def row_environment(device: torch.device | str | None, command: str | None) -> d
     """The `ENV_KEYS` fields of `environment_info`, taken once per run and repeated in every row."""
     env = environment_info(device, command)
     return {k: env[k] for k in ENV_KEYS}
+
+
+def appended_meta(earlier: Mapping[str, Any] | None, meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The `meta` of a results file that a run extends (`--append`): this run's `meta`, the earlier
+    file's commands in `earlier_commands` (theirs, then its own `command`), and its hand-written `note`
+    and `scripts` kept, so that appending never silently drops how the earlier rows were made."""
+    out = dict(meta)
+    if not earlier:
+        return out
+    commands = list(earlier.get("earlier_commands") or [])
+    if earlier.get("command") and earlier["command"] not in commands:
+        commands.append(earlier["command"])
+    if commands:
+        out["earlier_commands"] = commands
+    for key in ("note", "scripts"):
+        if key in earlier and key not in out:
+            out[key] = earlier[key]
+    return out
 
 
 def _row_dict(row: ResultRow | Mapping[str, Any]) -> dict[str, Any]:

@@ -149,7 +149,8 @@ def census_figure(
 
 
 def model_time_bars(frame: pd.DataFrame, op: str = "evoformer_block", title: str | None = None) -> go.Figure:
-    """Grouped bars of p50 time (ms) per (S x N [, checkpointing]) for each variant of `op`'s rows,
+    """Grouped bars of p50 time (ms) per (S x N [, checkpointing] [, "graph": replayed as one CUDA
+    graph]) for each variant of `op`'s rows,
     faceted by mode and precision; failed configurations are left out (see their `extra['error']`)."""
     import plotly.express as px
 
@@ -157,9 +158,12 @@ def model_time_bars(frame: pd.DataFrame, op: str = "evoformer_block", title: str
     if data.empty:
         raise ValueError(f"frame: no measured {op!r} rows")
     ckpt = data["extra"].apply(lambda e: (e or {}).get("checkpointing"))
+    graph = data["extra"].apply(lambda e: (e or {}).get("launch") == "graph")
     data["config"] = [
-        "x".join(map(str, s)) + ("" if c is None else f" ckpt {'on' if c else 'off'}")
-        for s, c in zip(data["shape"], ckpt, strict=True)
+        "x".join(map(str, s))
+        + ("" if c is None else f" ckpt {'on' if c else 'off'}")
+        + (" graph" if g else "")
+        for s, c, g in zip(data["shape"], ckpt, graph, strict=True)
     ]
     data["peak_GiB"] = data["peak_mem_bytes"].astype(float) / 2**30
     variants = [v for v in VARIANT_ORDER if v in set(data["provider"])]
