@@ -249,27 +249,51 @@ def _column_keys(ids: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.T
 def _assign_from_keys(keys: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
     """Nearest centre of each extra row; keys: `_column_keys(extra)` [E, L], centres ids [C, L]."""
     num_centres, num_res = centres.shape
-    # Counts never exceed num_res; fp16 holds integers exactly up to 2048 and halves the table
-    # traffic of the gather-sum, which is memory bound.
-    dtype = torch.float16 if num_res <= 2048 else torch.float32
-    # table[key(l, a), c] = 1 where centre c has residue (or X) a at column l. Gaps and the mask
-    # token weigh 0, as OpenFold's weights [1]*21 + [gap_agreement_weight = 0, 0] do.
-    table = _scratch("table", (num_res * _KEY_STRIDE, num_centres), dtype).zero_()
+    # Two centres share one float32 lane: centre 2j counts in units of 1, centre 2j + 1 in units of
+    # `base` (a power of two above any count, which is at most L). Sums of integers below 2**24 are
+    # exact in float32 in any order, so the lane splits back into the two counts exactly; the
+    # gather-sum, bound by its arithmetic (8 lanes an AVX2 add), then does half the adds of one
+    # count per lane. Past L ~ 4000 a lane holds one centre.
+    base = 1 << num_res.bit_length()
+    packed = num_res * (base + 1) < 2**24
+    lanes = (num_centres + 1) // 2 if packed else num_centres
+    centre = torch.arange(num_centres)
+    lane = centre // 2 if packed else centre
+    # table[key(l, a), lane] holds the weight of each centre of that lane with residue (or X) a at
+    # column l. Gaps and the mask token weigh 0, as OpenFold's weights [1]*21 + [gap_agreement_weight
+    # = 0, 0] do.
+    table = _scratch("table", (num_res * _KEY_STRIDE, lanes), torch.float32).zero_()
     centre_ids = centres.long()
-    # Flat index of (key(l, a), c), one per (c, l): an index_put_ of a flat view is several times
-    # faster than a dim-0 scatter_, which copies the table to restride it.
-    flat = (centre_ids + _key_offsets(num_res)).mul_(num_centres).add_(torch.arange(num_centres)[:, None])
-    table.view(-1)[flat.view(-1)] = (centre_ids < GAP_ID).view(-1).to(dtype)
-    # agreement[e, c] = sum_l table[keys[e, l], c]: the weighted Hamming agreement, one bag per row.
-    agreement = F.embedding_bag(keys, table, mode="sum")
+    cells = table.view(-1)
+    flat = (centre_ids + _key_offsets(num_res)).mul_(lanes).add_(lane[:, None])
+    counted = (centre_ids < GAP_ID).float()
+    # Within the even centres (and within the odd ones) every cell is written at most once: a plain
+    # flat index_put_ each (several times faster than an accumulating one); the odd centres add to
+    # the cells they share with their lane's even centre.
+    cells[flat[0::2].reshape(-1)] = counted[0::2].reshape(-1)
+    if num_centres > 1:
+        odd_cells = flat[1::2].reshape(-1)
+        cells[odd_cells] = cells[odd_cells] + counted[1::2].reshape(-1) * (float(base) if packed else 1.0)
+    # sums[e, lane] = sum_l table[keys[e, l], lane]: the weighted Hamming agreements, one bag a row.
+    sums = F.embedding_bag(keys, table, mode="sum")
     # argmax with ties to the first centre, as OpenFold's: the largest of agreement * C + (C - 1 - c),
-    # integers exact in float32 below 2**24, found by a plain float32 max (4x faster than
-    # max(dim).indices on fp16, 15x than argmax).
+    # integers exact in float32 below 2**24 (a plain float32 max: 15x faster than argmax).
     exact = torch.float32 if (num_res + 1) * num_centres < 2**24 else torch.float64
-    ranked = _scratch("ranked", tuple(agreement.shape), exact)
-    torch.add(torch.arange(num_centres - 1, -1, -1, dtype=exact), agreement, alpha=num_centres, out=ranked)
-    best = ranked.amax(dim=1).long()
-    return best.remainder_(num_centres).neg_().add_(num_centres - 1)
+    if packed:
+        high = sums.mul(1.0 / base).floor_()  # the odd centres' counts (exact: base is a power of 2)
+        low = sums.sub(high, alpha=base)  # the even centres'
+        even = torch.arange(num_centres - 1, -1, -2, dtype=exact)  # C - 1 - c for c = 0, 2, 4, ...
+        best = torch.add(even, low.to(exact), alpha=num_centres).amax(dim=1)
+        if num_centres > 1:
+            odd = torch.arange(num_centres - 2, -1, -2, dtype=exact)  # c = 1, 3, ...
+            odd_ranked = torch.add(odd, high[:, : odd.numel()].to(exact), alpha=num_centres)
+            best = torch.maximum(best, odd_ranked.amax(dim=1))
+    else:
+        ranked = torch.add(
+            torch.arange(num_centres - 1, -1, -1, dtype=exact), sums.to(exact), alpha=num_centres
+        )
+        best = ranked.amax(dim=1)
+    return best.long().remainder_(num_centres).neg_().add_(num_centres - 1)
 
 
 def assign_clusters(centres: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
@@ -278,7 +302,8 @@ def assign_clusters(centres: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
     The agreement of a row and a centre is the number of columns where both hold the same residue
     (or X); gaps and the mask token never count (OpenFold's `nearest_neighbor_clusters` with
     gap_agreement_weight 0). Each row goes to its highest-agreement centre, ties to the lowest index.
-    Cost: E * L * C adds (an `embedding_bag` over an fp16 [L*23, C] table), no one-hot of the MSA.
+    Cost: E * L * C / 2 adds (an `embedding_bag` over a float32 [L*23, C/2] table, two centres a
+    lane), no one-hot of the MSA.
     """
     if centres.dim() != 2 or extra.dim() != 2 or centres.shape[1] != extra.shape[1]:
         raise ValueError(
