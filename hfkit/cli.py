@@ -158,7 +158,7 @@ def _cmd_bench_comms(args: argparse.Namespace) -> int:
 
     from hfkit.bench import gpu_slug, results_dir, rows_to_frame
     from hfkit.bench.ceilings import device_name
-    from hfkit.bench.comms import default_backends, run_comms_benchmark
+    from hfkit.bench.comms import ddp_path, default_backends, run_comms_benchmark
 
     slug = gpu_slug(device_name(None))
     if slug != "cpu":
@@ -185,7 +185,7 @@ def _cmd_bench_comms(args: argparse.Namespace) -> int:
     frame["busbw_gbps"] = [e.get("busbw_gbps") for e in frame["extra"]]
     with pd.option_context("display.max_rows", None, "display.width", 200):
         print(frame[["op", "provider", "mode", "shape_str", "p50_ms", "busbw_gbps"]].to_string(index=False))
-    print(f"\nwrote {len(rows)} rows to {out}")
+    print(f"\nwrote {len(rows)} rows to {out} (allreduce) and {ddp_path(out)} (DDP steps)")
     return 0
 
 
@@ -539,7 +539,9 @@ def _parser() -> argparse.ArgumentParser:
     comms.add_argument("--ddp-reps", type=int, default=5, help="timed DDP steps per configuration")
     comms.add_argument("--timeout", type=float, default=1800.0, help="kill the run after this many seconds")
     comms.add_argument(
-        "--out", default=None, help="results JSON (default: data/results/<gpu>x<n>/comms.json)"
+        "--out",
+        default=None,
+        help="allreduce results JSON (default: data/results/<gpu>x<n>/comms.json); DDP rows go to ddp.json",
     )
     comms.set_defaults(func=_cmd_bench_comms)
 

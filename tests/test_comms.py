@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,8 @@ from hfkit.bench.comms import (
     algbw_gbps,
     build_param_model,
     busbw_gbps,
+    ddp_path,
+    load_comms_results,
     message_sizes,
     parse_bytes,
     run_comms_benchmark,
@@ -61,12 +64,16 @@ def worker_rows(tmp_path_factory):
         cpu=True,
         log=None,
     )
-    return backends, rows, json.loads(out.read_text())
+    return backends, rows, json.loads(out.read_text()), json.loads((out.parent / "ddp.json").read_text())
 
 
 def test_worker_allreduce_rows(worker_rows):
-    backends, rows, doc = worker_rows
+    backends, rows, doc, ddp_doc = worker_rows
     assert doc["meta"]["world_size"] == 2 and "torchrun" in doc["meta"]["command"]
+    # Allreduce rows in comms.json, DDP rows in ddp.json beside it; the run returns both.
+    assert {r["op"] for r in doc["rows"]} == {"allreduce"}
+    assert {r["op"] for r in ddp_doc["rows"]} == {"ddp_step"}
+    assert len(doc["rows"]) + len(ddp_doc["rows"]) == len(rows)
     ar = [r for r in rows if r["op"] == "allreduce"]
     assert {r["provider"] for r in ar} == set(backends)
     for r in ar:
@@ -79,7 +86,7 @@ def test_worker_allreduce_rows(worker_rows):
 
 
 def test_worker_ddp_rows(worker_rows):
-    backends, rows, _ = worker_rows
+    backends, rows, _, _ = worker_rows
     ddp = [r for r in rows if r["op"] == "ddp_step"]
     modes = {(r["provider"], r["mode"]) for r in ddp}
     assert ("none", "backward_alone") in modes and ("none", "backward_concurrent") in modes
@@ -106,13 +113,21 @@ def test_cli_comms_runs(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["meta"]["command"].startswith("hfkit bench comms")
     assert "wrote" in capsys.readouterr().out
+    assert ddp_path(out) == tmp_path / "c.ddp.json" and not ddp_path(out).exists()  # --no-ddp
+
+
+def test_load_comms_results_reads_both_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="comms.json"):
+        load_comms_results(tmp_path)
+    frame = load_comms_results(Path(__file__).resolve().parents[1] / "data" / "results" / "cpu")
+    assert set(frame["op"]) == {"allreduce", "ddp_step"}
 
 
 def test_viz_frames_and_panel(worker_rows):
     from hfkit.bench.results import rows_to_frame
     from hfkit.viz.comms import CostModelPanel, allreduce_frame, busbw_figure, ddp_figure, ddp_table
 
-    _, rows, _ = worker_rows
+    _, rows, _, _ = worker_rows
     frame = rows_to_frame(rows)
     ar = allreduce_frame(frame, source="test")
     assert ar["series"].str.endswith(" · test").all() and (ar["busbw_gbps"] > 0).all()

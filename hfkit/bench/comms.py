@@ -7,6 +7,7 @@ nccl-tests' bandwidths: algbw = S/t and busbw = algbw·2(n-1)/n. DDP rows (op "d
 seed's experiment on a stack of Linear layers with AlphaFold's 93.2M parameters (or a scaled-down count):
 backward alone on one process, backward on n processes without synchronization, and backward plus
 gradient synchronization per backend with overlap on and off; overhead = that minus backward alone.
+Allreduce rows go to `--out` (`comms.json`), DDP rows to `ddp_path(out)` beside it (`ddp.json`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ __all__ = [
     "algbw_gbps",
     "busbw_gbps",
     "build_param_model",
+    "ddp_path",
     "default_backends",
+    "load_comms_results",
     "message_sizes",
     "parse_bytes",
     "run_comms_benchmark",
@@ -397,8 +400,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows += _ddp_rows(args, env, device, ctrl, log)
     if rank == 0:
         meta = {**env_all, "world_size": dist.get_world_size(), "backends": args.backends}
-        save_results(rows, args.out, meta=meta)
-        print(f"wrote {len(rows)} rows to {args.out}", flush=True)
+        for path, part in ((args.out, "allreduce"), (ddp_path(args.out), "ddp_step")):
+            chosen = [r for r in rows if r.op == part]
+            if chosen:
+                save_results(chosen, path, meta=meta)
+                print(f"wrote {len(chosen)} rows to {path}", flush=True)
     dist.barrier(group=ctrl)
     dist.destroy_process_group()
     return 0
@@ -406,6 +412,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # ----------------------------------------------------------------------------------------------------
 # The driver
+
+
+def ddp_path(out: str | os.PathLike[str]) -> Path:
+    """Where the DDP rows of a run writing allreduce rows to `out` go: `ddp.json` beside a
+    `comms.json`, else `<stem>.ddp.json`."""
+    out = Path(out)
+    return out.with_name("ddp.json" if out.name == "comms.json" else f"{out.stem}.ddp.json")
+
+
+def load_comms_results(folder: str | os.PathLike[str]) -> Any:
+    """The allreduce and DDP rows of one results folder (`comms.json` and `ddp.json`) as one
+    DataFrame (`hfkit.bench.load_results` columns); FileNotFoundError when the folder has neither."""
+    import pandas as pd
+
+    from hfkit.bench.results import load_results
+
+    folder = Path(folder)
+    files = [folder / "comms.json", ddp_path(folder / "comms.json")]
+    frames = [load_results(f) for f in files if f.exists()]
+    if not frames:
+        raise FileNotFoundError(f"folder: {folder} has no comms.json or ddp.json")
+    return pd.concat(frames, ignore_index=True)
 
 
 def run_comms_benchmark(
@@ -426,7 +454,8 @@ def run_comms_benchmark(
     cpu: bool = False,
     log: Callable[[str], None] | None = print,
 ) -> list[dict[str, Any]]:
-    """Launch the worker under torchrun (`nproc` local ranks) and return the rows it wrote (dicts).
+    """Launch the worker under torchrun (`nproc` local ranks) and return the rows it wrote (dicts):
+    allreduce rows to `out`, DDP rows to `ddp_path(out)`.
 
     The worker runs as `python -m torch.distributed.run --standalone --nproc-per-node N -m
     hfkit.bench.comms ...` in a subprocess, killed after `timeout_s` (then a RuntimeError with its
@@ -480,7 +509,8 @@ def run_comms_benchmark(
         if proc.returncode != 0:
             tail = "".join(lines[-60:])
             raise RuntimeError(f"comms benchmark failed (exit {proc.returncode}); output tail:\n{tail}")
-        return list(json.loads(Path(out).read_text())["rows"])
+        written = [p for p in (Path(out), ddp_path(out)) if p.exists()]
+        return [row for p in written for row in json.loads(p.read_text())["rows"]]
     finally:
         if tmp is not None:
             tmp.cleanup()
