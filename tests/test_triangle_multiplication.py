@@ -12,6 +12,7 @@ TRITON_INTERPRET=1 (conftest.py); a GPU machine also runs them on CUDA.
 from __future__ import annotations
 
 import importlib
+import math
 import os
 
 import pytest
@@ -178,6 +179,29 @@ def op_args(c_z: int, c_h: int, device: str = "cpu", dtype: torch.dtype = torch.
     """Random parameters of the functional op, in its argument order after z and mask."""
     r = lambda *s: torch.randn(*s, device=device, dtype=dtype)  # noqa: E731
     return [r(c_z), r(c_z), r(4 * c_h + c_z, c_z), r(4 * c_h + c_z), r(c_h), r(c_h), r(c_z, c_h), r(c_z)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_keeps_only_the_contraction(device, seed):
+    # The fused op saves its inputs, a, b and x for backward and recomputes zn, the gate source, y and
+    # o there: nothing of size [M, C] besides z itself stays alive between forward and backward.
+    n, c_z, c_h = 15, 16, 8  # N * N * C_h above the size of the stacked projection weights
+    module = FUSED[True](c_z, c_h).to(device)
+    z = torch.randn(1, n, n, c_z, device=device, requires_grad=True)
+    params = {p.data_ptr() for p in module.parameters()}
+    saved = []
+
+    def pack(t):
+        if t.data_ptr() not in params and t.data_ptr() != z.data_ptr():
+            saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(z, torch.ones(1, n, n, device=device))
+    # Besides those, only the mask and the stacked projection weights (small) are saved.
+    large = [shape for shape in saved if math.prod(shape) >= n * n * c_h]
+    assert sorted(large) == sorted([(1, c_h, n, n)] * 2 + [(c_h, n, n)]), saved  # a, b, x
+    assert torch.isfinite(torch.autograd.grad(out.sum(), z)[0]).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
