@@ -28,8 +28,9 @@ transposed LayerNorm backward writes dx channel-first, two batched matmuls give 
 kernel recomputes the a/b projections from zn and writes their gradients into the same
 [M, 4 C_h + C_z] buffer as dg, so one matmul gives d(zn) and one the projection weight's gradient.
 Bias and LayerNorm-weight gradients are summed from per-program float32 partials (deterministic, no
-atomics). Saved for backward, in the compute dtype: zn, g, a, b, x, LN_out(x) and o (seven [M, 128]
-tensors at AlphaFold's sizes) besides z. Each kernel is a `torch.library.triton_op`, so
+atomics). Saved for backward, in the compute dtype: a, b and x (three [M, 128] tensors at AlphaFold's
+sizes) besides z; the backward recomputes zn, g, LN_out(x) and o (two LayerNorm kernels, two matmuls)
+rather than keeping four more. Each kernel is a `torch.library.triton_op`, so
 `torch.compile` traces the function without graph breaks. Elsewhere (CPU, float64, more than
 `MAX_HIDDEN` hidden channels) `triangle_multiplication_reference` runs. Under `torch.autocast` the
 fast path computes in the autocast dtype, as the plain module does.
