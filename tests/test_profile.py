@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import hfkit
 from hfkit.bench.profile import census_speed, layer_norm_census, op_table, profile_step
@@ -90,3 +91,23 @@ def test_census_picks_up_hfkit_op_and_speed_table(model_and_batch) -> None:
     speed = census_speed(census.nsmallest(2, "calls"), "cpu", warmup=0, reps=1)
     assert list(speed.columns) == ["shape", "calls", "torch_ms", "hfkit_ms", "speedup", "saved_ms"]
     assert len(speed) == 2 and (speed["torch_ms"] > 0).all() and (speed["hfkit_ms"] > 0).all()
+
+
+def test_saved_activations_by_module():
+    from hfkit.bench.profile import saved_activations
+
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Sequential(nn.Linear(5, 4), nn.Tanh()))
+    x = torch.randn(7, 6, requires_grad=True)
+    frame = saved_activations(model, lambda: model(x).sum(), depth=2)
+    mib = dict(zip(frame["module"], frame["MiB"] * 2**20, strict=True))
+    # Linear 0 keeps x (7 x 6 floats); ReLU its output (7 x 5), which Linear 2.0 saves again (counted
+    # once); Tanh its output (7 x 4). Parameters are not counted.
+    assert mib == {"0": 7 * 6 * 4, "1": 7 * 5 * 4, "2.1": 7 * 4 * 4}
+    assert frame["share"].sum() == pytest.approx(1.0) and (frame["tensors"] == 1).all()
+    assert list(frame["MiB"]) == sorted(frame["MiB"], reverse=True)
+    # Hooks are gone afterwards; depth 1 folds the inner Sequential into "2".
+    assert not model[2][0]._forward_pre_hooks
+    coarse = saved_activations(model, lambda: model(x).sum(), depth=1)
+    assert set(coarse["module"]) == {"0", "1", "2"}
+    with pytest.raises(ValueError, match="depth"):
+        saved_activations(model, lambda: model(x), depth=0)

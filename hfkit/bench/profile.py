@@ -1,6 +1,7 @@
-"""Profiler → pandas: where a step's time goes (the hfai article's operator table) and the LayerNorm
-input-shape census (which shapes LayerNorm sees, how often, and for how long), plus a per-shape
-comparison of torch's and hfkit's LayerNorm.
+"""Profiler → pandas: where a step's time goes (the hfai article's operator table), the LayerNorm
+input-shape census (which shapes LayerNorm sees, how often, and for how long) with a per-shape
+comparison of torch's and hfkit's LayerNorm, and where a forward's memory goes (`saved_activations`:
+what each submodule keeps alive for the backward).
 
 Device time is CUDA time on a GPU and CPU time on the CPU.
 """
@@ -27,6 +28,7 @@ __all__ = [
     "layer_norm_census",
     "op_table",
     "profile_step",
+    "saved_activations",
 ]
 
 # The forward LayerNorm ops the census counts: torch's (aten::layer_norm dispatches to
@@ -214,3 +216,56 @@ def census_speed(
             }
         )
     return pd.DataFrame(rows, columns=columns)
+
+
+def saved_activations(module: nn.Module, forward: Callable[[], Any], depth: int = 2) -> pd.DataFrame:
+    """What a forward keeps alive for its backward, by submodule: one row per module (named to `depth`
+    levels below `module`, e.g. "core.tri_mul_out" at depth 2) with `MiB` and `tensors` saved, and
+    their `share` of the total; tensors saved outside any submodule count under "(top level)".
+
+    Runs `forward()` (which must call `module`, with autograd on) under
+    `torch.autograd.graph.saved_tensors_hooks`: each saved tensor's storage is counted once, at the
+    innermost named module running when it is first saved; parameters are not counted (they live
+    anyway). A storage that two modules save counts for the first. This is the memory that stays
+    allocated from the forward to the backward: the bulk of a training step's peak.
+    """
+    if depth < 1:
+        raise ValueError(f"depth: expected >= 1, got {depth}")
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    stack: list[str] = []
+    seen: set[int] = set()
+    totals: dict[str, list[int]] = {}
+    handles = []
+
+    def leave(_module: nn.Module, _inputs: Any, _output: Any) -> None:
+        stack.pop()
+
+    for name, sub in module.named_modules():
+        if name and name.count(".") < depth:
+            handles.append(sub.register_forward_pre_hook(lambda _m, _i, name=name: stack.append(name)))
+            handles.append(sub.register_forward_hook(leave))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in params and key not in seen:
+            seen.add(key)
+            entry = totals.setdefault(stack[-1] if stack else "(top level)", [0, 0])
+            entry[0] += storage.nbytes()
+            entry[1] += 1
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    frame = pd.DataFrame(
+        [{"module": k, "MiB": v[0] / 2**20, "tensors": v[1]} for k, v in totals.items()],
+        columns=["module", "MiB", "tensors"],
+    )
+    frame = frame.sort_values("MiB", ascending=False, ignore_index=True)
+    total = frame["MiB"].sum()
+    frame["share"] = frame["MiB"] / total if total > 0 else 0.0
+    return frame
