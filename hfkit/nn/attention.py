@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from hfkit.nn.convert import register_swap
-from hfkit.ops.elementwise import sigmoid_gate
 from hfkit.ops.evoformer_attention import evoformer_attention
+from hfkit.ops.gated_linear import gated_linear
 
 __all__ = ["Attention", "EvoformerAttention"]
 
@@ -165,11 +165,13 @@ class EvoformerAttention(Attention):
         return self._wrap_up(o, q_x)
 
     def _wrap_up(self, o: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
-        """`Attention._wrap_up` with the gate `sigmoid(linear_g(q_x)) * o` as one fused kernel."""
-        if self.linear_g is not None:
-            g = self.linear_g(q_x).unflatten(-1, (self.no_heads, self.c_hidden))
-            o = sigmoid_gate(g, o)
-        return self.linear_o(o.flatten(-2))
+        """`Attention._wrap_up` as `hfkit.ops.gated_linear`: the gate `sigmoid(linear_g(q_x)) * o` is one
+        fused kernel, and the backward recomputes it instead of keeping it for linear_o's weight
+        gradient. linear_o's parameters are read directly (its forward hooks, if any, do not run)."""
+        o = o.flatten(-2)
+        if self.linear_g is None:
+            return self.linear_o(o)
+        return gated_linear(self.linear_g(q_x), o, self.linear_o.weight, self.linear_o.bias)
 
 
 def _map_biases(

@@ -7,6 +7,7 @@ from hfkit.ops.elementwise import (
     sigmoid_gate_reference,
 )
 from hfkit.ops.evoformer_attention import evoformer_attention, evoformer_attention_reference
+from hfkit.ops.gated_linear import gated_linear, gated_linear_reference
 from hfkit.ops.layer_norm import layer_norm, layer_norm_reference
 from hfkit.ops.softmax import softmax, softmax_reference
 from hfkit.ops.triangle_multiplication import triangle_multiplication, triangle_multiplication_reference
@@ -16,6 +17,8 @@ __all__ = [
     "bias_dropout_add_reference",
     "evoformer_attention",
     "evoformer_attention_reference",
+    "gated_linear",
+    "gated_linear_reference",
     "layer_norm",
     "layer_norm_reference",
     "sigmoid_gate",

@@ -1,0 +1,90 @@
+"""The gated attention output `linear(sigmoid(g) * o)`, keeping only g and o for the backward.
+
+Gated attention (AF2 supplement Algorithm 7, and every attention of the Evoformer) ends with
+`linear_o(sigmoid(g) * o)`. Run as a gate then a linear, autograd keeps three [*, K] tensors alive from
+the forward to the backward: g and o for the gate's gradient, and the gated product for the linear's
+weight gradient. `gated_linear` keeps g and o only and recomputes the product in the backward with the
+fused gate kernel (`hfkit.ops.sigmoid_gate`): one [*, K] tensor less per attention (16 MB at
+AlphaFold's pair sizes in bfloat16) for one elementwise kernel more. The matmuls are cuBLAS's.
+
+On CUDA (and on CPU under `TRITON_INTERPRET=1`) it runs the gate kernels; elsewhere
+`gated_linear_reference`, the plain-torch composition. Under `torch.autocast` the linear runs in the
+autocast dtype, as `nn.Linear` does there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from hfkit.ops.elementwise import sigmoid_gate, sigmoid_gate_backward, sigmoid_gate_reference, uses_triton
+
+__all__ = ["gated_linear", "gated_linear_reference"]
+
+
+def gated_linear_reference(
+    g: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Plain torch: `F.linear(sigmoid(g) * o, weight, bias)`, what `gated_linear` is tested against."""
+    return F.linear(sigmoid_gate_reference(g, o), weight, bias)
+
+
+def _check(g: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    for name, t in (("g", g), ("o", o), ("weight", weight)):
+        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+            raise ValueError(f"{name}: expected a floating-point tensor, got {type(t).__name__}")
+    if g.shape != o.shape or g.dim() < 1:
+        raise ValueError(f"g, o: expected one shape [*, K], got {list(g.shape)} and {list(o.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != g.shape[-1]:
+        raise ValueError(f"weight: expected [N, {g.shape[-1]}], got {list(weight.shape)}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
+        raise ValueError(f"bias: expected [{weight.shape[0]}] or None, got {getattr(bias, 'shape', bias)}")
+    for name, t in (("o", o), ("weight", weight), ("bias", bias)):
+        if t is not None and t.device != g.device:
+            raise ValueError(f"{name}: on {t.device}, but g is on {g.device}; put them on one device")
+
+
+def gated_linear(
+    g: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear(sigmoid(g) * o, weight, bias)` with autograd, keeping g and o (not their product).
+
+    g, o: [*, K] (e.g. `linear_g(x)` and the attention output with its heads flattened), float32,
+    bfloat16 or float16; weight [N, K], bias [N] or None (an `nn.Linear`'s). Returns [*, N]. Raises
+    ValueError naming the argument on bad shapes, dtypes or devices.
+    """
+    _check(g, o, weight, bias)
+    if not uses_triton(g, o) or g.numel() == 0:
+        return gated_linear_reference(g, o, weight, bias)
+    kind = g.device.type
+    if torch.is_autocast_enabled(kind):  # nn.Linear under autocast: its operands in the autocast dtype
+        dtype = torch.get_autocast_dtype(kind)
+        weight = weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    return _GatedLinear.apply(g, o, weight, bias)
+
+
+class _GatedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g, o, weight, bias):
+        gated = sigmoid_gate(g, o)
+        ctx.save_for_backward(g, o, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(gated.to(weight.dtype), weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        g, o, weight = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        dy2 = dy.reshape(-1, weight.shape[0])
+        grad_w = grad_b = None
+        if needs[2]:
+            gated = sigmoid_gate(g, o)  # recomputed: the forward did not keep it
+            grad_w = dy2.t().mm(gated.reshape(-1, weight.shape[1]).to(dy2.dtype))
+        if ctx.has_bias and needs[3]:
+            grad_b = dy2.sum(0, dtype=torch.float32).to(dy.dtype)
+        grad_g = grad_o = None
+        if needs[0] or needs[1]:
+            d_gated = dy2.mm(weight.to(dy2.dtype)).view(g.shape)
+            grad_g, grad_o = sigmoid_gate_backward(d_gated, g, o)
+        return grad_g, grad_o, grad_w, grad_b
