@@ -15,6 +15,7 @@ from hfkit.nn.fused import (
     SharedDropout,
 )
 from hfkit.nn.layer_norm import LayerNorm
+from hfkit.nn.transition import MSATransition, PairTransition
 from hfkit.nn.triangle_multiplication import TriangleMultiplicationIncoming, TriangleMultiplicationOutgoing
 
 __all__ = [
@@ -26,6 +27,8 @@ __all__ = [
     "FusedDropoutRowwise",
     "FusedSharedDropout",
     "LayerNorm",
+    "MSATransition",
+    "PairTransition",
     "SharedDropout",
     "SwapReport",
     "TriangleMultiplicationIncoming",

@@ -1,0 +1,96 @@
+"""The transitions' two-layer ReLU network, keeping its input (not its 4x-wide hidden layer) for the backward.
+
+`relu_mlp(x, w1, b1, w2, b2)` is `linear_2(relu(linear_1(x)))`, the MSA and pair transitions of the
+Evoformer (AF2 supplement Algorithms 9 and 15; hidden width 4 c). Run as modules, autograd keeps the
+hidden layer [*, 4 c] from the forward to the backward: the largest tensor each transition saves
+(64 MB at AlphaFold's pair sizes in bfloat16). Here the backward recomputes it from x with the first
+matmul instead: one [*, c] x [c, 4 c] matmul more (about 9 GFLOP at those sizes) against 4x the input's
+memory kept alive. The matmuls are the same cuBLAS (or CPU) ones `nn.Linear` runs, on every device.
+Under `torch.autocast` the matmuls run in the autocast dtype, as `nn.Linear` does there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+__all__ = ["relu_mlp", "relu_mlp_reference"]
+
+
+def relu_mlp_reference(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+) -> torch.Tensor:
+    """Plain torch: `F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)`."""
+    return F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)
+
+
+def _check(x, w1, b1, w2, b2) -> None:
+    for name, t in (("x", x), ("w1", w1), ("w2", w2)):
+        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+            raise ValueError(f"{name}: expected a floating-point tensor, got {type(t).__name__}")
+    if w1.dim() != 2 or w1.shape[1] != x.shape[-1]:
+        raise ValueError(f"w1: expected [H, {x.shape[-1]}], got {list(w1.shape)}")
+    if w2.dim() != 2 or w2.shape[1] != w1.shape[0]:
+        raise ValueError(f"w2: expected [N, {w1.shape[0]}], got {list(w2.shape)}")
+    for name, b, size in (("b1", b1, w1.shape[0]), ("b2", b2, w2.shape[0])):
+        if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (size,)):
+            raise ValueError(f"{name}: expected [{size}] or None, got {getattr(b, 'shape', b)}")
+
+
+def relu_mlp(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+) -> torch.Tensor:
+    """`linear_2(relu(linear_1(x)))` with autograd, the hidden layer recomputed in the backward.
+
+    x: [*, C]; w1 [H, C], b1 [H] or None; w2 [N, H], b2 [N] or None (two `nn.Linear`s' parameters).
+    Returns [*, N]. Gradients equal autograd's through the plain composition. Raises ValueError naming
+    the argument on bad shapes or dtypes.
+    """
+    _check(x, w1, b1, w2, b2)
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):  # as nn.Linear under autocast: operands in the autocast dtype
+        dtype = torch.get_autocast_dtype(kind)
+        x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
+        b1 = b1.to(dtype) if b1 is not None else None
+        b2 = b2.to(dtype) if b2 is not None else None
+    with torch.autocast(kind, enabled=False):
+        return _ReluMLP.apply(x, w1, b1, w2, b2)
+
+
+def _column_sums(g: torch.Tensor) -> torch.Tensor:
+    # g [M, N] -> [N] as a matrix-vector product with ones (one read of g, float32 accumulation).
+    return torch.mv(g.t(), g.new_ones(g.shape[0]))
+
+
+class _ReluMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2):
+        hidden = F.linear(x, w1, b1).relu_()
+        ctx.save_for_backward(x, w1, b1, w2)
+        ctx.has_b2 = b2 is not None
+        return F.linear(hidden, w2, b2)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w1, b1, w2 = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        x2 = x.reshape(-1, x.shape[-1])
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        hidden = F.linear(x2, w1, b1).relu_()  # recomputed: the forward did not keep it
+        grad_w2 = dy2.t().mm(hidden) if needs[3] else None
+        grad_b2 = _column_sums(dy2) if ctx.has_b2 and needs[4] else None
+        active = hidden > 0
+        del hidden
+        d_hidden = dy2.mm(w2).mul_(active)
+        grad_w1 = d_hidden.t().mm(x2) if needs[1] else None
+        grad_b1 = _column_sums(d_hidden) if b1 is not None and needs[2] else None
+        grad_x = d_hidden.mm(w1).view(x.shape) if needs[0] else None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2
