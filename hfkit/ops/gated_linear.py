@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from hfkit.ops._linear import autocast_operands, column_sums
 from hfkit.ops.elementwise import sigmoid_gate, sigmoid_gate_backward, sigmoid_gate_reference, uses_triton
 
 __all__ = ["gated_linear", "gated_linear_reference"]
@@ -56,11 +57,7 @@ def gated_linear(
     _check(g, o, weight, bias)
     if not uses_triton(g, o) or g.numel() == 0:
         return gated_linear_reference(g, o, weight, bias)
-    kind = g.device.type
-    if torch.is_autocast_enabled(kind):  # nn.Linear under autocast: its operands in the autocast dtype
-        dtype = torch.get_autocast_dtype(kind)
-        weight = weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
+    weight, bias = autocast_operands(g.device.type, weight, bias)
     return _GatedLinear.apply(g, o, weight, bias)
 
 
@@ -82,12 +79,9 @@ class _GatedLinear(torch.autograd.Function):
             gated = sigmoid_gate(g, o)  # recomputed: the forward did not keep it
             grad_w = dy2.t().mm(gated.reshape(-1, weight.shape[1]).to(dy2.dtype))
         if ctx.has_bias and needs[3]:
-            # dy's column sums as a matrix-vector product with ones (cuBLAS gemv, float32 accumulation,
-            # one read of dy): torch's column sum of a [M, 128] bfloat16 matrix ran at ~250 GB/s on the
-            # H200 (the block profile), a small fraction of the card's bandwidth.
-            grad_b = torch.mv(dy2.t(), dy2.new_ones(dy2.shape[0]))
+            grad_b = column_sums(dy2)
         grad_g = grad_o = None
         if needs[0] or needs[1]:
-            d_gated = dy2.mm(weight.to(dy2.dtype)).view(g.shape)
+            d_gated = dy2.mm(weight).view(g.shape)
             grad_g, grad_o = sigmoid_gate_backward(d_gated, g, o)
         return grad_g, grad_o, grad_w, grad_b

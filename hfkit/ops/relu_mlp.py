@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from hfkit.ops._linear import autocast_operands, column_sums
+
 __all__ = ["relu_mlp", "relu_mlp_reference"]
 
 
@@ -55,19 +57,7 @@ def relu_mlp(
     the argument on bad shapes or dtypes.
     """
     _check(x, w1, b1, w2, b2)
-    kind = x.device.type
-    if torch.is_autocast_enabled(kind):  # as nn.Linear under autocast: operands in the autocast dtype
-        dtype = torch.get_autocast_dtype(kind)
-        x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
-        b1 = b1.to(dtype) if b1 is not None else None
-        b2 = b2.to(dtype) if b2 is not None else None
-    with torch.autocast(kind, enabled=False):
-        return _ReluMLP.apply(x, w1, b1, w2, b2)
-
-
-def _column_sums(g: torch.Tensor) -> torch.Tensor:
-    # g [M, N] -> [N] as a matrix-vector product with ones (one read of g, float32 accumulation).
-    return torch.mv(g.t(), g.new_ones(g.shape[0]))
+    return _ReluMLP.apply(*autocast_operands(x.device.type, x, w1, b1, w2, b2))
 
 
 class _ReluMLP(torch.autograd.Function):
@@ -86,11 +76,11 @@ class _ReluMLP(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         hidden = F.linear(x2, w1, b1).relu_()  # recomputed: the forward did not keep it
         grad_w2 = dy2.t().mm(hidden) if needs[3] else None
-        grad_b2 = _column_sums(dy2) if ctx.has_b2 and needs[4] else None
+        grad_b2 = column_sums(dy2) if ctx.has_b2 and needs[4] else None
         active = hidden > 0
         del hidden
         d_hidden = dy2.mm(w2).mul_(active)
         grad_w1 = d_hidden.t().mm(x2) if needs[1] else None
-        grad_b1 = _column_sums(d_hidden) if b1 is not None and needs[2] else None
+        grad_b1 = column_sums(d_hidden) if b1 is not None and needs[2] else None
         grad_x = d_hidden.mm(w1).view(x.shape) if needs[0] else None
         return grad_x, grad_w1, grad_b1, grad_w2, grad_b2
