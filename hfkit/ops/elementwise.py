@@ -161,15 +161,10 @@ def sigmoid_gate(g: torch.Tensor, o: torch.Tensor, bias: torch.Tensor | None = N
 def sigmoid_gate_backward(
     dy: torch.Tensor, g: torch.Tensor, o: torch.Tensor, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradients (dg, do) of `sigmoid_gate(g, o, bias)` for its output gradient dy: the backward
-    kernel on the Triton path, the same formulas in float32 elsewhere; dg and do keep g's and o's dtypes.
-    For callers that run the gate inside their own autograd (`hfkit.ops.gated_linear`)."""
-    if uses_triton(dy, g, o) and (bias is None or triton_can_run(bias)) and g.numel() > 0:
-        return _sigmoid_gate_bwd(dy, g, o, bias)
-    compute = _compute_dtype(torch.promote_types(g.dtype, o.dtype))
-    s = torch.sigmoid(g.to(compute) + (bias.to(compute) if bias is not None else 0.0))
-    dyc = dy.to(compute)
-    return (dyc * o.to(compute) * s * (1.0 - s)).to(g.dtype), (dyc * s).to(o.dtype)
+    """The gradients (dg, do) of `sigmoid_gate(g, o, bias)` for its output gradient dy, by the backward
+    kernel (dg, do keep g's and o's dtypes): for callers on the Triton path (`uses_triton`) that run the
+    gate inside their own autograd (`hfkit.ops.gated_linear`)."""
+    return _sigmoid_gate_bwd(dy, g, o, bias)
 
 
 def bias_dropout_add(
