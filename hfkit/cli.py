@@ -7,7 +7,6 @@ the exit status instead of calling `sys.exit`, so tests can call it directly.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -199,15 +198,12 @@ def _run_kernel_bench(args: argparse.Namespace, file_name: str, run: Callable[..
     from hfkit.bench.ceilings import device_name
     from hfkit.bench.kernels import best_peer_table, kernel_summary
     from hfkit.bench.peers import peer_status
-    from hfkit.bench.results import appended_meta, merge_rows
+    from hfkit.bench.results import appended_meta, earlier_results, merge_rows
 
     device = resolve_device(args.device)
     out = Path(args.out) if args.out else results_dir() / gpu_slug(device_name(device)) / file_name
     # --append: the rows already in `out` stay, except those this run measures again.
-    earlier, earlier_meta = [], None
-    if args.append and out.exists():
-        doc = json.loads(out.read_text())
-        earlier, earlier_meta = doc.get("rows", []), doc.get("meta")
+    earlier, earlier_meta = earlier_results(out) if args.append else ([], None)
     # The environment (versions, git commit: a subprocess) is read once, not once per saved row.
     meta = appended_meta(earlier_meta, environment_info(device, args.command))
     done: list = []

@@ -51,6 +51,7 @@ from hfkit.bench.results import (
     ResultRow,
     appended_meta,
     check_choice,
+    earlier_results,
     environment_info,
     merge_rows,
     row_key,
@@ -812,13 +813,7 @@ def run_model_benchmark(
     env = environment_info(device, command)
     row_env = {k: env[k] for k in ENV_KEYS}
     out_path = Path(out) if out is not None else None
-    keep: list[dict[str, Any]] = []
-    earlier_meta = None
-    if append and out_path is not None and out_path.exists():
-        import json
-
-        doc = json.loads(out_path.read_text())
-        keep, earlier_meta = doc.get("rows", []), doc.get("meta")
+    keep, earlier_meta = earlier_results(out_path) if append else ([], None)
 
     counts = {
         "block": len(dtypes) * len(shape_list) * len(variants) * len(modes),

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ENV_KEYS",
     "appended_meta",
+    "earlier_results",
     "ResultRow",
     "SCHEMA_VERSION",
     "check_choice",
@@ -191,6 +192,16 @@ def row_environment(device: torch.device | str | None, command: str | None) -> d
     """The `ENV_KEYS` fields of `environment_info`, taken once per run and repeated in every row."""
     env = environment_info(device, command)
     return {k: env[k] for k in ENV_KEYS}
+
+
+def earlier_results(
+    path: str | os.PathLike[str] | None,
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """(rows, meta) of the results file a run extends with `--append`; ([], None) when there is none."""
+    if path is None or not Path(path).exists():
+        return [], None
+    doc = json.loads(Path(path).read_text())
+    return doc.get("rows", []), doc.get("meta")
 
 
 def appended_meta(earlier: Mapping[str, Any] | None, meta: Mapping[str, Any]) -> dict[str, Any]:
