@@ -15,6 +15,7 @@ from hfkit.nn.fused import (
     SharedDropout,
 )
 from hfkit.nn.layer_norm import LayerNorm
+from hfkit.nn.outer_product_mean import OuterProductMean
 from hfkit.nn.transition import MSATransition, PairTransition
 from hfkit.nn.triangle_multiplication import TriangleMultiplicationIncoming, TriangleMultiplicationOutgoing
 
@@ -28,6 +29,7 @@ __all__ = [
     "FusedSharedDropout",
     "LayerNorm",
     "MSATransition",
+    "OuterProductMean",
     "PairTransition",
     "SharedDropout",
     "SwapReport",

@@ -9,6 +9,7 @@ from hfkit.ops.elementwise import (
 from hfkit.ops.evoformer_attention import evoformer_attention, evoformer_attention_reference
 from hfkit.ops.gated_linear import gated_linear, gated_linear_reference
 from hfkit.ops.layer_norm import layer_norm, layer_norm_reference
+from hfkit.ops.outer_product import outer_product_linear, outer_product_linear_reference
 from hfkit.ops.relu_mlp import relu_mlp, relu_mlp_reference
 from hfkit.ops.softmax import softmax, softmax_reference
 from hfkit.ops.triangle_multiplication import triangle_multiplication, triangle_multiplication_reference
@@ -22,6 +23,8 @@ __all__ = [
     "gated_linear_reference",
     "layer_norm",
     "layer_norm_reference",
+    "outer_product_linear",
+    "outer_product_linear_reference",
     "relu_mlp",
     "relu_mlp_reference",
     "sigmoid_gate",

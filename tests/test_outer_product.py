@@ -1,0 +1,128 @@
+"""hfkit.ops.outer_product_linear and the outer product mean swap (hfkit.nn.OuterProductMean).
+
+outer_product_linear equals `linear(flatten(einsum(a ⊗ b)))` forward and in every gradient (odd sizes,
+batch dimensions, float32 and bfloat16, with and without a bias, under autocast) while keeping a and b,
+not the [*, I, J, C*E] outer product, for the backward; the swapped module equals the model's (masked,
+chunked), keeps the state_dict and swaps back; bad inputs name the argument.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import assert_close
+from torch import nn
+
+import hfkit
+import hfkit.nn as hnn
+from hfkit.model import EvoformerStack, ModelConfig, OuterProductMean
+from hfkit.ops import outer_product_linear, outer_product_linear_reference
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def run(fn, tensors, dy):
+    leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in tensors]
+    out = fn(*leaves)
+    return out, torch.autograd.grad(out, [t for t in leaves if t is not None], dy)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("batch", [(), (2,)], ids=["nobatch", "batch"])
+def test_matches_reference(dtype, with_bias, batch, seed):
+    s, i, j, c, e, n = 5, 7, 6, 3, 4, 9
+    a = torch.randn(*batch, s, i, c, dtype=dtype)
+    b = torch.randn(*batch, s, j, e, dtype=dtype)
+    w = torch.randn(n, c * e, dtype=dtype) / (c * e) ** 0.5
+    bias = torch.randn(n, dtype=dtype) if with_bias else None
+    dy = torch.randn(*batch, i, j, n, dtype=dtype)
+    out, grads = run(outer_product_linear, [a, b, w, bias], dy)
+    f32 = [t.float() if t is not None else None for t in (a, b, w, bias)]
+    ref, ref_grads = run(outer_product_linear_reference, f32, dy.float())
+    assert out.dtype == dtype and out.shape == (*batch, i, j, n)
+    assert_close(out.float(), ref, dtype=dtype, msg="output")
+    for k, (actual, expected) in enumerate(zip(grads, ref_grads, strict=True)):
+        scale = expected.abs().max().clamp_min(1e-12)
+        assert actual.dtype == dtype and actual.shape == expected.shape
+        assert_close(actual.float() / scale, expected / scale, dtype=dtype, msg=f"gradient {k}")
+
+
+def test_only_the_needed_gradients(seed):
+    a, b = torch.randn(3, 4, 2, requires_grad=True), torch.randn(3, 5, 2)
+    w = torch.randn(6, 4)
+    (grad_a,) = torch.autograd.grad(outer_product_linear(a, b, w).sum(), [a])
+    (want,) = torch.autograd.grad(outer_product_linear_reference(a, b, w).sum(), [a])
+    torch.testing.assert_close(grad_a, want)
+
+
+def test_autocast_matches_einsum_and_linear(seed):
+    lin = nn.Linear(12, 5)
+    a, b = torch.randn(4, 6, 3, requires_grad=True), torch.randn(4, 7, 4, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = outer_product_linear(a, b, lin.weight, lin.bias)
+        ref = lin(torch.einsum("sic,sje->ijce", a, b).flatten(-2))
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)  # the same bf16 matmuls, the same order
+    got = torch.autograd.grad(out.float().sum(), [a, b, lin.weight, lin.bias])
+    want = torch.autograd.grad(ref.float().sum(), [a, b, lin.weight, lin.bias])
+    for x, y in zip(got, want, strict=True):
+        assert x.dtype == y.dtype
+        assert_close(x / y.abs().max(), y / y.abs().max(), dtype=torch.bfloat16, msg="autocast gradient")
+
+
+def test_keeps_the_projections_not_the_outer_product(seed):
+    a, b = torch.randn(3, 7, 4, requires_grad=True), torch.randn(3, 9, 5, requires_grad=True)
+    w, bias = torch.randn(6, 20, requires_grad=True), torch.randn(6, requires_grad=True)
+    for fn, keeps_outer in ((outer_product_linear, False), (outer_product_linear_reference, True)):
+        shapes = []
+        keep = lambda t, seen=shapes: seen.append(t.shape) or t  # noqa: E731
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            fn(a, b, w, bias)
+        outer_size = 7 * 9 * 20  # [I, J, C*E]; a, b and the weight are all smaller
+        assert any(math.prod(s) >= outer_size for s in shapes) == keeps_outer, shapes
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(a=torch.ones(3, 4, 2, dtype=torch.int64)), "a"),
+        (dict(b=torch.ones(2, 5, 3)), "a, b"),  # S disagrees
+        (dict(b=torch.ones(5, 3)), "a, b"),
+        (dict(weight=torch.ones(6, 5)), "weight"),
+        (dict(bias=torch.ones(4)), "bias"),
+    ],
+)
+def test_bad_inputs_name_the_argument(kwargs, name):
+    args = {"a": torch.ones(3, 4, 2), "b": torch.ones(3, 5, 3), "weight": torch.ones(6, 6), "bias": None}
+    with pytest.raises(ValueError, match=name):
+        outer_product_linear(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3], ids=["plain", "chunked"])
+def test_swapped_module_matches_the_model(chunk_size, seed):
+    plain = OuterProductMean(c_m=6, c_z=5, c_hidden=3)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.copy_(torch.randn_like(p))  # the model's init zeroes linear_out, hiding wrong gradients
+    fused = hfkit.to_hfkit(OuterProductMean(c_m=6, c_z=5, c_hidden=3))
+    fused.load_state_dict(plain.state_dict())
+    assert type(fused) is hnn.OuterProductMean and fused.state_dict().keys() == plain.state_dict().keys()
+    m = torch.randn(2, 5, 7, 6, requires_grad=True)
+    mask = (torch.rand(2, 5, 7) > 0.3).float()
+    out, ref = fused(m, mask, chunk_size=chunk_size), plain(m, mask)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for x, y in zip(
+        torch.autograd.grad(out.sum(), [m, *fused.parameters()]),
+        torch.autograd.grad(ref.sum(), [m, *plain.parameters()]),
+        strict=True,
+    ):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+    assert type(hfkit.to_torch(fused)) is OuterProductMean
+
+
+def test_evoformer_swaps_the_outer_product_mean():
+    stack = hfkit.to_hfkit(EvoformerStack.from_config(ModelConfig.tiny()))
+    assert any(type(m) is hnn.OuterProductMean for m in stack.modules())
