@@ -77,9 +77,9 @@ class _ReluMLP(torch.autograd.Function):
         hidden = F.linear(x2, w1, b1).relu_()  # recomputed: the forward did not keep it
         grad_w2 = dy2.t().mm(hidden) if needs[3] else None
         grad_b2 = column_sums(dy2) if ctx.has_b2 and needs[4] else None
-        active = hidden > 0
+        # relu's gradient: hidden turned in place into its own 0/1 mask (same dtype: a vectorised multiply)
+        d_hidden = dy2.mm(w2).mul_(hidden.gt_(0))
         del hidden
-        d_hidden = dy2.mm(w2).mul_(active)
         grad_w1 = d_hidden.t().mm(x2) if needs[1] else None
         grad_b1 = column_sums(d_hidden) if b1 is not None and needs[2] else None
         grad_x = d_hidden.mm(w1).view(x.shape) if needs[0] else None
