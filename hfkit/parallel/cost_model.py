@@ -5,13 +5,15 @@ time of one allreduce of `nbytes` for a backend: `"ring"`/`"nccl"` (one ring thr
 by its slowest hop: NVLink or PCIe peer copies inside a node, the node's NIC between nodes) or
 `"hfreduce"` (per chunk: device-to-host over PCIe, a sum in host memory, an allreduce among node
 leaders over a double binary tree, host-to-device; pipelined by chunk). `calibrate` fits latency and
-bandwidth to measured (size, time) pairs by least squares, and `seed_comparison` sets the model's
-prediction for AlphaFold's 93.2M fp32 gradients on 128 A100 PCIe GPUs next to the seed's measurement.
+bandwidth to measured (size, time) pairs by least squares, `fit_cluster` fits a spec to one measured
+single-node run (nccl and hfreduce), and `seed_comparison` sets the model's prediction for AlphaFold's
+93.2M fp32 gradients on 128 A100 PCIe GPUs next to the seed's measurement.
 Bandwidths are in GB/s (1e9 bytes/s, one direction), latencies in microseconds, sizes in bytes.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
@@ -31,6 +33,7 @@ __all__ = [
     "a100_pcie_fireflyer",
     "h200_nvlink",
     "calibrate",
+    "fit_cluster",
     "hfreduce_stages",
     "predict",
     "ring_allreduce_time",
@@ -57,7 +60,10 @@ class ClusterSpec:
     `p2p_gbps` (default `pcie_gbps`), which is what NCCL really gets between GPUs on different root
     ports or sockets. `nic_gbps`: a node's network rate (all its NICs). `host_mem_gbps`: the node's
     achievable host memory bandwidth. `alpha_us`: per-message latency of one ring step or tree level.
-    `chunk_bytes`: hfreduce's pipeline chunk. `notes`: where the numbers come from.
+    `chunk_bytes`: hfreduce's pipeline chunk. `chunk_overhead_us`: a fixed host cost per hfreduce
+    chunk (synchronising the node's ranks, launching the per-chunk copies and sum), added to the host
+    reduce stage; 0 in the link-spec presets, fitted by `fit_cluster`. `notes`: where the numbers come
+    from.
     """
 
     name: str
@@ -71,6 +77,7 @@ class ClusterSpec:
     p2p_gbps: float | None = None
     gpus_per_pcie_switch: int = 1
     chunk_bytes: int = 4 << 20
+    chunk_overhead_us: float = 0.0
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -81,8 +88,9 @@ class ClusterSpec:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"ClusterSpec.{name}: expected a positive bandwidth, got {value}")
-        if self.alpha_us < 0:
-            raise ValueError(f"ClusterSpec.alpha_us: expected >= 0, got {self.alpha_us}")
+        for name in ("alpha_us", "chunk_overhead_us"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ClusterSpec.{name}: expected >= 0, got {getattr(self, name)}")
 
     @property
     def world_size(self) -> int:
@@ -171,25 +179,31 @@ def _ring_bandwidth(spec: ClusterSpec) -> float:
 def hfreduce_stages(spec: ClusterSpec, chunk: float) -> dict[str, float]:
     """Seconds per pipeline stage for one hfreduce chunk of `chunk` bytes per GPU.
 
-    d2h: the chunk over PCIe (GPUs behind one switch share its uplink); reduce: the host sums the
-    node's g chunks (reads g·c, writes c at host memory bandwidth); inter: allreduce among node leaders
-    on a double binary tree (≈2·c/B_nic + log2(nodes)·α; zero on one node); h2d: the result back.
+    d2h: the chunk over PCIe (GPUs behind one switch share its uplink); reduce: a fixed
+    `chunk_overhead_us`, then the host sums the node's g chunks (reads g·c, writes c at host memory
+    bandwidth); inter: allreduce among node leaders on a double binary tree (≈2·c/B_nic +
+    log2(nodes)·α; zero on one node); h2d: the result back.
     """
     g = spec.gpus_per_node
     share = min(spec.gpus_per_pcie_switch, g)
     d2h = share * chunk / (spec.pcie_gbps * GB)
-    reduce = (g + 1) * chunk / (spec.host_mem_gbps * GB)
+    reduce = spec.chunk_overhead_us * 1e-6 + (g + 1) * chunk / (spec.host_mem_gbps * GB)
     inter = 0.0
     if spec.nodes > 1:
         inter = 2 * chunk / (spec.nic_gbps * GB) + math.ceil(math.log2(spec.nodes)) * spec.alpha_us * 1e-6
     return {"d2h": d2h, "reduce": reduce, "inter": inter, "h2d": d2h}
 
 
+def _chunking(spec: ClusterSpec, nbytes: float) -> tuple[int, float]:
+    """hfreduce's chunk count and chunk size (bytes) for an allreduce of `nbytes`."""
+    chunks = max(1, math.ceil(nbytes / spec.chunk_bytes))
+    return chunks, nbytes / chunks
+
+
 def _hfreduce_time(spec: ClusterSpec, nbytes: float) -> float:
     if spec.world_size <= 1 or nbytes <= 0:
         return 0.0
-    chunks = max(1, math.ceil(nbytes / spec.chunk_bytes))
-    chunk = nbytes / chunks
+    chunks, chunk = _chunking(spec, nbytes)
     stages = hfreduce_stages(spec, chunk)
     # Pipelined: the first chunk passes every stage, then one chunk leaves per slowest stage.
     return sum(stages.values()) + (chunks - 1) * max(stages.values())
@@ -246,6 +260,90 @@ def calibrate(sizes: Sequence[float], times_s: Sequence[float], n: int) -> Calib
     bw_gbps = 2 * (n - 1) / (n * b) / GB
     rel = (a + b * s - t) / t
     return Calibration(alpha_us, bw_gbps, n, float(np.sqrt(np.mean(rel**2))))
+
+
+def _nonneg_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients >= 0, exactly: the best unconstrained fit over the subsets of
+    columns whose coefficients all come out >= 0 (a handful of columns here); zeros if none does."""
+    n = design.shape[1]
+    best, best_err = np.zeros(n), float(np.sum(target**2))
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            x, *_ = np.linalg.lstsq(design[:, cols], target, rcond=None)
+            err = float(np.sum((design[:, cols] @ x - target) ** 2))
+            if np.all(x >= 0) and err < best_err:
+                best, best_err = np.zeros(n), err
+                best[list(cols)] = x
+    return best
+
+
+def fit_cluster(spec: ClusterSpec, frame: pd.DataFrame) -> ClusterSpec:
+    """`spec` fitted to the nccl and hfreduce times of one single-node run (rows of `allreduce_frame`:
+    columns provider, nbytes, p50_ms, world_size).
+
+    The result has the run's shape (`gpus_per_node` = its world size g, `nodes` = 1). nccl rows:
+    `calibrate`'s ring fit sets `alpha_us` and the ring hop (`nvlink_gbps`, or `p2p_gbps` without
+    NVLink). hfreduce rows: with the model's chunking (`chunks` chunks of c = S/chunks bytes) and the
+    host reduce stage the slowest, the pipeline takes T = d2h + h2d + chunks·(L + (g+1)·c/H), so
+    T − (d2h + h2d) = chunks·L + (g+1)·S/H, linear in L and 1/H: a non-negative least-squares fit on
+    relative errors sets `chunk_overhead_us` = L and an effective `host_mem_gbps` = H (the host sum's
+    rate as hfreduce reaches it); `pcie_gbps` and the NIC are kept from `spec`. `notes` gives the
+    source and each backend's rms relative error of the fitted spec's `predict` (which also covers
+    sizes where the reduce stage turns out not to be the slowest; their count is noted). Both backends
+    must be present with >= 3 sizes: a spec fitted on one alone would mix measured and assumed rates.
+    """
+    missing = {"provider", "nbytes", "p50_ms", "world_size"} - set(frame.columns)
+    if missing:
+        raise ValueError(f"frame: expected allreduce_frame columns, missing {sorted(missing)}")
+    worlds = frame["world_size"].unique()
+    if len(worlds) != 1 or int(worlds[0]) < 2:
+        raise ValueError(f"frame: expected one run of >= 2 ranks, got world sizes {list(worlds)}")
+    if "extra" in frame and any(e.get("nodes", 1) != 1 for e in frame["extra"]):
+        raise ValueError("frame: expected a single-node run, got rows with nodes != 1")
+    rows = {b: frame[frame["provider"] == b] for b in ("nccl", "hfreduce")}
+    for backend, r in rows.items():
+        if r["nbytes"].nunique() < 3:
+            raise ValueError(f"frame: expected {backend} rows of >= 3 sizes, got {r['nbytes'].nunique()}")
+        if (r["p50_ms"] <= 0).any():
+            raise ValueError(f"frame: {backend} times must be positive")
+    g = int(worlds[0])
+    base = spec.with_(gpus_per_node=g, nodes=1, chunk_overhead_us=0.0)
+
+    def measured(backend: str) -> tuple[np.ndarray, np.ndarray]:  # sizes (bytes), times (s)
+        return rows[backend]["nbytes"].to_numpy(float), rows[backend]["p50_ms"].to_numpy(float) / 1e3
+
+    ring = calibrate(*measured("nccl"), n=g)
+    link = "nvlink_gbps" if spec.nvlink_gbps is not None else "p2p_gbps"
+
+    sizes, times = measured("hfreduce")
+    chunks, chunk = np.array([_chunking(base, s) for s in sizes]).T
+    copies = np.array([hfreduce_stages(base, c)["d2h"] + hfreduce_stages(base, c)["h2d"] for c in chunk])
+    # Columns in µs per chunk and s per GB, so that the coefficients are L (µs) and 1/H (1/(GB/s)).
+    design = np.stack([chunks * 1e-6, (g + 1) * sizes / GB], axis=1) / times[:, None]
+    overhead_us, inv_host = _nonneg_lstsq(design, (times - copies) / times)
+    fitted = base.with_(
+        alpha_us=ring.alpha_us,
+        chunk_overhead_us=float(overhead_us),
+        host_mem_gbps=1.0 / max(float(inv_host), 1e-9),
+        **{link: ring.bw_gbps},
+    )
+
+    def rms(backend: str) -> float:
+        sizes, times = measured(backend)
+        pred = np.array([predict(fitted, s, backend) for s in sizes])
+        return float(np.sqrt(np.mean((pred / times - 1) ** 2)))
+
+    stages = [hfreduce_stages(fitted, c) for c in chunk]
+    not_slowest = sum(st["reduce"] < max(st.values()) for st in stages)
+    gpu = f"{frame['gpu'].iloc[0]} " if "gpu" in frame else ""
+    when = f" of {frame['timestamp'].iloc[0]}" if "timestamp" in frame else ""
+    notes = (
+        f"fit_cluster of {spec.name!r} to a {g}× {gpu}allreduce run{when}: rms relative error "
+        f"nccl {rms('nccl'):.1%}, hfreduce {rms('hfreduce'):.1%}; pcie_gbps and nic_gbps from the spec"
+    )
+    if not_slowest:
+        notes += f"; the reduce stage is not the slowest at {not_slowest} of {len(sizes)} hfreduce sizes"
+    return fitted.with_(name=f"{g}× {gpu}(fitted)", notes=notes)
 
 
 def seed_comparison(params: int = AF2_PARAMS, bucket_mb: float = 25.0) -> pd.DataFrame:

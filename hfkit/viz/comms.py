@@ -3,13 +3,15 @@
 `busbw_figure` draws nccl-tests' bus bandwidth against message size per backend (and per source when
 rows from several result files are combined); `ddp_table`/`ddp_figure` show the seed's DDP step
 decomposition (backward alone, concurrent, + synchronization with overlap on and off); `CostModelPanel`
-is an ipywidgets panel over `hfkit.parallel.cost_model` (GPUs per node, nodes, bandwidths, parameters).
+is an ipywidgets panel over `hfkit.parallel.cost_model` (GPUs per node, nodes, bandwidths, parameters),
+with a preset fitted to each committed H200 result (`fitted_presets`).
 plotly and ipywidgets are imported inside the functions (they are the `notebooks` extra).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hfkit.parallel.cost_model import (
@@ -17,6 +19,7 @@ from hfkit.parallel.cost_model import (
     ClusterSpec,
     a100_pcie_fireflyer,
     busbw,
+    fit_cluster,
     h200_nvlink,
     predict,
 )
@@ -25,7 +28,16 @@ if TYPE_CHECKING:
     import pandas as pd
     import plotly.graph_objects as go
 
-__all__ = ["allreduce_frame", "busbw_figure", "ddp_table", "ddp_figure", "CostModelPanel", "model_table"]
+__all__ = [
+    "allreduce_frame",
+    "busbw_figure",
+    "ddp_table",
+    "ddp_figure",
+    "CostModelPanel",
+    "default_presets",
+    "fitted_presets",
+    "model_table",
+]
 
 DDP_MODES = (
     "backward_alone",
@@ -139,18 +151,36 @@ def model_table(spec: ClusterSpec, params: int = AF2_PARAMS) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def fitted_presets(root: str | Path | None = None) -> dict[str, ClusterSpec]:
+    """One preset per committed `h200x*/comms.json` under `root` (default `results_dir()`): the H200
+    NVLink spec fitted to that run (`fit_cluster`), then set to 16 nodes × 8 GPUs keeping the fitted
+    per-GPU and host values. Empty when no such result is committed."""
+    from hfkit.bench.comms import load_comms_results
+    from hfkit.bench.results import results_dir
+
+    presets = {}
+    for path in sorted(Path(root or results_dir()).glob("h200x*/comms.json")):
+        fitted = fit_cluster(h200_nvlink(nodes=1), allreduce_frame(load_comms_results(path.parent)))
+        presets[f"H200 NVLink (fitted to {path.parent.name})"] = fitted.with_(gpus_per_node=8, nodes=16)
+    return presets
+
+
+def default_presets() -> dict[str, ClusterSpec]:
+    """The panel's presets: the seed's A100 PCIe cluster, H200 NVLink, and `fitted_presets()`."""
+    return {"A100 PCIe (seed)": a100_pcie_fireflyer(), "H200 NVLink": h200_nvlink(), **fitted_presets()}
+
+
 @dataclass
 class CostModelPanel:
     """Sliders over a `ClusterSpec` (GPUs per node, nodes, NVLink/PCIe peer, PCIe, NIC, parameters)
     that show the predicted allreduce time per backend as a table and a bar chart.
 
     `update(**values)` recomputes from explicit values (what the widget calls; tests call it too) and
-    returns the table. Presets: the seed's A100 PCIe cluster and an H200 NVLink cluster.
+    returns the table. Presets (`default_presets`): the seed's A100 PCIe cluster, an H200 NVLink
+    cluster from link specs, and one H200 cluster fitted to each committed H200 result.
     """
 
-    presets: dict[str, ClusterSpec] = field(
-        default_factory=lambda: {"A100 PCIe (seed)": a100_pcie_fireflyer(), "H200 NVLink": h200_nvlink()}
-    )
+    presets: dict[str, ClusterSpec] = field(default_factory=default_presets)
 
     def spec_for(self, preset: str, **values: Any) -> ClusterSpec:
         spec = self.presets[preset]
