@@ -37,8 +37,15 @@ report: $(STAMP)
 	done
 	@echo "reports written to reports/"
 
+# The notebooks run once more, the failed ones only, if the first run fails: nbclient and the kernel
+# have intermittently lost a message here (with ipykernel 7.4 twice, with 6.31 once, always inside the
+# whole suite, never in a notebook run alone), the kernel idle and the client waiting forever. The per-cell timeout turns such a wait into a failure;
+# a notebook that really fails fails twice.
+NBMAKE = HFKIT_PROFILE=smoke TRITON_INTERPRET=1 $(BIN)/python -m pytest notebooks --nbmake --nbmake-timeout=600 -q
+
 test: $(STAMP) lint
-	HFKIT_PROFILE=smoke TRITON_INTERPRET=1 $(BIN)/python -m pytest tests notebooks --nbmake -q
+	HFKIT_PROFILE=smoke TRITON_INTERPRET=1 $(BIN)/python -m pytest tests -q
+	$(NBMAKE) || $(NBMAKE) --last-failed
 
 # Every benchmark on the current GPU, one process each (a failure stops the list). The kernel and
 # model benchmarks save their rows as they go, so a run cut short keeps what it measured. Peers
