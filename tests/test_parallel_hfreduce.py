@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hfkit.parallel import HostReduce, RankError, allreduce, close_cached, spawn_local
+from hfkit.parallel import HostReduce, RankError, allreduce, close_cached, hfreduce, spawn_local
 
 SIZES = (1, 7, 1000003)
 
@@ -77,6 +77,17 @@ def test_hfreduce_matches_allreduce_two_ranks() -> None:
             assert err <= 1e-6 if "bfloat16" not in case else err <= 1e-2, (case, err)
 
 
+def _compare_with_gloo_barriers(rank: int) -> list[tuple[str, float]]:
+    hfreduce._STORE_ORDERED = False  # as on Arm: every chunk's barrier through gloo
+    return _compare(rank, None)
+
+
+def test_hfreduce_with_gloo_barriers() -> None:
+    for rank_errors in spawn_local(_compare_with_gloo_barriers, 2, timeout_s=60):
+        for case, err in rank_errors:
+            assert err <= 1e-6 if "bfloat16" not in case else err <= 1e-2, (case, err)
+
+
 def test_hfreduce_simulated_two_nodes() -> None:
     # 4 ranks as 2 nodes × 2 (env HFKIT_LOCAL_WORLD_SIZE, as a test harness would set it): local sums on
     # the host, then cross-node sums over gloo. Summation order differs from gloo's: fp32 rounding.
@@ -128,6 +139,8 @@ def test_hfreduce_dead_or_late_rank_fails_within_timeout(mode: str) -> None:
     kind, message, elapsed = results[0]
     assert kind == "RuntimeError", results
     assert "HostReduce" in message and "timeout" in message and "peer" in message
+    if hfreduce._STORE_ORDERED:  # the counter barrier names the local rank that did not arrive
+        assert "local rank(s) [1]" in message, message
     assert elapsed < timeout_s + 2.0
     if mode == "dead":
         assert isinstance(results[1], RankError) and results[1].type_name == "ProcessDied"

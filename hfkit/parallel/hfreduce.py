@@ -5,7 +5,9 @@ chunk device→host (async, side stream) into its slot of a node-wide shared-mem
 rank sums its slice of the chunk over all local slots (a reduce-scatter on the CPU, vectorized torch);
 the node sums are all-reduced across nodes over gloo; every rank copies the summed chunk host→device.
 One PCIe crossing each way and no GPU kernels. Chunks are double-buffered so that chunk k+1's copy
-overlaps chunk k's reduction. CPU tensors skip the device copies: their data is written to and read
+overlaps chunk k's reduction. The node's ranks meet once per chunk; on x86 that is a barrier of
+counters in the shared segment (a few microseconds), elsewhere a gloo barrier (~0.1 ms), since the
+counters rely on x86's store ordering. CPU tensors skip the device copies: their data is written to and read
 from the shared slots directly.
 
 Also `allreduce(tensor, backend)`, the one-call all-reduce (nccl | gloo | hfreduce) used by the comms
@@ -18,8 +20,10 @@ import atexit
 import contextlib
 import math
 import os
+import platform
 import secrets
 import tempfile
+import time
 from datetime import timedelta
 
 import torch
@@ -28,6 +32,11 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 # Chunk sizes are rounded down to this many bytes so that every dtype's view of a slot is aligned.
 _ALIGN = 64
+# Each local rank's barrier counter sits on its own 64-byte cache line at the start of the segment.
+_FLAG_BYTES = 64
+# The counter barrier needs a rank's earlier stores (its chunk in the slot) to be seen before its counter:
+# guaranteed by x86's total store order, not by weaker models (Arm), where the gloo barrier is used.
+_STORE_ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def _shm_dir() -> str:
@@ -49,8 +58,9 @@ class HostReduce:
     torchrun's LOCAL_WORLD_SIZE, else the whole group on one node). Cross-node sums run on gloo
     "rail" groups (the ranks with the same local index on every node): each local rank is the leader
     of its slice, so node leaders' all-reduce is spread over all of a node's ranks and cores.
-    Local synchronization is a gloo barrier on a node group made with `timeout`, so a dead or late peer
-    raises a RuntimeError within `timeout` instead of hanging.
+    Local synchronization per chunk is a barrier of counters in the shared segment on x86 (a gloo
+    barrier on a node group elsewhere, and while setting up); both give up after `timeout`, so a dead
+    or late peer raises a RuntimeError within `timeout` instead of hanging.
 
     Shared memory: one segment per node, named from MASTER_PORT and a run id chosen by the node leader,
     created in /dev/shm, mapped by every local rank, then unlinked at once (the mappings outlive the
@@ -123,7 +133,12 @@ class HostReduce:
                 if i == self.local_rank:
                     self._rail_group = g
         self._leader = ranks[self.node * lws]
-        self._buf = self._map_segment()
+        self._epoch = 0  # counter barriers passed; every local rank passes the same ones in order
+        self._segment = self._map_segment()
+        flags = lws * _FLAG_BYTES
+        # Each rank's counter, as numpy (a view of the segment: one read of all counters per poll).
+        self._flags = self._segment[:flags].view(torch.int64)[:: _FLAG_BYTES // 8].numpy()
+        self._buf = self._segment[flags:]  # the slots and results
 
     # ---------------------------------------------------------------- set-up and tear-down
 
@@ -135,10 +150,11 @@ class HostReduce:
     def _map_segment(self) -> torch.Tensor:
         """Create (leader), map (all) and unlink (leader) the node's segment; returns it as uint8.
 
-        Layout: slots [L, 2, chunk_bytes] (each rank's double-buffered input chunk), then results
-        [2, chunk_bytes] (the summed chunk, double-buffered).
+        Layout: L barrier counters (one 64-byte line each), slots [L, 2, chunk_bytes] (each rank's
+        double-buffered input chunk), then results [2, chunk_bytes] (the summed chunk, double-buffered).
+        The file is created zero-filled: every counter starts at 0.
         """
-        nbytes = (self.local_world_size + 1) * 2 * self.chunk_bytes
+        nbytes = self.local_world_size * _FLAG_BYTES + (self.local_world_size + 1) * 2 * self.chunk_bytes
         run_id = [secrets.token_hex(6) if self.local_rank == 0 else None]
         dist.broadcast_object_list(run_id, src=self._leader, group=self._node_group)
         name = f"hfkit-hfreduce-{os.environ.get('MASTER_PORT', '0')}-{run_id[0]}-n{self.node}"
@@ -163,7 +179,8 @@ class HostReduce:
         """Page-lock the segment so that device↔host copies are true async DMA (CUDA only)."""
         if self._pinned or not torch.cuda.is_available():
             return
-        err = torch.cuda.cudart().cudaHostRegister(self._buf.data_ptr(), self._buf.numel(), 0)
+        seg = self._segment
+        err = torch.cuda.cudart().cudaHostRegister(seg.data_ptr(), seg.numel(), 0)
         if int(err) != 0:
             raise RuntimeError(f"HostReduce: cudaHostRegister failed with error {int(err)}")
         self._pinned = True
@@ -175,9 +192,10 @@ class HostReduce:
         self._closed = True
         if self._pinned:
             with contextlib.suppress(Exception):
-                torch.cuda.cudart().cudaHostUnregister(self._buf.data_ptr())
+                torch.cuda.cudart().cudaHostUnregister(self._segment.data_ptr())
             self._pinned = False
-        self._buf = torch.empty(0, dtype=torch.uint8)
+        self._segment = self._buf = torch.empty(0, dtype=torch.uint8)
+        self._flags = self._flags[:0].copy()  # drops the view that kept the mapping alive
 
     def __enter__(self) -> HostReduce:
         return self
@@ -195,6 +213,36 @@ class HostReduce:
                 f"HostReduce (rank {self.rank}, node {self.node}): node barrier failed while {what}: a local "
                 f"peer died or did not arrive within the {self.timeout} timeout ({type(e).__name__}: {e})"
             ) from e
+
+    def _chunk_barrier(self, what: str) -> None:
+        """The node's ranks meet: each raises its counter to the next epoch and waits until every
+        counter has reached it. Spins briefly, then yields the core, then sleeps in growing steps (a
+        late peer costs little CPU); raises RuntimeError naming the missing local ranks after `timeout`.
+        """
+        if not _STORE_ORDERED:
+            self._barrier(what)
+            return
+        self._epoch += 1
+        epoch, flags = self._epoch, self._flags
+        flags[self.local_rank] = epoch
+        start = time.monotonic()
+        polls = 0
+        while flags.min() < epoch:
+            polls += 1
+            if polls < 200:
+                continue
+            waited = time.monotonic() - start
+            if waited > self.timeout.total_seconds():
+                late = [r for r in range(self.local_world_size) if flags[r] < epoch]
+                raise RuntimeError(
+                    f"HostReduce (rank {self.rank}, node {self.node}): node barrier failed while {what}: "
+                    f"local rank(s) {late} (a dead or late peer) did not arrive within the {self.timeout} "
+                    "timeout"
+                )
+            if waited < 1e-3:
+                os.sched_yield()
+            else:
+                time.sleep(min(1e-3, waited / 100))
 
     def _cross_node(self, t: torch.Tensor) -> None:
         try:
@@ -275,7 +323,13 @@ class HostReduce:
             if a == b:
                 return
             out = results[k % 2, a:b]
-            torch.sum(slots[:, k % 2, a:b], dim=0, out=out)
+            mine = slots[:, k % 2, a:b]
+            if L == 1:
+                out.copy_(mine[0])
+            else:  # adds: one pass each, faster on the CPU than torch.sum over the slot axis
+                torch.add(mine[0], mine[1], out=out)
+                for i in range(2, L):
+                    out.add_(mine[i])
             if self._rail_group is not None:
                 self._cross_node(out)
 
@@ -287,7 +341,7 @@ class HostReduce:
         for s in range(nchunks + 1):
             if side is not None:
                 side.synchronize()  # my device→host of chunk s and host→device of s-2 are done
-            self._barrier(f"reducing chunk {s} of {nchunks}")
+            self._chunk_barrier(f"reducing chunk {s} of {nchunks}")
             if s > 0:
                 read(s - 1)
             if s + 1 < nchunks:
