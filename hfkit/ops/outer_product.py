@@ -33,20 +33,13 @@ def _swap_axes(x: torch.Tensor, dim0: int, dim1: int) -> torch.Tensor:
     return x.transpose(dim0, dim1).contiguous()
 
 
-def _outer_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [*, S, I, C], b [*, S, J, E] -> [B, I*C, J*E] (B the flattened *): sum over s of a[s, i] ⊗ b[s, j]
-    as one matmul, its rows (i, c) and columns (j, e)."""
+def _outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [*, S, I, C], b [*, S, J, E] -> [*, I, J, C*E]: sum over s of a[s, i] ⊗ b[s, j], as one matmul
+    with rows (i, c) and columns (j, e), then (c, j) swapped."""
     s, i, c = a.shape[-3:]
     j, e = b.shape[-2:]
-    return torch.bmm(a.reshape(-1, s, i * c).transpose(1, 2), b.reshape(-1, s, j * e))
-
-
-def _outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [*, S, I, C], b [*, S, J, E] -> [*, I, J, C*E]: sum over s of a[s, i] ⊗ b[s, j]."""
-    i, c = a.shape[-2:]
-    j, e = b.shape[-2:]
-    rows = _outer_rows(a, b).view(-1, i, c, j, e)
-    return _swap_axes(rows, 2, 3).view(*a.shape[:-3], i, j, c * e)
+    rows = torch.bmm(a.reshape(-1, s, i * c).transpose(1, 2), b.reshape(-1, s, j * e))
+    return _swap_axes(rows.view(-1, i, c, j, e), 2, 3).view(*a.shape[:-3], i, j, c * e)
 
 
 def outer_product_linear_reference(

@@ -317,7 +317,7 @@ def fit_cluster(spec: ClusterSpec, frame: pd.DataFrame) -> ClusterSpec:
 
     sizes, times = measured("hfreduce")
     chunks, chunk = np.array([_chunking(base, s) for s in sizes]).T
-    copies = np.array([hfreduce_stages(base, c)["d2h"] + hfreduce_stages(base, c)["h2d"] for c in chunk])
+    copies = np.array([(st := hfreduce_stages(base, c))["d2h"] + st["h2d"] for c in chunk])
     # Columns in µs per chunk and s per GB, so that the coefficients are L (µs) and 1/H (1/(GB/s)).
     design = np.stack([chunks * 1e-6, (g + 1) * sizes / GB], axis=1) / times[:, None]
     overhead_us, inv_host = _nonneg_lstsq(design, (times - copies) / times)
