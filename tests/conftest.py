@@ -43,6 +43,14 @@ def assert_close(
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=msg or None)
 
 
+def output_and_grads(fn, args, dy: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """`fn(*args)` on fresh leaf copies of `args` (None stays None), and its gradients with respect to
+    every tensor argument, in order, for the output gradient `dy`."""
+    leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in args]
+    out = fn(*leaves)
+    return out, torch.autograd.grad(out, [t for t in leaves if t is not None], dy)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: long test (deselect with -m 'not slow')")
 

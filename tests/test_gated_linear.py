@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_close
+from conftest import assert_close, output_and_grads
 
 from hfkit.ops import gated_linear, gated_linear_reference
 
@@ -21,14 +21,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (
     ["cuda"] if torch.cuda.is_available() else []
 )
-
-
-def run(fn, g, o, weight, bias, dy):
-    inputs = [
-        t.detach().clone().requires_grad_(True) for t in (g, o, weight, *([bias] if bias is not None else []))
-    ]
-    out = fn(*inputs[:3], inputs[3] if bias is not None else None)
-    return out, torch.autograd.grad(out, inputs, dy)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -41,10 +33,12 @@ def test_matches_reference(device, dtype, with_bias, shape, seed):
     weight = torch.randn(9, shape[-1], device=device, dtype=dtype) / shape[-1] ** 0.5
     bias = torch.randn(9, device=device, dtype=dtype) if with_bias else None
     dy = torch.randn(*shape[:-1], 9, device=device, dtype=dtype)
-    out, grads = run(gated_linear, g, o, weight, bias, dy)
+    out, grads = output_and_grads(gated_linear, [g, o, weight, bias], dy)
     # The reference in float32 on the same (rounded) inputs: bfloat16 rounds the product and the matmuls.
     f32 = lambda t: t.float() if t is not None else None  # noqa: E731
-    ref, ref_grads = run(gated_linear_reference, f32(g), f32(o), f32(weight), f32(bias), dy.float())
+    ref, ref_grads = output_and_grads(
+        gated_linear_reference, [f32(g), f32(o), f32(weight), f32(bias)], dy.float()
+    )
     assert out.dtype == dtype and out.shape == (*shape[:-1], 9)
     assert_close(out.float(), ref, dtype=dtype, msg="output")
     for name, actual, expected in zip(["g", "o", "weight", "bias"], grads, ref_grads, strict=False):

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_close
+from conftest import assert_close, output_and_grads
 from torch import nn
 
 import hfkit
@@ -21,12 +21,6 @@ from hfkit.model import EvoformerStack, ModelConfig, OuterProductMean
 from hfkit.ops import outer_product_linear, outer_product_linear_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def run(fn, tensors, dy):
-    leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in tensors]
-    out = fn(*leaves)
-    return out, torch.autograd.grad(out, [t for t in leaves if t is not None], dy)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -40,9 +34,9 @@ def test_matches_reference(dtype, with_bias, batch, e, seed):
     w = torch.randn(n, c * e, dtype=dtype) / (c * e) ** 0.5
     bias = torch.randn(n, dtype=dtype) if with_bias else None
     dy = torch.randn(*batch, i, j, n, dtype=dtype)
-    out, grads = run(outer_product_linear, [a, b, w, bias], dy)
+    out, grads = output_and_grads(outer_product_linear, [a, b, w, bias], dy)
     f32 = [t.float() if t is not None else None for t in (a, b, w, bias)]
-    ref, ref_grads = run(outer_product_linear_reference, f32, dy.float())
+    ref, ref_grads = output_and_grads(outer_product_linear_reference, f32, dy.float())
     assert out.dtype == dtype and out.shape == (*batch, i, j, n)
     assert_close(out.float(), ref, dtype=dtype, msg="output")
     for k, (actual, expected) in enumerate(zip(grads, ref_grads, strict=True)):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_close
+from conftest import assert_close, output_and_grads
 from torch import nn
 
 import hfkit
@@ -28,13 +28,6 @@ def params(c, h, n, dtype, with_bias):
     return [w1, b1, w2, b2]
 
 
-def run(fn, x, ps, dy):
-    leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in [x, *ps]]
-    out = fn(*leaves)
-    present = [t for t in leaves if t is not None]
-    return out, torch.autograd.grad(out, present, dy)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("shape", [(5, 7), (2, 3, 5, 9)], ids=["2d", "4d"])
@@ -43,9 +36,9 @@ def test_matches_reference(dtype, with_bias, shape, seed):
     x = torch.randn(shape, dtype=dtype)
     ps = params(c, h, n, dtype, with_bias)
     dy = torch.randn(*shape[:-1], n, dtype=dtype)
-    out, grads = run(relu_mlp, x, ps, dy)
+    out, grads = output_and_grads(relu_mlp, [x, *ps], dy)
     f32 = [t.float() if t is not None else None for t in ps]
-    ref, ref_grads = run(relu_mlp_reference, x.float(), f32, dy.float())
+    ref, ref_grads = output_and_grads(relu_mlp_reference, [x.float(), *f32], dy.float())
     assert out.dtype == dtype and out.shape == (*shape[:-1], n)
     assert_close(out.float(), ref, dtype=dtype, msg="output")
     for i, (actual, expected) in enumerate(zip(grads, ref_grads, strict=True)):
