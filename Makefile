@@ -44,7 +44,7 @@ report: $(STAMP)
 NBMAKE = HFKIT_PROFILE=smoke TRITON_INTERPRET=1 $(BIN)/python -m pytest notebooks --nbmake --nbmake-timeout=600 -q
 
 test: $(STAMP) lint
-	HFKIT_PROFILE=smoke TRITON_INTERPRET=1 $(BIN)/python -m pytest tests -q
+	HFKIT_PROFILE=smoke $(BIN)/python -m pytest tests -q
 	$(NBMAKE) || $(NBMAKE) --last-failed
 
 # Every benchmark on the current GPU, one process each (a failure stops the list). The kernel and

@@ -1,7 +1,10 @@
-"""Shared pytest setup: Triton's CPU interpreter, a per-test seed, per-dtype tolerances, the `slow` marker.
+"""Shared pytest setup: where Triton kernels run, a per-test seed, per-dtype tolerances, the `slow`
+marker, and where the real AlphaFold inputs are.
 
-`TRITON_INTERPRET` must be set before anything imports triton or hfkit: Triton reads it when the
-`@triton.jit` kernels are defined, so this file sets it before any other import.
+Kernels are compiled where a CUDA device exists and run under Triton's CPU interpreter elsewhere;
+`TRITON_INTERPRET=1` or `=0` set by the caller wins. The variable must be set before anything
+imports triton or hfkit (Triton reads it when the `@triton.jit` kernels are defined), so this file
+decides it before any other hfkit import; importing torch first does not import triton.
 """
 
 import os
@@ -10,10 +13,21 @@ import sys
 import zlib
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+
+from hfkit.data import openfold_test_data_dir  # noqa: E402
+
+# Real AlphaFold inputs (mmCIF, a3m/Stockholm MSAs, hhr) from OpenFold's test data; never copied
+# into the repository. Tests that need them skip with this reason where they are absent.
+OPENFOLD_TEST_DATA = openfold_test_data_dir()
+REAL_DATA_REASON = (
+    "real AlphaFold inputs not found: point HFKIT_OPENFOLD_TEST_DATA at OpenFold's test data folder "
+    "(openfold/tests/test_data: mmcifs/, alignments/), or place it at ../shared/data/openfold_test_data "
+    "beside the repository (see README, 'Real inputs')"
+)
 
 # (rtol, atol) for comparing a fused op against its fp32-accumulating reference, by the dtype of the
 # compared tensors: bf16 keeps 8 mantissa bits, fp16 11, fp32 24.
@@ -71,6 +85,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def real_data(*parts: str) -> Path:
+    """The path `parts` inside the real-input folder; skips the calling test (naming
+    HFKIT_OPENFOLD_TEST_DATA) where that folder or the path is missing. Use as
+    `from conftest import real_data`."""
+    if OPENFOLD_TEST_DATA is None or not OPENFOLD_TEST_DATA.joinpath(*parts).exists():
+        pytest.skip(REAL_DATA_REASON)
+    return OPENFOLD_TEST_DATA.joinpath(*parts)
 
 
 def run_compiled_triton_script(name: str) -> subprocess.CompletedProcess:
