@@ -67,6 +67,17 @@ def output_and_grads(fn, args, dy: torch.Tensor) -> tuple[torch.Tensor, tuple[to
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: long test (deselect with -m 'not slow')")
+    config.addinivalue_line(
+        "markers", "cuda: runs on a CUDA device (`pytest -m cuda` is the GPU subset; marked by name too)"
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # The GPU subset: tests marked `cuda`, and every test whose name or parameters say cuda (the op
+    # tests parametrize `device` over "cuda" where a device exists).
+    for item in items:
+        if "cuda" in item.nodeid.lower():
+            item.add_marker(pytest.mark.cuda)
 
 
 @pytest.fixture
