@@ -107,8 +107,8 @@ def _imported_names(tree: ast.AST, module: str, is_package: bool) -> list[tuple[
 
 
 def collect_edges(root: Path) -> tuple[list[Edge], list[str]]:
-    """Every import edge between modules of the package `root`, and the imports that name a module of
-    the package that does not exist ("where: source imports missing")."""
+    """Every import edge between modules of the package `root`, and one line per import that names a
+    module of the package that does not exist."""
     top = root.name
     modules = module_files(root)
     edges, missing = [], []
