@@ -217,7 +217,7 @@ def test_dropout_off_in_eval_on_in_train() -> None:
 
 
 def test_rowwise_dropout_shares_mask_along_rows() -> None:
-    from hfkit.model.primitives import DropoutColumnwise, DropoutRowwise
+    from hfkit.model.dropout import DropoutColumnwise, DropoutRowwise
 
     x = torch.ones(3, 5, 6, 4)
     row = DropoutRowwise(0.5).train()(x)

@@ -9,6 +9,9 @@ from __future__ import annotations
 import copy
 import io
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -267,6 +270,40 @@ def test_rejects_a_non_module() -> None:
         to_hfkit(torch.zeros(3))
     with pytest.raises(TypeError, match="model"):
         to_torch("not a module")
+
+
+def test_package_to_hfkit_is_hfkit_nn_to_hfkit() -> None:
+    assert hfkit.to_hfkit is to_hfkit and hfkit.to_torch is to_torch
+    assert {"to_hfkit", "to_torch", "__version__"} <= set(dir(hfkit))
+    with pytest.raises(AttributeError, match="no_such_name"):
+        hfkit.no_such_name  # noqa: B018
+
+
+def test_package_to_hfkit_registers_every_fused_module() -> None:
+    """In a fresh interpreter that imported only `hfkit` and `hfkit.model`, `hfkit.to_hfkit` swaps every
+    module of the plain model that has a fused form: its first use imports all of `hfkit.nn`."""
+    code = (
+        "import hfkit, hfkit.model\n"
+        "model = hfkit.model.AlphaFoldLite(hfkit.model.ModelConfig.tiny())\n"
+        "print(sorted(hfkit.to_hfkit(model, report=True)[1].counts()))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True)
+    assert run.stdout.strip() == str(
+        sorted(
+            [
+                "Attention",
+                "DropoutColumnwise",
+                "DropoutRowwise",
+                "LayerNorm",
+                "MSATransition",
+                "OuterProductMean",
+                "PairTransition",
+                "TriangleMultiplicationIncoming",
+                "TriangleMultiplicationOutgoing",
+            ]
+        )
+    )
 
 
 # -- include / exclude and the report --------------------------------------------------------------------

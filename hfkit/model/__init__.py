@@ -1,13 +1,16 @@
 """A compact AlphaFold 2 Evoformer with OpenFold's parameter names and semantics, its heads and
-losses: plain torch modules built from `hfkit.nn` (swap in fused kernels with `hfkit.nn.to_hfkit`).
+losses: plain torch modules (swap in fused kernels with `hfkit.to_hfkit`). Imports torch and
+`hfkit.data` only.
 
-One file per component, named after OpenFold's: `msa` (Alg. 7, 8, 19), `pair_transition` (Alg. 15),
+One file per component, named after OpenFold's: `primitives` (`linear`, gated `Attention`), `dropout`
+(shared dropout, 1.11.6), `msa` (Alg. 7, 8, 19), `pair_transition` (Alg. 15),
 `outer_product_mean` (Alg. 10), `triangular_multiplicative_update` (Alg. 11, 12),
 `triangular_attention` (Alg. 13, 14), `evoformer` (Alg. 6, 9, 18), `embedders` (Alg. 3, 4), `heads` and
 `loss` (1.9.8, 1.9.9), `model` (`AlphaFoldLite`), `config` (`ModelConfig` presets).
 """
 
 from hfkit.model.config import ModelConfig
+from hfkit.model.dropout import DropoutColumnwise, DropoutRowwise, SharedDropout
 from hfkit.model.embedders import ExtraMSAEmbedder, InputEmbedder, build_extra_msa_feat
 from hfkit.model.evoformer import (
     EvoformerBlock,
@@ -30,6 +33,7 @@ from hfkit.model.msa import (
 )
 from hfkit.model.outer_product_mean import OuterProductMean
 from hfkit.model.pair_transition import PairTransition
+from hfkit.model.primitives import Attention
 from hfkit.model.triangular_attention import (
     TriangleAttention,
     TriangleAttentionEndingNode,
@@ -42,8 +46,11 @@ from hfkit.model.triangular_multiplicative_update import (
 
 __all__ = [
     "AlphaFoldLite",
+    "Attention",
     "AuxiliaryHeads",
     "DistogramHead",
+    "DropoutColumnwise",
+    "DropoutRowwise",
     "EvoformerBlock",
     "EvoformerBlockCore",
     "EvoformerStack",
@@ -61,6 +68,7 @@ __all__ = [
     "ModelConfig",
     "OuterProductMean",
     "PairTransition",
+    "SharedDropout",
     "TriangleAttention",
     "TriangleAttentionEndingNode",
     "TriangleAttentionStartingNode",

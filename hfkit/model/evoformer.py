@@ -19,10 +19,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hfkit.model.config import ModelConfig
+from hfkit.model.dropout import DropoutColumnwise, DropoutRowwise
 from hfkit.model.msa import MSAColumnAttention, MSAColumnGlobalAttention, MSARowAttentionWithPairBias
 from hfkit.model.outer_product_mean import OuterProductMean
 from hfkit.model.pair_transition import PairTransition, Transition
-from hfkit.model.primitives import DropoutColumnwise, DropoutRowwise, linear
+from hfkit.model.primitives import linear
 from hfkit.model.triangular_attention import TriangleAttentionEndingNode, TriangleAttentionStartingNode
 from hfkit.model.triangular_multiplicative_update import (
     TriangleMultiplicationIncoming,

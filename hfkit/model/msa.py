@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfkit.model.primitives import attend_rows, chunk_apply, linear, mask_bias
-from hfkit.nn.attention import Attention
+from hfkit.model.primitives import Attention, attend_rows, chunk_apply, linear, mask_bias
 
 __all__ = [
     "GlobalAttention",

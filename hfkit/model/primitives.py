@@ -1,10 +1,11 @@
-"""Small building blocks of the Evoformer: initialised `nn.Linear`s, shared dropout and chunking.
+"""Small building blocks of the Evoformer: initialised `nn.Linear`s, gated attention and chunking.
 
 `linear` reproduces OpenFold's `primitives.Linear` initialisers (AF2 supplement section 1.11.4) on a
-plain `torch.nn.Linear`, so that state_dict keys stay `weight` / `bias`. `DropoutRowwise` and
-`DropoutColumnwise` (from `hfkit.nn.fused`) share one mask along a row or column of the representation
-(supplement 1.11.6); the Evoformer adds their output to the residual with `residual_add`.
-`chunk_apply` runs a function on slices along a batch-like axis (inference memory, supplement 1.11.8).
+plain `torch.nn.Linear`, so that state_dict keys stay `weight` / `bias`. `Attention` is OpenFold's
+`primitives.Attention` (Algorithms 7, 8, 13-15 use it): queries scaled by 1/sqrt(c_hidden), additive
+biases, softmax over keys, a sigmoid gate computed from the query input, and an output projection.
+`chunk_apply` runs a function on slices along a batch-like axis (inference memory, supplement 1.11.8);
+`attend_rows` and `mask_bias` are the row-attention call and key-mask bias the attention modules share.
 """
 
 from __future__ import annotations
@@ -15,13 +16,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-# The shared-dropout modules live in hfkit.nn (with the fused versions `to_hfkit` swaps in).
-from hfkit.nn.fused import DropoutColumnwise, DropoutRowwise, SharedDropout
-
 __all__ = [
-    "DropoutColumnwise",
-    "DropoutRowwise",
-    "SharedDropout",
+    "Attention",
     "attend_rows",
     "chunk_apply",
     "linear",
@@ -109,3 +105,122 @@ def attend_rows(
 def mask_bias(mask: torch.Tensor, inf: float) -> torch.Tensor:
     """Attention bias from a key mask [*, R, N]: 0 where kept, -inf where masked; [*, R, 1, 1, N]."""
     return (inf * (mask - 1.0))[..., :, None, None, :]
+
+
+def _glorot_(weight: torch.Tensor) -> None:
+    nn.init.xavier_uniform_(weight, gain=1.0)
+
+
+class Attention(nn.Module):
+    """Gated multi-head attention over `[*, Q, c_q]` queries and `[*, K, c_k]` keys/values.
+
+    Parameters (OpenFold names, so its state_dicts load): `linear_q`, `linear_k`, `linear_v`
+    (c_{q,k,v} -> no_heads * c_hidden, no bias, Glorot init), `linear_o` (no_heads * c_hidden -> c_q,
+    with bias, zero init: OpenFold's "final"), and with `gating` `linear_g` (c_q -> no_heads * c_hidden,
+    weight 0 and bias 1: the gate starts open at sigmoid(1)).
+    """
+
+    def __init__(
+        self, c_q: int, c_k: int, c_v: int, c_hidden: int, no_heads: int, gating: bool = True
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("c_q", c_q),
+            ("c_k", c_k),
+            ("c_v", c_v),
+            ("c_hidden", c_hidden),
+            ("no_heads", no_heads),
+        ):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        self.c_q = c_q
+        self.c_k = c_k
+        self.c_v = c_v
+        self.c_hidden = c_hidden
+        self.no_heads = no_heads
+        self.gating = gating
+        hc = c_hidden * no_heads
+        self.linear_q = nn.Linear(c_q, hc, bias=False)
+        self.linear_k = nn.Linear(c_k, hc, bias=False)
+        self.linear_v = nn.Linear(c_v, hc, bias=False)
+        self.linear_o = nn.Linear(hc, c_q)
+        self.linear_g = nn.Linear(c_q, hc) if gating else None
+        self.sigmoid = nn.Sigmoid()
+        with torch.no_grad():
+            for lin in (self.linear_q, self.linear_k, self.linear_v):
+                _glorot_(lin.weight)
+            self.linear_o.weight.zero_()
+            self.linear_o.bias.zero_()
+            if self.linear_g is not None:
+                self.linear_g.weight.zero_()
+                self.linear_g.bias.fill_(1.0)
+
+    def extra_repr(self) -> str:
+        return (
+            f"c_q={self.c_q}, c_k={self.c_k}, c_v={self.c_v}, c_hidden={self.c_hidden}, "
+            f"no_heads={self.no_heads}, gating={self.gating}"
+        )
+
+    def _check(self, q_x: torch.Tensor, kv_x: torch.Tensor, biases: Sequence[torch.Tensor] | None) -> list:
+        if not isinstance(q_x, torch.Tensor) or q_x.dim() < 2 or q_x.shape[-1] != self.c_q:
+            raise ValueError(f"q_x: expected a tensor [*, Q, {self.c_q}], got {_shape_of(q_x)}")
+        if not isinstance(kv_x, torch.Tensor) or kv_x.dim() < 2 or kv_x.shape[-1] != self.c_k:
+            raise ValueError(f"kv_x: expected a tensor [*, K, {self.c_k}], got {_shape_of(kv_x)}")
+        if self.c_k != self.c_v:
+            raise ValueError(
+                f"kv_x: serves as key and value input, so c_k ({self.c_k}) must equal c_v ({self.c_v})"
+            )
+        if biases is None:
+            return []
+        if isinstance(biases, torch.Tensor):
+            raise ValueError(
+                "biases: expected a list of tensors or None, got a single tensor; wrap it in a list"
+            )
+        biases = list(biases)
+        for i, b in enumerate(biases):
+            if not isinstance(b, torch.Tensor):
+                raise ValueError(f"biases[{i}]: expected a torch.Tensor, got {type(b).__name__}")
+        return biases
+
+    def _project(
+        self, q_x: torch.Tensor, kv_x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as [*, Q|K, H, c_hidden]; q not yet scaled."""
+        h = self.no_heads
+        q = self.linear_q(q_x).unflatten(-1, (h, self.c_hidden))
+        k = self.linear_k(kv_x).unflatten(-1, (h, self.c_hidden))
+        v = self.linear_v(kv_x).unflatten(-1, (h, self.c_hidden))
+        return q, k, v
+
+    def _wrap_up(self, o: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
+        """o: [*, Q, H, c_hidden] -> gate, flatten heads, project: [*, Q, c_q]."""
+        if self.linear_g is not None:
+            g = self.sigmoid(self.linear_g(q_x)).unflatten(-1, (self.no_heads, self.c_hidden))
+            o = o * g
+        return self.linear_o(o.flatten(-2))
+
+    def _attend_reference(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, biases: list[torch.Tensor]
+    ) -> torch.Tensor:
+        # [*, H, Q, C] layout as in OpenFold; logits [*, H, Q, K] in the input dtype.
+        q = q.transpose(-2, -3) / math.sqrt(self.c_hidden)
+        k = k.transpose(-2, -3)
+        v = v.transpose(-2, -3)
+        a = torch.matmul(q, k.transpose(-1, -2))
+        for b in biases:
+            a = a + b
+        a = torch.softmax(a, dim=-1)
+        return torch.matmul(a, v).transpose(-2, -3)
+
+    def forward(
+        self, q_x: torch.Tensor, kv_x: torch.Tensor, biases: Sequence[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """q_x: [*, Q, c_q], kv_x: [*, K, c_k], biases: tensors broadcastable to [*, H, Q, K] (added to
+        the logits) or None -> [*, Q, c_q]."""
+        biases = self._check(q_x, kv_x, biases)
+        q, k, v = self._project(q_x, kv_x)
+        return self._wrap_up(self._attend_reference(q, k, v, biases), q_x)
+
+
+def _shape_of(x: object) -> str:
+    return f"shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__

@@ -1,19 +1,16 @@
-"""hfkit modules over the fused ops (drop-ins for torch modules) and the swaps `to_hfkit` / `to_torch`.
+"""hfkit's fused modules (drop-ins for model and torch modules) and the swaps `to_hfkit` / `to_torch`.
 
-Each module file registers its torch -> hfkit swap when imported; this package imports them all, so
-`to_hfkit` sees every registered op once `hfkit.nn` is imported.
+Each fused module subclasses a plain module of `hfkit.model` or of torch and registers its swap when
+its file is imported; this package imports them all, so `to_hfkit` sees every registered op once
+`hfkit.nn` is imported. The plain classes that the swaps replace (`Attention`, the shared dropouts)
+are re-exported from `hfkit.model` so that each pair can be imported from one place.
 """
 
-from hfkit.nn.attention import Attention, EvoformerAttention
+from hfkit.model.dropout import DropoutColumnwise, DropoutRowwise, SharedDropout
+from hfkit.model.primitives import Attention
+from hfkit.nn.attention import EvoformerAttention
 from hfkit.nn.convert import SwapReport, register_swap, to_hfkit, to_torch
-from hfkit.nn.fused import (
-    DropoutColumnwise,
-    DropoutRowwise,
-    FusedDropoutColumnwise,
-    FusedDropoutRowwise,
-    FusedSharedDropout,
-    SharedDropout,
-)
+from hfkit.nn.fused import FusedDropoutColumnwise, FusedDropoutRowwise, FusedSharedDropout
 from hfkit.nn.layer_norm import LayerNorm
 from hfkit.nn.outer_product_mean import OuterProductMean
 from hfkit.nn.transition import MSATransition, PairTransition
