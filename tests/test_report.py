@@ -179,6 +179,15 @@ def test_extra_fields_that_tell_measurements_apart_become_columns_and_repeats_ke
     assert "1 earlier measurements" in notes and "commit abcdef0, 1234567" in notes
 
 
+def test_rows_without_commit_or_triton_say_so():
+    rows = [
+        make_row("hfkit", 1.0, commit=None, triton=None),
+        make_row("eager", 2.0, commit=None, triton=None),
+    ]
+    first = only_table(rows).notes[0]
+    assert first == "NVIDIA H200 (`h200`); torch 2.11.0; commit not recorded."
+
+
 def test_profiler_rows_get_a_table_of_their_own():
     profile = [
         make_row("aten::mm", 80.0, op="step_profile", extra={"calls": 100, "share_pct": 40.0}),

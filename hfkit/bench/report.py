@@ -237,15 +237,14 @@ def _provenance(rows: Sequence[Mapping[str, Any]], gpu_folder: str) -> list[str]
         return first + (f" … ({len(rest)} more lines)" if rest else "")
 
     versions = [f"torch {v}" for v in distinct("torch")] + [f"Triton {v}" for v in distinct("triton")]
-    lines = [
-        f"{', '.join(distinct('gpu'))} (`{gpu_folder}`); {', '.join(versions)}; "
-        f"commit {', '.join(distinct('commit', lambda c: str(c)[:7]))}.",
-        "",
-        "```bash",
-        *(one_line(c) for c in distinct("command")),
-        "```",
+    commits = distinct("commit", lambda c: str(c)[:7])
+    where = [
+        f"{', '.join(distinct('gpu')) or 'device not recorded'} (`{gpu_folder}`)",
+        *([", ".join(versions)] if versions else []),
+        f"commit {', '.join(commits)}" if commits else "commit not recorded",
     ]
-    return lines
+    commands = [one_line(c) for c in distinct("command") if str(c).strip()]
+    return ["; ".join(where) + ".", *(["", "```bash", *commands, "```"] if commands else [])]
 
 
 def _with_remarks(lines: list[str], remarks: list[str]) -> list[str]:
