@@ -185,7 +185,7 @@ def test_rows_without_commit_or_triton_say_so():
         make_row("eager", 2.0, commit=None, triton=None),
     ]
     first = only_table(rows).notes[0]
-    assert first == "NVIDIA H200 (`h200`); torch 2.11.0; commit not recorded."
+    assert first == "NVIDIA H200 (`h200`); torch 2.11.0; commit not recorded; timed by cuda_graph."
 
 
 def test_profiler_rows_get_a_table_of_their_own():
@@ -222,6 +222,7 @@ def test_results_markdown_titles_files_by_stem_and_is_deterministic(tmp_path):
     )
     _write(tmp_path / "cpu" / "comms.json", [make_row("gloo", 1.0, op="allreduce", shape=[4096])])
     (tmp_path / "h200" / "other.json").write_text("[1, 2]")
+    _write(tmp_path / "h200" / "partial.json", [{"op": "layer_norm", "provider": "hfkit"}])
     _write(tmp_path / "h200" / "tuning" / "sweep.json", [])
     text = results_markdown(tmp_path)
     assert text == results_markdown(tmp_path)
@@ -237,10 +238,11 @@ def test_results_markdown_titles_files_by_stem_and_is_deterministic(tmp_path):
         "### h200 / layer_norm",
         "#### layer_norm",
         "### h200 / other",
+        "### h200 / partial",
     ]
     assert "> hand-written note" in text
     assert "All rows: mode fwd, shape 4.00 KiB, dtype bf16." in text  # an allreduce: shape = bytes
-    assert "Not a results document with rows; not tabulated." in text
+    assert text.count("Not a results document with schema rows; not tabulated.") == 2
     assert "- `tuning/sweep.json`" in text
 
 
