@@ -257,8 +257,30 @@ def test_headline_reads_ops_from_any_file_name(tmp_path):
     renamed.mkdir()
     for path in committed.glob("*.json"):
         shutil.copy(path, renamed / f"renamed_{path.name}")
-    block = headline_markdown(tmp_path)
-    assert block.replace("renamed_", "") == headline_markdown(results_dir())
+    assert headline_markdown(tmp_path) == headline_markdown(results_dir())
+
+
+def test_headline_on_hand_made_rows_shows_errors_and_leaves_out_missing_lines(tmp_path):
+    def stack(provider, p50, error=None, **fields):
+        extra = {"launch": "graph", "checkpointing": False, **({"error": error} if error else {})}
+        fields = {"mode": "fwd+bwd", **fields}
+        return make_row(provider, p50, op="evoformer_stack", extra=extra, **fields)
+
+    rows = [
+        stack("hfkit", 300.0, peak_mem_bytes=2**30),
+        stack("torch", math.nan, error="out of memory", method="error"),
+        stack("compile", 600.0, peak_mem_bytes=2**31),
+        stack("hfkit", 100.0, mode="fwd"),  # not a forward+backward row
+    ]
+    _write(tmp_path / "h200" / "stack.json", rows)
+    lines = headline_markdown(tmp_path).splitlines()
+    body = [line for line in lines if line.startswith("| ") and "---" not in line][1:]
+    assert body == [
+        "| 48-block Evoformer stack, bf16, one CUDA graph (ms) | error | 600 (2.00 GiB) | 300 (1.00 GiB) "
+        "|  |  | 2.00× |"
+    ]
+    with pytest.raises(FileNotFoundError, match="headline: no rows"):
+        headline_markdown(tmp_path, gpu="a100")
 
 
 def test_with_headline_needs_both_markers():

@@ -432,7 +432,8 @@ def results_markdown(results: str | Path) -> str:
 
 @dataclass(frozen=True)
 class Headline:
-    """One line of the README's headline table: a label and which rows it reads (an op and a filter)."""
+    """One line of the README's headline table: a label and which forward+backward rows it reads (an op
+    and a filter on the rows)."""
 
     label: str
     op: str
@@ -445,42 +446,34 @@ def _extra_is(**wanted: Any) -> Callable[[Mapping[str, Any]], bool]:
 
 HEADLINES = (
     Headline(
-        "48-block Evoformer stack, fwd+bwd, bf16, one CUDA graph",
+        "48-block Evoformer stack, bf16, one CUDA graph",
         "evoformer_stack",
-        lambda r: (
-            r["mode"] == "fwd+bwd"
-            and r["dtype"] == "bf16"
-            and _extra_is(launch="graph", checkpointing=False)(r)
-        ),
+        lambda r: r["dtype"] == "bf16" and _extra_is(launch="graph", checkpointing=False)(r),
     ),
     Headline(
-        "Evoformer block (S, N) = (128, 256), fwd+bwd, bf16",
+        "Evoformer block, (S, N) = (128, 256), bf16",
         "evoformer_block",
-        lambda r: r["mode"] == "fwd+bwd" and r["dtype"] == "bf16" and list(r["shape"]) == [128, 256],
+        lambda r: r["dtype"] == "bf16" and list(r["shape"]) == [128, 256],
     ),
     Headline(
-        "Training step af2_initial, checkpointed, launched from Python",
+        "Training step, af2_initial, checkpointed, launched from Python",
         "train_step",
-        lambda r: r["mode"] == "fwd+bwd" and _extra_is(checkpointing=True)(r),
+        _extra_is(checkpointing=True),
     ),
     Headline(
-        "Triangle attention N = 1024, fwd+bwd, bf16",
+        "Triangle attention, N = 1024, bf16",
         "triangle_attention",
-        lambda r: r["mode"] == "fwd+bwd" and r["dtype"] == "bf16" and list(r["shape"][-2:-1]) == [1024],
+        lambda r: r["dtype"] == "bf16" and list(r["shape"][-2:-1]) == [1024],
     ),
     Headline(
-        "Triangle multiplication N = 1024, fwd+bwd, bf16 autocast",
+        "Triangle multiplication, N = 1024, bf16 autocast",
         "triangle_multiplication",
-        lambda r: (
-            r["mode"] == "fwd+bwd"
-            and list(r["shape"][1:3]) == [1024, 1024]
-            and _extra_is(direction="outgoing")(r)
-        ),
+        lambda r: list(r["shape"][1:3]) == [1024, 1024] and _extra_is(direction="outgoing")(r),
     ),
     Headline(
-        "LayerNorm 1×256×256×128, fwd+bwd, fp32",
+        "LayerNorm, 1×256×256×128, fp32",
         "layer_norm",
-        lambda r: r["mode"] == "fwd+bwd" and r["dtype"] == "fp32" and list(r["shape"]) == [1, 256, 256, 128],
+        lambda r: r["dtype"] == "fp32" and list(r["shape"]) == [1, 256, 256, 128],
     ),
 )
 HEADLINE_PROVIDERS = ("eager", "compile", "hfkit", "compile_hfkit")
@@ -497,14 +490,16 @@ def headline_markdown(results: str | Path, gpu: str = HEADLINE_GPU) -> str:
     folder = Path(results) / gpu
     rows: list[dict[str, Any]] = []
     for path in sorted(folder.glob("*.json")):
-        meta, frame = _read(path)
+        _, frame = _read(path)
         if frame is not None:
-            rows += [dict(r, file=path.name) for r in _records(frame)]
-    header = ["median time (peak memory)", "eager", "torch.compile", "hfkit", "compile + hfkit"]
-    header += ["hfkit vs eager", "hfkit vs compile", "file"]
+            rows += _records(frame)
+    header = ["forward + backward: median time (peak memory)", "eager", "torch.compile", "hfkit"]
+    header += ["compile + hfkit", "hfkit vs eager", "hfkit vs compile"]
     body = []
     for line in HEADLINES:
-        picked = {r["provider"]: r for r in rows if r["op"] == line.op and line.where(r)}
+        picked = {
+            r["provider"]: r for r in rows if r["op"] == line.op and r["mode"] == "fwd+bwd" and line.where(r)
+        }
         if "hfkit" not in picked:
             continue
         unit, factor = _time_unit([r["p50_ms"] for r in picked.values() if not _is_error(r)])
@@ -514,7 +509,6 @@ def headline_markdown(results: str | Path, gpu: str = HEADLINE_GPU) -> str:
             theirs, ours = picked.get(base), picked["hfkit"]
             ok = theirs is not None and not _is_error(theirs) and not _is_error(ours)
             cells.append(_speedup(theirs, ours) if ok else "")
-        cells.append(f"`{picked['hfkit']['file']}`")
         body.append(cells)
     if not body:
         raise FileNotFoundError(f"headline: no rows of {[h.op for h in HEADLINES]} in {folder}")
