@@ -467,6 +467,48 @@ def _add_model_bench(bench_sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_bench_model)
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    import difflib
+
+    from hfkit.bench.report import report_documents
+
+    documents = report_documents(args.results, args.out, args.readme)
+    if not args.check:
+        for path, text in documents.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            print(f"wrote {path}")
+        return 0
+    stale = 0
+    for path, text in documents.items():
+        old = path.read_text() if path.exists() else ""
+        if old == text:
+            continue
+        stale += 1
+        diff = list(difflib.unified_diff(old.splitlines(), text.splitlines(), str(path), "hfkit report", n=0))
+        changed = sum(1 for line in diff if line[:1] in "+-" and line[:3] not in ("+++", "---"))
+        print(f"{path}: {changed} lines differ from what `hfkit report` writes; first differences:")
+        print("\n".join(diff[:20]))
+    return 1 if stale else 0
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    """`hfkit report`: docs/results.md and README.md's headline table from data/results/."""
+    from hfkit.bench.results import results_dir
+
+    repo = results_dir().parents[1]
+    p = sub.add_parser(
+        "report", help="write docs/results.md and README.md's headline table from data/results/"
+    )
+    p.add_argument(
+        "--results", type=Path, default=results_dir(), help="results folder (default: data/results)"
+    )
+    p.add_argument("--out", type=Path, default=repo / "docs" / "results.md", help="default: docs/results.md")
+    p.add_argument("--readme", type=Path, default=repo / "README.md", help="default: README.md")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if either file is stale")
+    p.set_defaults(func=_cmd_report)
+
+
 def _parser() -> argparse.ArgumentParser:
     from hfkit.bench.layernorm import DTYPES, MODES, PROVIDERS
 
@@ -562,6 +604,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     pre.add_argument("--no-progress", action="store_true", help="no progress bar")
     pre.set_defaults(func=_cmd_preprocess)
+    _add_report(sub)
     return parser
 
 
