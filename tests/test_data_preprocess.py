@@ -11,6 +11,7 @@ import gemmi
 import numpy as np
 import pytest
 import torch
+from conftest import OPENFOLD_TEST_DATA, REAL_DATA_REASON, real_data
 
 from hfkit.cli import main
 from hfkit.data import preprocess as preprocess_module
@@ -34,10 +35,11 @@ from hfkit.data.synthetic import (
     write_synthetic_dataset,
 )
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "openfold_test_data"
+# The real inputs' folder (None where absent: every test that reads it is skipped then).
+DATA = OPENFOLD_TEST_DATA
 needs_data = pytest.mark.skipif(
-    not (DATA / "mmcifs" / "2q2k.cif").exists(),
-    reason=f"OpenFold's test data not found at {DATA} (shared/data/openfold_test_data, see its NOTICE.md)",
+    OPENFOLD_TEST_DATA is None or not (OPENFOLD_TEST_DATA / "mmcifs" / "2q2k.cif").exists(),
+    reason=REAL_DATA_REASON,
 )
 
 
@@ -243,10 +245,9 @@ def test_concurrent_run_refused(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 @pytest.fixture(scope="module")
 def preprocessed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not (DATA / "mmcifs" / "2q2k.cif").exists():
-        pytest.skip(f"OpenFold's test data not found at {DATA}")
+    data = real_data("mmcifs", "2q2k.cif").parents[1]
     out = tmp_path_factory.mktemp("records")
-    preprocess(DATA / "mmcifs", DATA / "alignments", out, workers=0, chains_per_file=3, progress=False)
+    preprocess(data / "mmcifs", data / "alignments", out, workers=0, chains_per_file=3, progress=False)
     return out
 
 
