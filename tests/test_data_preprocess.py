@@ -509,3 +509,24 @@ def test_killed_run_takes_its_workers_and_lock_along(tmp_path: Path) -> None:
         for pid in [run.pid, *workers]:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_wrong_kinds_of_path_name_the_argument(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A file where a folder is expected (and a missing folder) is an argument error naming the argument,
+    not a traceback or a silently empty result."""
+    src = tmp_path / "synthetic"
+    write_synthetic_dataset(src, n_chains=1, length=20, depth=3)
+    a_file = src / "SYNTHETIC.md"
+    argv = ["preprocess", "--mmcif-dir", str(src / "mmcifs"), "--out", str(a_file), "--no-progress"]
+    assert main(argv) == 2 and "out_dir" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="out_dir: .* is a file"):
+        load_index(a_file)
+    with pytest.raises(FileNotFoundError, match="out_dir: .* does not exist"):
+        load_index(tmp_path / "nope")
+    with pytest.raises(ValueError, match="out_dir: .* is a file"):
+        write_synthetic_dataset(a_file, n_chains=1, length=20, depth=3)
+    out = tmp_path / "out"
+    preprocess(src / "mmcifs", src / "alignments", out, workers=0, progress=False)
+    with pytest.raises(ValueError, match="records: .*index.json is not a record file"):
+        PreprocessedDataset(out / INDEX_NAME, FeatureConfig.tiny())
+    assert len(PreprocessedDataset(out / "records-00000.ffr", FeatureConfig.tiny())) == 1

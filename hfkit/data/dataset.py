@@ -235,13 +235,19 @@ class PreprocessedDataset(_EpochMixin, Dataset):
             self._rows: Sequence[int] = [start[e["file"]] + e["index"] for _, e in entries]
             self.chain_ids = [c for c, _ in entries]
         else:
-            if isinstance(records, str | os.PathLike) and not Path(records).exists():
-                raise FileNotFoundError(f"records: {records} does not exist")
-            if isinstance(records, str | os.PathLike) and Path(records).is_dir():
-                paths = sorted(Path(records).glob(f"*{RECORD_SUFFIX}"))
-                if not paths:
-                    raise FileNotFoundError(f"records: no {INDEX_NAME} and no *{RECORD_SUFFIX} in {records}")
-                records = paths
+            if isinstance(records, str | os.PathLike):
+                path = Path(records)
+                if not path.exists():
+                    raise FileNotFoundError(f"records: {records} does not exist")
+                if path.is_file() and not path.name.endswith(RECORD_SUFFIX):
+                    raise ValueError(
+                        f"records: {records} is not a record file (*{RECORD_SUFFIX}); expected a "
+                        f"preprocessed folder, a folder of *{RECORD_SUFFIX} files, or record files"
+                    )
+                if path.is_dir():
+                    records = sorted(path.glob(f"*{RECORD_SUFFIX}"))
+                    if not records:
+                        raise FileNotFoundError(f"records: no {INDEX_NAME} and no *{RECORD_SUFFIX} in {path}")
             self.records = RecordDataset(records, verify=verify)
             self._rows = range(len(self.records))
         self._init_epoch()

@@ -305,11 +305,18 @@ def featurize_mmcif(
 def load_index(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """The index of a preprocessed folder (`index.json`), or an empty one when there is none yet.
 
+    Raises `FileNotFoundError`/`ValueError` naming `out_dir` when it is missing or a file.
+
     Keys: `files` (record file name → num_samples, nbytes), `chains` (chain id → file, index,
     seq_length, msa_depth, resolution, release_date, nbytes, mmcif, mmcif_stat, alignments
     {path: {size, mtime_ns}}), `mmcifs` (path → stat and the chain ids found in it).
     """
-    path = Path(out_dir) / INDEX_NAME
+    folder = Path(out_dir)
+    if not folder.is_dir():
+        if folder.exists():
+            raise ValueError(f"out_dir: {folder} is a file, expected a preprocessed folder")
+        raise FileNotFoundError(f"out_dir: {folder} does not exist, expected a preprocessed folder")
+    path = folder / INDEX_NAME
     if not path.exists():
         return {"format": INDEX_FORMAT, "files": {}, "chains": {}, "mmcifs": {}}
     with open(path) as f:
@@ -478,6 +485,8 @@ def preprocess(
     if alignment_dir is not None and not Path(alignment_dir).is_dir():
         raise FileNotFoundError(f"alignment_dir: {alignment_dir} is not a directory")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir: {out} is a file, expected a folder for the records")
     out.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(out / LOCK_NAME) as lock:
         return _preprocess_locked(
