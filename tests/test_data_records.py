@@ -532,3 +532,38 @@ def test_entry_points_name_the_argument_for_wrong_kinds_of_path(tmp_path: Path) 
     with pytest.raises(FileNotFoundError, match=r"paths: no \*\.ffr files"):
         RecordDataset(tmp_path / "empty")
     assert os.listdir(tmp_path / "empty") == []  # the refused writer made nothing
+
+
+def test_random_string_metadata_same_verdict_with_and_without_copy() -> None:
+    """Random hfkit.strings values: both decode paths either give the same arrays or both raise
+    ValueError (nothing else), and what they accept decodes to exactly the tensor's bytes."""
+    payload = encode_sample(_STRING_SAMPLE)
+    rng = np.random.default_rng(11)
+    atoms = [0, 1, 2, 3, 5, -1, -3, 2**64, True, None, 1.5, "2", [], [1], {}]
+
+    def value() -> object:
+        if rng.random() < 0.6:
+            return [atoms[int(i)] for i in rng.integers(0, len(atoms), size=int(rng.integers(0, 5)))]
+        return atoms[int(rng.integers(0, len(atoms)))]
+
+    accepted = 0
+    for _ in range(400):
+        keys = rng.choice(["name", "names", "x", "missing"], size=int(rng.integers(1, 3)), replace=False)
+        strings = {str(k): value() for k in keys}
+        crafted = _with_metadata(payload, {"hfkit.strings": json.dumps(strings)})
+        verdicts = []
+        for copy in (True, False):
+            try:
+                verdicts.append(decode_sample(crafted, copy=copy))
+            except ValueError:
+                verdicts.append(None)
+        assert (verdicts[0] is None) == (verdicts[1] is None), strings
+        if verdicts[0] is not None:
+            accepted += 1
+            _assert_same(verdicts[0], verdicts[1])
+            for key, lengths in strings.items():
+                decoded = verdicts[0][key]
+                items = [str(decoded)] if decoded.ndim == 0 else decoded.tolist()
+                assert "".join(items).encode() == {"name": b"abc", "names": b"abcde"}[key], strings
+                assert [len(s.encode()) for s in items] == ([lengths] if decoded.ndim == 0 else lengths)
+    assert accepted > 0
