@@ -530,3 +530,5 @@ def test_wrong_kinds_of_path_name_the_argument(tmp_path: Path, capsys: pytest.Ca
     with pytest.raises(ValueError, match="records: .*index.json is not a record file"):
         PreprocessedDataset(out / INDEX_NAME, FeatureConfig.tiny())
     assert len(PreprocessedDataset(out / "records-00000.ffr", FeatureConfig.tiny())) == 1
+    with pytest.raises(FileNotFoundError, match="alignment_dir: .* is not a directory"):
+        OnTheFlyDataset(src / "mmcifs", a_file, FeatureConfig.tiny(), chain_ids=["syn00000_A"])

@@ -138,6 +138,9 @@ class OnTheFlyDataset(_EpochMixin, Dataset):
     ) -> None:
         self.mmcif_dir = Path(mmcif_dir)
         self.alignment_dir = None if alignment_dir is None else Path(alignment_dir)
+        if self.alignment_dir is not None and not self.alignment_dir.is_dir():
+            # Not silently ignored: every chain would get a single-sequence MSA.
+            raise FileNotFoundError(f"alignment_dir: {self.alignment_dir} is not a directory")
         self.config = config
         self.seed = int(seed)
         self.max_msa_depth = max_msa_depth
@@ -156,8 +159,6 @@ class OnTheFlyDataset(_EpochMixin, Dataset):
 
     def _discover_chains(self) -> list[str]:
         if self.alignment_dir is not None:
-            if not self.alignment_dir.is_dir():
-                raise FileNotFoundError(f"alignment_dir: {self.alignment_dir} is not a directory")
             folders = sorted(p.name for p in self.alignment_dir.iterdir() if p.is_dir() and "_" in p.name)
             return [c for c in folders if _split_chain_id(c)[0] in self.mmcifs]
         from hfkit.data.mmcif import parse_mmcif
