@@ -11,11 +11,11 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import real_data
 
 from hfkit.data.crop import choose_crop, crop_contiguous, crop_spatial
 from hfkit.data.features import (
@@ -46,13 +46,7 @@ from hfkit.data.residue_constants import (
     sequence_to_aatype,
 )
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "openfold_test_data"
-ALIGNMENTS_2Q2K_A = DATA / "alignments" / "2q2k_A"
 MSA_FILES = ("bfd_uniclust_hits.a3m", "mgnify_hits.sto", "uniprot_hits.sto", "uniref90_hits.sto")
-needs_real_data = pytest.mark.skipif(
-    not (ALIGNMENTS_2Q2K_A.is_dir() and (DATA / "mmcifs" / "2q2k.cif").is_file()),
-    reason=f"OpenFold test data (2q2k alignments and mmCIF) not found under {DATA}",
-)
 LETTERS = np.frombuffer(("".join(RESTYPES) + "X-").encode(), dtype=np.uint8)  # index = MSA id 0..21
 PROFILE = slice(MSA_NUM_CLASSES + 2, 2 * MSA_NUM_CLASSES + 2)  # cluster_profile channels of msa_feat
 
@@ -103,9 +97,9 @@ def real_raw() -> dict[str, np.ndarray]:
     from hfkit.data.mmcif import parse_mmcif
     from hfkit.data.parsers import read_msa
 
-    structure = parse_mmcif(DATA / "mmcifs" / "2q2k.cif")
+    structure = parse_mmcif(real_data("mmcifs", "2q2k.cif"))
     chain = structure.chains["A"]
-    msas = [read_msa(ALIGNMENTS_2Q2K_A / name) for name in MSA_FILES]
+    msas = [read_msa(real_data("alignments", "2q2k_A", name)) for name in MSA_FILES]
     return make_raw_features(chain.sequence, msas, chain, structure.resolution, "2q2k_A")
 
 
@@ -685,12 +679,11 @@ def test_choose_crop_probability() -> None:
 # ----------------------------------------------------------------------------- real data (2q2k A)
 
 
-@needs_real_data
 def test_real_2q2k_raw_features() -> None:
     from hfkit.data.parsers import read_msa
 
     raw = real_raw()
-    msas = [read_msa(ALIGNMENTS_2Q2K_A / name) for name in MSA_FILES]
+    msas = [read_msa(real_data("alignments", "2q2k_A", name)) for name in MSA_FILES]
     unique = list(dict.fromkeys(s for m in msas for s in m.sequences))
     assert raw["msa"].shape == (len(unique), 70) and int(raw["num_alignments"]) == len(unique)
     assert len(unique) < sum(len(m.sequences) for m in msas)  # the query, at least, repeats
@@ -699,7 +692,6 @@ def test_real_2q2k_raw_features() -> None:
     assert_raw_dtypes(raw)
 
 
-@needs_real_data
 def test_real_2q2k_af2_initial_shapes_and_masks() -> None:
     raw = real_raw()
     config = FeatureConfig.af2_initial()
@@ -715,7 +707,6 @@ def test_real_2q2k_af2_initial_shapes_and_masks() -> None:
         assert torch.equal(out["all_atom_mask"][:70], torch.from_numpy(raw["all_atom_mask"]))
 
 
-@needs_real_data
 def test_real_2q2k_clusters_when_deeper_than_clusters() -> None:
     """Few clusters so that 2q2k's MSA (~40 rows) has an extra MSA; spatial crops on its structure."""
     raw = real_raw()

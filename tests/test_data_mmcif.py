@@ -11,6 +11,7 @@ from pathlib import Path
 import gemmi
 import numpy as np
 import pytest
+from conftest import real_data
 from fuzz_edits import EDIT_OPS, edit
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,16 +20,13 @@ from hfkit.data.mmcif import Structure, parse_mmcif
 from hfkit.data.parsers import ParseError, parse_fasta, parse_hhr
 from hfkit.data.residue_constants import ATOM_ORDER, sequence_to_aatype
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "openfold_test_data"
 CA, SD = ATOM_ORDER["CA"], ATOM_ORDER["SD"]
 
 
 @pytest.fixture(scope="module")
 def openfold_data() -> Path:
     """OpenFold's test data, shared beside the repository (never copied into it)."""
-    if not (DATA / "mmcifs").is_dir():
-        pytest.skip(f"OpenFold test data not found at {DATA} (expected ../shared beside the repository)")
-    return DATA
+    return real_data("mmcifs").parent
 
 
 def check_chain_arrays(structure: Structure) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import real_data
 from fuzz_edits import EDIT_OPS, edit
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -27,16 +28,13 @@ from hfkit.data.parsers import (
     read_text,
 )
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "openfold_test_data"
 FUZZ = settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
 
 
 @pytest.fixture(scope="module")
 def openfold_data() -> Path:
     """OpenFold's test data, shared beside the repository (never copied into it)."""
-    if not (DATA / "alignments").is_dir():
-        pytest.skip(f"OpenFold test data not found at {DATA} (expected ../shared beside the repository)")
-    return DATA
+    return real_data("alignments").parent
 
 
 def cached_2q2k_sequence(data: Path, chain: str) -> str:

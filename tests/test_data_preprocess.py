@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import platform
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import gemmi
 import numpy as np
 import pytest
 import torch
+from conftest import OPENFOLD_TEST_DATA, REAL_DATA_REASON, real_data
 
 from hfkit.cli import main
 from hfkit.data import preprocess as preprocess_module
@@ -34,10 +40,11 @@ from hfkit.data.synthetic import (
     write_synthetic_dataset,
 )
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "openfold_test_data"
+# The real inputs' folder (None where absent: every test that reads it is skipped then).
+DATA = OPENFOLD_TEST_DATA
 needs_data = pytest.mark.skipif(
-    not (DATA / "mmcifs" / "2q2k.cif").exists(),
-    reason=f"OpenFold's test data not found at {DATA} (shared/data/openfold_test_data, see its NOTICE.md)",
+    OPENFOLD_TEST_DATA is None or not (OPENFOLD_TEST_DATA / "mmcifs" / "2q2k.cif").exists(),
+    reason=REAL_DATA_REASON,
 )
 
 
@@ -243,10 +250,9 @@ def test_concurrent_run_refused(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 @pytest.fixture(scope="module")
 def preprocessed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not (DATA / "mmcifs" / "2q2k.cif").exists():
-        pytest.skip(f"OpenFold's test data not found at {DATA}")
+    data = real_data("mmcifs", "2q2k.cif").parents[1]
     out = tmp_path_factory.mktemp("records")
-    preprocess(DATA / "mmcifs", DATA / "alignments", out, workers=0, chains_per_file=3, progress=False)
+    preprocess(data / "mmcifs", data / "alignments", out, workers=0, chains_per_file=3, progress=False)
     return out
 
 
@@ -422,3 +428,107 @@ def test_preprocess_empty_folder(tmp_path: Path) -> None:
     assert summary.ok and summary.written == []
     assert (tmp_path / "out" / INDEX_NAME).exists() and _no_temp_files(tmp_path / "out")
     assert preprocess_module.mmcif_entry_id("X/2Q2K.cif.gz") == "2q2k"
+
+
+def test_progress_bar_counts_agree_with_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every failure (an unparsable mmCIF as much as a bad chain) is counted on the bar as in the summary;
+    a finished run leaves only its outputs behind (no lock file, no temp files)."""
+    src = tmp_path / "synthetic"
+    write_synthetic_dataset(src, n_chains=2, length=30, depth=5, seed=4)
+    for name in ("zz0.cif", "zz1.cif", "zz2.cif"):  # sorted last: failures end the run
+        (src / "mmcifs" / name).write_text("data_broken\n_this.is not an mmCIF\n")
+    (src / "alignments" / "syn00001_A" / "zzz_hits.sto").write_text("# STOCKHOLM 1.0\nnot an alignment\n//\n")
+    out = tmp_path / "out"
+    summary = preprocess(src / "mmcifs", src / "alignments", out, workers=0, progress=True)
+    assert len(summary.failed) == 4 and summary.written == ["syn00000_A"]
+    bar = capsys.readouterr().err
+    assert "failed=4" in bar and "written=1" in bar
+    assert sorted(p.name for p in out.iterdir()) == [INDEX_NAME, "records-00000.ffr", SUMMARY_NAME]
+
+
+def _child_pids(pid: int) -> list[int]:
+    """The pids whose parent is `pid` (from /proc)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie (a dead process not yet reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process state from Linux /proc")
+def test_killed_run_takes_its_workers_and_lock_along(tmp_path: Path) -> None:
+    """SIGKILL to `hfkit preprocess --workers 2` mid-file: its workers die too, the folder is not left
+    locked, and the rerun takes over at once, deletes the killed run's temp files and completes."""
+    src = tmp_path / "synthetic"
+    ids = write_synthetic_dataset(src, n_chains=60, length=(180, 220), depth=300, seed=9)
+    out = tmp_path / "out"
+    args = ["preprocess", "--mmcif-dir", str(src / "mmcifs"), "--alignment-dir", str(src / "alignments")]
+    args += ["--out", str(out), "--workers", "2", "--chains-per-file", "8", "--no-progress"]
+    repo = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.Popen([sys.executable, "-m", "hfkit", *args], env=env, stdout=subprocess.DEVNULL)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        # Mid-run: a record file is open (its temp file exists) and the workers are busy.
+        while not (out.is_dir() and any(".tmp-" in p.name for p in out.iterdir())):
+            assert run.poll() is None and time.monotonic() < deadline, "the run ended before it was killed"
+            time.sleep(0.02)
+        workers = _child_pids(run.pid)
+        assert len(workers) == 2
+        run.send_signal(signal.SIGKILL)
+        run.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_running(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_running(w) for w in workers), "pool workers outlived their killed parent"
+        assert any(".tmp-" in p.name for p in out.iterdir())  # what the rerun must clean up
+
+        summary = preprocess(
+            src / "mmcifs", src / "alignments", out, workers=2, chains_per_file=8, progress=False
+        )
+        assert summary.ok and sorted(summary.written + summary.skipped) == ids
+        assert any(f"pid {run.pid}" in n for n in summary.notices)  # the dead run's lock, taken over
+        assert any("temp files" in n for n in summary.notices)
+        assert _no_temp_files(out) and not (out / ".preprocess.lock").exists()
+        assert all(r.ok for r in validate_dir(out))
+        assert set(load_index(out)["chains"]) == set(ids)
+    finally:
+        for pid in [run.pid, *workers]:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_wrong_kinds_of_path_name_the_argument(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A file where a folder is expected (and a missing folder) is an argument error naming the argument,
+    not a traceback or a silently empty result."""
+    src = tmp_path / "synthetic"
+    write_synthetic_dataset(src, n_chains=1, length=20, depth=3)
+    a_file = src / "SYNTHETIC.md"
+    argv = ["preprocess", "--mmcif-dir", str(src / "mmcifs"), "--out", str(a_file), "--no-progress"]
+    assert main(argv) == 2 and "out_dir" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="out_dir: .* is a file"):
+        load_index(a_file)
+    with pytest.raises(FileNotFoundError, match="out_dir: .* does not exist"):
+        load_index(tmp_path / "nope")
+    with pytest.raises(ValueError, match="out_dir: .* is a file"):
+        write_synthetic_dataset(a_file, n_chains=1, length=20, depth=3)
+    out = tmp_path / "out"
+    preprocess(src / "mmcifs", src / "alignments", out, workers=0, progress=False)
+    with pytest.raises(ValueError, match="records: .*index.json is not a record file"):
+        PreprocessedDataset(out / INDEX_NAME, FeatureConfig.tiny())
+    assert len(PreprocessedDataset(out / "records-00000.ffr", FeatureConfig.tiny())) == 1
+    with pytest.raises(FileNotFoundError, match="alignment_dir: .* is not a directory"):
+        OnTheFlyDataset(src / "mmcifs", a_file, FeatureConfig.tiny(), chain_ids=["syn00000_A"])

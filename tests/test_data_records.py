@@ -21,6 +21,7 @@ from hfkit.data.records import (
     RecordWriter,
     decode_sample,
     encode_sample,
+    read_num_samples,
     validate,
     validate_dir,
 )
@@ -384,3 +385,185 @@ def test_read_view_is_checked_and_outlives_close(tmp_path: Path) -> None:
     with RecordReader(path) as damaged, pytest.raises(CorruptRecordError, match="record 0"):
         damaged.read_view(0)
     assert start < end
+
+
+# --------------------------------------------------------------------------------------------------
+# hostile records: crafted by the writer (valid CRCs), with hfkit's own metadata or the count patched
+# --------------------------------------------------------------------------------------------------
+
+_STRING_SAMPLE = {"name": "abc", "names": np.array(["ab", "", "cde"]), "x": np.arange(4, dtype=np.int32)}
+
+
+def _with_metadata(payload: bytes, metadata: object) -> bytes:
+    """`payload` (from encode_sample) with its safetensors `__metadata__` replaced by `metadata`."""
+    (n,) = struct.unpack_from("<Q", payload, 0)
+    header = json.loads(payload[8 : 8 + n])
+    header["__metadata__"] = metadata
+    return _with_header(header, payload[8 + n :])
+
+
+def _crafted_file(path: Path, payload: bytes) -> Path:
+    """A record file of a good sample and `payload` (record 1), written by RecordWriter: CRCs valid."""
+    with RecordWriter(path) as writer:
+        writer.write(_STRING_SAMPLE)
+        writer.write_bytes(payload)
+    return path
+
+
+_BOMB_ITEMS = 2_500  # empty strings beside one of 20 000 bytes: a 2501 x 20000 str array (200 MB)
+
+_STRING_ATTACKS = {
+    "names-no-tensor": '{"missing": 3}',
+    "not-an-object": "[1, 2]",
+    "names-an-int32-tensor": '{"x": 16}',
+    "length-a-string": '{"name": "3"}',
+    "length-null": '{"names": [2, null, 3]}',
+    "length-float": '{"names": 2.5}',
+    "length-bool": '{"names": [true, true, 3]}',
+    "length-overflows-int64": '{"names": [2, 18446744073709551616, 3]}',
+    "length-negative": '{"names": [2, -2, 5]}',
+    "lengths-sum-short": '{"names": [2, 0, 2]}',
+    "lengths-sum-long": '{"names": [2, 0, 4]}',
+    "0d-length-mismatch": '{"name": 5}',
+    "nested-too-deep": "[" * 100_000,
+}
+
+
+def _string_attack(name: str) -> bytes:
+    if name == "not-a-string":
+        return _with_metadata(encode_sample(_STRING_SAMPLE), {"hfkit.strings": {"name": 3}})
+    if name == "decode-bomb":
+        long = "a" * 20_000
+        payload = encode_sample({"names": np.array([long, "b"])})
+        lengths = [0] * _BOMB_ITEMS + [20_001]
+        return _with_metadata(payload, {"hfkit.strings": json.dumps({"names": lengths})})
+    return _with_metadata(encode_sample(_STRING_SAMPLE), {"hfkit.strings": _STRING_ATTACKS[name]})
+
+
+@pytest.mark.parametrize("attack", [*_STRING_ATTACKS, "not-a-string", "decode-bomb"])
+def test_hostile_string_metadata_is_corruption(tmp_path: Path, attack: str) -> None:
+    """Every inconsistency in hfkit's metadata is a CorruptRecordError naming the record, in both decode
+    paths alike, and a not-ok verdict from validate (which raises nothing)."""
+    payload = _string_attack(attack)
+    with pytest.raises(ValueError):
+        decode_sample(payload)
+    with pytest.raises(ValueError):
+        decode_sample(payload, copy=False)
+    path = _crafted_file(tmp_path / "a.ffr", payload)
+    with RecordReader(path) as reader:
+        assert str(reader[0]["name"]) == "abc"
+        with pytest.raises(CorruptRecordError, match=r"a\.ffr: record 1") as info:
+            reader[1]
+        assert info.value.index == 1
+    report = validate(path)
+    assert not report.ok and report.header_ok and report.bad_records == [1]
+
+
+def test_string_arrays_the_decoder_would_refuse_are_not_written() -> None:
+    """encode_sample refuses string arrays too wide to decode within the payload's memory budget; the
+    same strings in a compact shape (one 0-d string) are fine."""
+    uneven = np.array(["a" * 20_000] + [""] * _BOMB_ITEMS)
+    with pytest.raises(ValueError, match="decode to"):
+        encode_sample({"names": uneven})
+    assert str(decode_sample(encode_sample({"text": "a" * 20_000}))["text"]) == "a" * 20_000
+
+
+def _patched_count(path: Path, count: int, fix_crc: bool) -> None:
+    raw = bytearray(path.read_bytes())
+    struct.pack_into("<Q", raw, 4, count)
+    if fix_crc:
+        end = min(12 + 12 * count, len(raw))
+        struct.pack_into("<I", raw, 0, zlib.crc32(raw[4:end]))
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize(
+    "count, fix_crc",
+    [(3 ^ (1 << 24), False), (3 ^ (1 << 63), False), (2, False), (2, True), (4, True)],
+    ids=["bit24", "bit63", "fewer", "fewer-crc-fixed", "more-crc-fixed"],
+)
+def test_damaged_count_refused_wherever_a_file_opens(tmp_path: Path, count: int, fix_crc: bool) -> None:
+    (path,) = _write_files(tmp_path, [3])
+    _patched_count(path, count, fix_crc)
+    with pytest.raises(CorruptRecordError, match="records-00000.ffr: (header|record)"):
+        read_num_samples(path)
+    with pytest.raises(CorruptRecordError):
+        RecordDataset([path])
+    with pytest.raises(CorruptRecordError):
+        RecordDataset(tmp_path)
+    with pytest.raises(CorruptRecordError):
+        RecordReader(path)
+    assert not validate(path).ok
+
+
+def test_preprocessed_folder_without_index_checks_counts(tmp_path: Path) -> None:
+    """A folder of record files (no index.json) with a flipped count bit is refused, not a huge dataset."""
+    from hfkit.data.dataset import PreprocessedDataset
+    from hfkit.data.msa_sampling import FeatureConfig
+
+    (path,) = _write_files(tmp_path, [3])
+    _patched_count(path, 3 ^ (1 << 20), fix_crc=False)
+    with pytest.raises(CorruptRecordError, match="records-00000.ffr: header: header claims 1048579 samples"):
+        PreprocessedDataset(tmp_path, FeatureConfig.tiny())
+
+
+def test_entry_points_name_the_argument_for_wrong_kinds_of_path(tmp_path: Path) -> None:
+    (path,) = _write_files(tmp_path, [2])
+    folder = tmp_path
+    with pytest.raises(ValueError, match=r"path: .* is a directory, expected a record file.*validate_dir"):
+        validate(folder)
+    with pytest.raises(ValueError, match="path: .* is a directory"):
+        RecordReader(folder)
+    with pytest.raises(ValueError, match="path: .* is a directory"):
+        read_num_samples(folder)
+    with pytest.raises(ValueError, match="path: .* is a directory"):
+        RecordWriter(folder)
+    with pytest.raises(ValueError, match="paths: .* is a directory"):
+        RecordDataset([folder])
+    with pytest.raises(ValueError, match="directory: .* is a file"):
+        validate_dir(path)
+    with pytest.raises(FileNotFoundError, match="directory: .* does not exist"):
+        validate_dir(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="path: .* does not exist"):
+        RecordReader(tmp_path / "nope.ffr")
+    with pytest.raises(FileNotFoundError, match="paths: .* does not exist"):
+        RecordDataset(tmp_path / "nope.ffr")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"paths: no \*\.ffr files"):
+        RecordDataset(tmp_path / "empty")
+    assert os.listdir(tmp_path / "empty") == []  # the refused writer made nothing
+
+
+def test_random_string_metadata_same_verdict_with_and_without_copy() -> None:
+    """Random hfkit.strings values: both decode paths either give the same arrays or both raise
+    ValueError (nothing else), and what they accept decodes to exactly the tensor's bytes."""
+    payload = encode_sample(_STRING_SAMPLE)
+    rng = np.random.default_rng(11)
+    atoms = [0, 1, 2, 3, 5, -1, -3, 2**64, True, None, 1.5, "2", [], [1], {}]
+
+    def value() -> object:
+        if rng.random() < 0.6:
+            return [atoms[int(i)] for i in rng.integers(0, len(atoms), size=int(rng.integers(0, 5)))]
+        return atoms[int(rng.integers(0, len(atoms)))]
+
+    accepted = 0
+    for _ in range(400):
+        keys = rng.choice(["name", "names", "x", "missing"], size=int(rng.integers(1, 3)), replace=False)
+        strings = {str(k): value() for k in keys}
+        crafted = _with_metadata(payload, {"hfkit.strings": json.dumps(strings)})
+        verdicts = []
+        for copy in (True, False):
+            try:
+                verdicts.append(decode_sample(crafted, copy=copy))
+            except ValueError:
+                verdicts.append(None)
+        assert (verdicts[0] is None) == (verdicts[1] is None), strings
+        if verdicts[0] is not None:
+            accepted += 1
+            _assert_same(verdicts[0], verdicts[1])
+            for key, lengths in strings.items():
+                decoded = verdicts[0][key]
+                items = [str(decoded)] if decoded.ndim == 0 else decoded.tolist()
+                assert "".join(items).encode() == {"name": b"abc", "names": b"abcde"}[key], strings
+                assert [len(s.encode()) for s in items] == ([lengths] if decoded.ndim == 0 else lengths)
+    assert accepted > 0

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from hfkit.data.msa_sampling import FeatureConfig, process_features
 from hfkit.data.preprocess import INDEX_NAME, chain_raw_features, find_mmcifs, load_index, mmcif_entry_id
-from hfkit.data.records import RECORD_SUFFIX, RecordDataset, decode_sample
+from hfkit.data.records import RECORD_SUFFIX, CorruptRecordError, RecordDataset, decode_sample
 
 __all__ = [
     "TIMING_PREFIX",
@@ -138,6 +138,9 @@ class OnTheFlyDataset(_EpochMixin, Dataset):
     ) -> None:
         self.mmcif_dir = Path(mmcif_dir)
         self.alignment_dir = None if alignment_dir is None else Path(alignment_dir)
+        if self.alignment_dir is not None and not self.alignment_dir.is_dir():
+            # Not silently ignored: every chain would get a single-sequence MSA.
+            raise FileNotFoundError(f"alignment_dir: {self.alignment_dir} is not a directory")
         self.config = config
         self.seed = int(seed)
         self.max_msa_depth = max_msa_depth
@@ -156,8 +159,6 @@ class OnTheFlyDataset(_EpochMixin, Dataset):
 
     def _discover_chains(self) -> list[str]:
         if self.alignment_dir is not None:
-            if not self.alignment_dir.is_dir():
-                raise FileNotFoundError(f"alignment_dir: {self.alignment_dir} is not a directory")
             folders = sorted(p.name for p in self.alignment_dir.iterdir() if p.is_dir() and "_" in p.name)
             return [c for c in folders if _split_chain_id(c)[0] in self.mmcifs]
         from hfkit.data.mmcif import parse_mmcif
@@ -193,7 +194,9 @@ class PreprocessedDataset(_EpochMixin, Dataset):
     files the index does not name are ignored), a folder of `*.ffr` files without an index (every
     record), or a list of record files. Readers are opened lazily in each process
     (`RecordDataset`), so the dataset is safe in DataLoader workers. `verify` checks each record's
-    CRC32 on read. Each item is a dict of tensors shaped `feature_shapes(config)`.
+    CRC32 on read (record headers are checked either way). Raises `CorruptRecordError` when a record
+    file's header is damaged or its sample count differs from the index's. Each item is a dict of
+    tensors shaped `feature_shapes(config)`.
     """
 
     def __init__(
@@ -216,19 +219,38 @@ class PreprocessedDataset(_EpochMixin, Dataset):
             entries = sorted(index["chains"].items(), key=lambda kv: (kv[1]["file"], kv[1]["index"]))
             files = sorted({e["file"] for _, e in entries})
             self.records = RecordDataset([folder / f for f in files], verify=verify)
+            for name, count in zip(files, self.records.counts, strict=True):
+                listed = index["files"].get(name, {}).get("num_samples")
+                if listed != count:
+                    raise CorruptRecordError(
+                        folder / name, None, f"{count} samples, but {folder / INDEX_NAME} lists {listed}"
+                    )
+            counts = dict(zip(files, self.records.counts, strict=True))
+            for chain_id, e in entries:
+                if not (type(e["index"]) is int and 0 <= e["index"] < counts[e["file"]]):
+                    raise ValueError(
+                        f"{folder / INDEX_NAME}: chain {chain_id}: index {e['index']!r} is not a record of "
+                        f"{e['file']} ({counts[e['file']]} samples)"
+                    )
             start = dict(zip(files, self.records.cumulative, strict=False))
-            self._rows = [start[e["file"]] + e["index"] for _, e in entries]
+            self._rows: Sequence[int] = [start[e["file"]] + e["index"] for _, e in entries]
             self.chain_ids = [c for c, _ in entries]
         else:
-            if isinstance(records, str | os.PathLike) and not Path(records).exists():
-                raise FileNotFoundError(f"records: {records} does not exist")
-            if isinstance(records, str | os.PathLike) and Path(records).is_dir():
-                paths = sorted(Path(records).glob(f"*{RECORD_SUFFIX}"))
-                if not paths:
-                    raise FileNotFoundError(f"records: no {INDEX_NAME} and no *{RECORD_SUFFIX} in {records}")
-                records = paths
+            if isinstance(records, str | os.PathLike):
+                path = Path(records)
+                if not path.exists():
+                    raise FileNotFoundError(f"records: {records} does not exist")
+                if path.is_file() and not path.name.endswith(RECORD_SUFFIX):
+                    raise ValueError(
+                        f"records: {records} is not a record file (*{RECORD_SUFFIX}); expected a "
+                        f"preprocessed folder, a folder of *{RECORD_SUFFIX} files, or record files"
+                    )
+                if path.is_dir():
+                    records = sorted(path.glob(f"*{RECORD_SUFFIX}"))
+                    if not records:
+                        raise FileNotFoundError(f"records: no {INDEX_NAME} and no *{RECORD_SUFFIX} in {path}")
             self.records = RecordDataset(records, verify=verify)
-            self._rows = list(range(len(self.records)))
+            self._rows = range(len(self.records))
         self._init_epoch()
         self.last_timings: dict[str, float] = {}
 

@@ -14,22 +14,29 @@ Output folder:
   each completed record file, so it only ever names complete files.
 - `summary.json`: the last run's outcome: chains written, skipped (already done), failed (with the
   input and the error), warnings (e.g. a chain without alignments, featurized with its sequence as
-  the only MSA row), per-chain timings (seconds).
+  the only MSA row), notices (a dead run's lock taken over, its temp files removed), per-chain
+  timings (seconds).
+- `.preprocess.lock`, while a run writes there: an flock naming the run's pid, deleted at its end.
 
 Rerunning skips mmCIFs whose chains are all in the index with unchanged source files, so an
 interrupted run resumes where it stopped; a record file being written when the run is interrupted is
-deleted (the writer's temp-file semantics) and its chains are redone.
+deleted (the writer's temp-file semantics) and its chains are redone. A run killed outright
+(SIGKILL) takes its pool workers with it and leaves an unlocked lock file and its temp files: the
+next run takes the lock over and deletes the temp files, with a notice.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import fcntl
 import json
 import os
+import re
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -298,11 +305,18 @@ def featurize_mmcif(
 def load_index(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """The index of a preprocessed folder (`index.json`), or an empty one when there is none yet.
 
+    Raises `FileNotFoundError`/`ValueError` naming `out_dir` when it is missing or a file.
+
     Keys: `files` (record file name → num_samples, nbytes), `chains` (chain id → file, index,
     seq_length, msa_depth, resolution, release_date, nbytes, mmcif, mmcif_stat, alignments
     {path: {size, mtime_ns}}), `mmcifs` (path → stat and the chain ids found in it).
     """
-    path = Path(out_dir) / INDEX_NAME
+    folder = Path(out_dir)
+    if not folder.is_dir():
+        if folder.exists():
+            raise ValueError(f"out_dir: {folder} is a file, expected a preprocessed folder")
+        raise FileNotFoundError(f"out_dir: {folder} does not exist, expected a preprocessed folder")
+    path = folder / INDEX_NAME
     if not path.exists():
         return {"format": INDEX_FORMAT, "files": {}, "chains": {}, "mmcifs": {}}
     with open(path) as f:
@@ -336,6 +350,7 @@ class PreprocessSummary:
     skipped: list[str] = field(default_factory=list)
     failed: list[dict[str, str]] = field(default_factory=list)
     warnings: list[dict[str, str]] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
     elapsed_s: float = 0.0
@@ -360,6 +375,7 @@ class PreprocessSummary:
         lines = [f"{k:<{width}}  {v}" for k, v in rows]
         if self.interrupted:
             lines.append("INTERRUPTED: rerun the same command to resume")
+        lines.extend(f"note     {n}" for n in self.notices)
         for f in self.failed:
             lines.append(f"FAILED   {f['chain_id'] or '-'}  {f['input']}\n         {f['error']}")
         for w in self.warnings:
@@ -367,17 +383,58 @@ class PreprocessSummary:
         return "\n".join(lines)
 
 
-def _ignore_sigint() -> None:
-    # Ctrl-C reaches the whole process group; only the parent should act on it (abort the open record
-    # file, cancel queued work), while workers finish their current mmCIF quietly.
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>: signal this process when its parent dies
+
+
+@dataclass(frozen=True)
+class _HeldLock:
+    """The output folder's lock as this run holds it: the open file's descriptor and identity (device,
+    inode), and the pid that a previous run left in it when it died holding it (None after a clean run)."""
+
+    fd: int
+    dev: int
+    ino: int
+    previous_holder: str | None
+
+
+def _init_worker(parent_pid: int, lock: _HeldLock | None) -> None:
+    """Set up a pool worker: ignore Ctrl-C, let go of the parent's output lock, die with the parent.
+
+    Ctrl-C reaches the whole process group; only the parent acts on it (aborts the open record file,
+    cancels queued work) while workers finish their current mmCIF quietly. A forked worker inherits
+    the parent's open files, the locked one among them, and an flock lasts while any process has its
+    file open: the worker closes its copy, so that a killed parent's lock dies with the parent. A
+    worker blocked on the task queue would outlive a killed parent (its siblings keep the queue
+    open), so the kernel is asked to SIGKILL it when the parent dies (Linux), and a watchdog thread
+    exits it once its parent pid changes (everywhere, and for a parent that died before the prctl).
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if lock is not None:
+        with contextlib.suppress(OSError):
+            st = os.fstat(lock.fd)
+            if (st.st_dev, st.st_ino) == (lock.dev, lock.ino):  # the lock file, not a reused number
+                os.close(lock.fd)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    threading.Thread(
+        target=_exit_when_orphaned, args=(parent_pid,), name="hfkit-parent-watchdog", daemon=True
+    ).start()
+
+
+def _exit_when_orphaned(parent_pid: int, interval_s: float = 0.5) -> None:
+    """Exit this process (without cleanup: it only computes) as soon as its parent is not `parent_pid`."""
+    while os.getppid() == parent_pid:
+        time.sleep(interval_s)
+    os._exit(1)
 
 
 def _results(
-    fn: Callable[..., MmcifResult], tasks: list[tuple[Any, ...]], workers: int
+    fn: Callable[..., MmcifResult], tasks: list[tuple[Any, ...]], workers: int, lock: _HeldLock | None = None
 ) -> Iterator[MmcifResult]:
     """`fn(*task)` for each task, in order; in a pool of `workers` processes when > 1.
 
+    Workers close their inherited copy of `lock` and die with this process (see `_init_worker`).
     A bounded window of submitted tasks keeps results in input order (so the record files do not
     depend on the worker count) without holding every finished result in memory.
     """
@@ -385,7 +442,7 @@ def _results(
         for task in tasks:
             yield fn(*task)
         return
-    with ProcessPoolExecutor(workers, initializer=_ignore_sigint) as pool:
+    with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(os.getpid(), lock)) as pool:
         window: collections.deque[Future[MmcifResult]] = collections.deque()
         try:
             for task in tasks:
@@ -416,7 +473,8 @@ def preprocess(
     malformed alignment, an MSA that does not match its chain) are reported in the summary and the
     others still processed. Chains already in the index with unchanged sources are skipped (an
     mmCIF all of whose chains are done is not even parsed), so rerunning resumes an interrupted run.
-    Raises `RuntimeError` when another run holds `out_dir` (an flock on `out_dir/.preprocess.lock`).
+    Raises `RuntimeError` when another run holds `out_dir` (an flock on `out_dir/.preprocess.lock`,
+    deleted when the run ends; a killed run's is taken over, and its temp files are deleted).
     """
     if chains_per_file < 1:
         raise ValueError(f"chains_per_file: expected >= 1, got {chains_per_file}")
@@ -427,27 +485,77 @@ def preprocess(
     if alignment_dir is not None and not Path(alignment_dir).is_dir():
         raise FileNotFoundError(f"alignment_dir: {alignment_dir} is not a directory")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir: {out} is a file, expected a folder for the records")
     out.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(out / LOCK_NAME):
+    with _exclusive_lock(out / LOCK_NAME) as lock:
         return _preprocess_locked(
-            mmcif_dir, alignment_dir, out, workers, chains_per_file, max_msa_depth, progress
+            mmcif_dir, alignment_dir, out, workers, chains_per_file, max_msa_depth, progress, lock
         )
 
 
 @contextlib.contextmanager
-def _exclusive_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive flock on `path`: two runs writing one folder would number files alike."""
-    with open(path, "a") as f:
+def _exclusive_lock(path: Path) -> Iterator[_HeldLock]:
+    """Hold an exclusive flock on `path` (two runs writing one folder would number files alike).
+
+    The file holds the holder's pid and is deleted when the holder is done. An flock dies with the
+    processes that have its file open (the pool workers close theirs), so a killed run leaves the
+    file unlocked, with its pid: the next run takes it over and reports that pid. The file is deleted
+    while still locked; a run that opened it just before then finds, once it holds the lock, that
+    `path` is no longer the file it locked, and locks the new one.
+    """
+    while True:
+        f = open(path, "a+")  # noqa: SIM115 (closed below, or in the finally after the yield)
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip()
+            f.close()
+            by = f" (pid {holder})" if holder else ""
             raise RuntimeError(
-                f"{path.parent}: another hfkit preprocess is writing there ({path} is locked)"
+                f"{path.parent}: another hfkit preprocess{by} is writing there ({path} is locked)"
             ) from None
+        held = os.fstat(f.fileno())
         try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            current = os.stat(path)
+        except FileNotFoundError:
+            current = None
+        if current is not None and (current.st_dev, current.st_ino) == (held.st_dev, held.st_ino):
+            break
+        f.close()
+    try:
+        f.seek(0)
+        previous = f.read().strip() or None
+        f.truncate(0)
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield _HeldLock(f.fileno(), held.st_dev, held.st_ino, previous)
+    finally:
+        path.unlink(missing_ok=True)
+        f.close()
+
+
+# What `RecordWriter` and `write_json_atomic` write before renaming: `<name>.tmp-<pid>[.payloads]`.
+_TEMP_NAME = re.compile(
+    rf"(records-\d{{5}}{re.escape(RECORD_SUFFIX)}|{re.escape(INDEX_NAME)}|{re.escape(SUMMARY_NAME)})"
+    r"\.tmp-\d+(\.payloads)?"
+)
+
+
+def _remove_temp_files(out: Path) -> tuple[int, int]:
+    """Delete the temp files of runs that were killed in `out`; return (files, bytes) removed.
+
+    Called with the folder's lock held, so no other run is writing any of them.
+    """
+    count = nbytes = 0
+    for path in out.iterdir():
+        if _TEMP_NAME.fullmatch(path.name) and path.is_file():
+            with contextlib.suppress(FileNotFoundError):
+                size = path.stat().st_size
+                path.unlink()
+                count, nbytes = count + 1, nbytes + size
+    return count, nbytes
 
 
 def _preprocess_locked(
@@ -458,8 +566,21 @@ def _preprocess_locked(
     chains_per_file: int,
     max_msa_depth: int | None,
     progress: bool,
+    lock: _HeldLock,
 ) -> PreprocessSummary:
     start = time.perf_counter()
+    notices = []
+    if lock.previous_holder is not None:
+        notices.append(
+            f"{out / LOCK_NAME}: took over from hfkit preprocess pid {lock.previous_holder}, "
+            "which ended without releasing it (killed?)"
+        )
+    removed, removed_bytes = _remove_temp_files(out)
+    if removed:
+        notices.append(f"{out}: removed {removed} temp files ({removed_bytes:,} bytes) of an unfinished run")
+    if progress:
+        for notice in notices:
+            print(f"hfkit preprocess: {notice}", file=sys.stderr)
     aln = None if alignment_dir is None else str(Path(alignment_dir).resolve())
     index = load_index(out)
     if index.get("max_msa_depth", max_msa_depth) != max_msa_depth:
@@ -468,7 +589,7 @@ def _preprocess_locked(
             "use a new --out folder"
         )
     index.update(mmcif_dir=str(Path(mmcif_dir).resolve()), alignment_dir=aln, max_msa_depth=max_msa_depth)
-    summary = PreprocessSummary(out_dir=str(out), workers=workers)
+    summary = PreprocessSummary(out_dir=str(out), workers=workers, notices=notices)
 
     tasks = []
     for mmcif in (m.resolve() for m in find_mmcifs(mmcif_dir)):
@@ -498,41 +619,47 @@ def _preprocess_locked(
         writer, pending[:] = None, []
         write_json_atomic(out / INDEX_NAME, index)
 
+    def take(result: MmcifResult) -> None:
+        """Record one mmCIF's chains: failures and warnings in the summary, payloads in the open file."""
+        nonlocal writer, next_number
+        if result.error is not None:
+            summary.failed.append({"chain_id": "", "input": result.mmcif_path, "error": result.error})
+            return
+        index["mmcifs"][result.mmcif_path] = {
+            "stat": result.stat,
+            "chains": [c.chain_id for c in result.chains],
+        }
+        for chain in result.chains:
+            summary.warnings.extend({"chain_id": chain.chain_id, "warning": w} for w in chain.warnings)
+            if chain.skipped:
+                summary.skipped.append(chain.chain_id)
+                continue
+            if chain.error is not None:
+                summary.failed.append(
+                    {"chain_id": chain.chain_id, "input": chain.failed_input or "", "error": chain.error}
+                )
+                continue
+            if writer is None:
+                writer = RecordWriter(out / f"records-{next_number:05d}{RECORD_SUFFIX}")
+                next_number += 1
+            assert chain.payload is not None
+            writer.write_bytes(chain.payload)
+            chain.payload = None  # on disk now: keep the parent's memory flat
+            pending.append(chain)
+            summary.written.append(chain.chain_id)
+            summary.timings[chain.chain_id] = chain.timings
+            if len(pending) >= chains_per_file:
+                commit()
+
     bar = _progress_bar(len(tasks), progress)
     # Closed explicitly in `finally`: on an interrupt the pool stops now, not when the traceback dies.
-    results = _results(featurize_mmcif, tasks, workers)
+    results = _results(featurize_mmcif, tasks, workers, lock)
     try:
         for result in results:
-            bar.update(1)
-            if result.error is not None:
-                summary.failed.append({"chain_id": "", "input": result.mmcif_path, "error": result.error})
-                continue
-            index["mmcifs"][result.mmcif_path] = {
-                "stat": result.stat,
-                "chains": [c.chain_id for c in result.chains],
-            }
-            for chain in result.chains:
-                summary.warnings.extend({"chain_id": chain.chain_id, "warning": w} for w in chain.warnings)
-                if chain.skipped:
-                    summary.skipped.append(chain.chain_id)
-                    continue
-                if chain.error is not None:
-                    summary.failed.append(
-                        {"chain_id": chain.chain_id, "input": chain.failed_input or "", "error": chain.error}
-                    )
-                    continue
-                if writer is None:
-                    writer = RecordWriter(out / f"records-{next_number:05d}{RECORD_SUFFIX}")
-                    next_number += 1
-                assert chain.payload is not None
-                writer.write_bytes(chain.payload)
-                chain.payload = None  # on disk now: keep the parent's memory flat
-                pending.append(chain)
-                summary.written.append(chain.chain_id)
-                summary.timings[chain.chain_id] = chain.timings
-                if len(pending) >= chains_per_file:
-                    commit()
+            take(result)
+            # After the whole result: the bar's counts are the summary's at every step.
             bar.set_postfix(written=len(summary.written), failed=len(summary.failed), refresh=False)
+            bar.update(1)
         commit()
         write_json_atomic(out / INDEX_NAME, index)
     except BaseException:

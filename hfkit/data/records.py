@@ -20,8 +20,15 @@ Values that safetensors cannot hold are stored as follows (see `encode_sample`):
 - `str` and 0-d/1-d arrays of str (numpy dtype `U`) or bytes (`S`) → a uint8 array of the UTF-8
   bytes of all items, concatenated; the safetensors metadata entry `hfkit.strings` (JSON) records,
   per such key, the item lengths (an int for a 0-d string, a list for a 1-d one). They are read back
-  as numpy `str` arrays of the same shape (`str(x)` gives the Python string of a 0-d one).
+  as numpy `str` arrays of the same shape (`str(x)` gives the Python string of a 0-d one). numpy
+  str arrays are fixed-width (every item as wide as the longest, 4 bytes a character), so the
+  string arrays of one sample may take at most `_STRING_GROWTH` times its payload size plus
+  `_STRING_ALLOWANCE` bytes once decoded: `encode_sample` refuses more, `decode_sample` too.
 - object, complex and other dtypes are refused with a `ValueError` naming the key.
+
+Decoding trusts nothing in a payload: the safetensors header and hfkit's own metadata are checked
+(types, lengths, their sums against the data, the memory a decode may allocate) before an array is
+made, the same way with and without copying, and a bad payload is a `ValueError`.
 
 `RecordWriter` writes to `<path>.tmp-<pid>` and renames onto `<path>` only when closed cleanly, so a
 record file that exists is complete. `RecordReader` memory-maps a file, checks the header CRC when it
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import json
 import math
 import mmap
@@ -48,7 +56,6 @@ from types import TracebackType
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import load as _st_load
 from safetensors.numpy import save as _st_save
 
 __all__ = [
@@ -70,6 +77,10 @@ _HEAD = struct.Struct("<IQ")  # meta_crc, N
 _HEAD_SIZE = _HEAD.size  # 12
 _PER_SAMPLE = 4 + 8  # one uint32 checksum + one uint64 offset
 _STRINGS_KEY = "hfkit.strings"
+# Decoded str arrays of one sample may take _STRING_GROWTH x its payload bytes + _STRING_ALLOWANCE.
+_STRING_GROWTH = 64
+_STRING_ALLOWANCE = 1 << 20
+_MAX_DIM = 2**63 - 1  # numpy's largest array dimension
 # dtypes that safetensors stores and numpy has natively (bfloat16/float8 have no numpy dtype).
 _SUPPORTED_DTYPES = frozenset(
     np.dtype(t).str.lstrip("<>|=")
@@ -131,7 +142,8 @@ def encode_sample(sample: Mapping[str, Any]) -> bytes:
     Arrays keep dtype and shape (made C-contiguous and little-endian); Python scalars become 0-d
     arrays; strings become UTF-8 uint8 arrays with their lengths in the safetensors metadata (see the
     module docstring). Raises `ValueError` naming the key for object, complex or other dtypes that
-    safetensors and numpy cannot both hold, and for keys that are not non-empty strings.
+    safetensors and numpy cannot both hold, and for keys that are not non-empty strings; and for
+    string arrays that would decode to more memory than `decode_sample` allows the payload.
     """
     if not isinstance(sample, Mapping):
         raise ValueError(f"sample: expected a dict of arrays, got {type(sample).__name__}")
@@ -164,14 +176,15 @@ def encode_sample(sample: Mapping[str, Any]) -> bytes:
         # (np.asarray, not ascontiguousarray, which would turn a 0-d array into a 1-d one.)
         tensors[key] = np.asarray(value, dtype=value.dtype.newbyteorder("<"), order="C")
     metadata = {_STRINGS_KEY: json.dumps(strings)} if strings else None
-    return _st_save(tensors, metadata=metadata)
-
-
-def _st_metadata(data: bytes) -> dict[str, str]:
-    # safetensors: 8-byte little-endian header length, then the JSON header.
-    (n,) = struct.unpack_from("<Q", data, 0)
-    header = json.loads(bytes(data[8 : 8 + n]))
-    return header.get("__metadata__") or {}
+    payload = _st_save(tensors, metadata=metadata)
+    need = sum(_decoded_string_nbytes(lengths) for lengths in strings.values())
+    if need > _string_budget(len(payload)):
+        raise ValueError(
+            f"sample: its string arrays would decode to {need:,} bytes (numpy str arrays are as wide as "
+            f"their longest item), more than the {_string_budget(len(payload)):,} a {len(payload):,}-byte "
+            "payload may; store long strings of very uneven lengths as uint8 arrays"
+        )
+    return payload
 
 
 # safetensors dtype names -> numpy (little-endian); BF16 and F8 have no numpy dtype.
@@ -191,11 +204,26 @@ _ST_DTYPES = {
 }
 
 
+def _json(text: str | bytes, what: str) -> Any:
+    """`json.loads(text)`, raising only `ValueError` (a deeply nested document raises RecursionError)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{what}: JSON nested too deeply") from None
+    except ValueError as err:
+        raise ValueError(f"{what}: not JSON ({err})") from None
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int  # not bool, which JSON's true/false become
+
+
 def _st_views(data: bytes | bytearray | memoryview) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Arrays of a safetensors payload as views of `data` (no copy), and its metadata.
 
-    Checks what safetensors' own loader checks: a JSON object header, known dtypes, shapes of
-    non-negative ints, and tensors that tile the data region exactly, in order, without overlap.
+    Checks what safetensors' own loader checks: a UTF-8 JSON object header, known dtypes, shapes of
+    non-negative ints, tensors that tile the data region exactly, in order, without overlap, and
+    metadata of str values. Raises `ValueError` for anything else.
     """
     size = len(data)
     if size < 8:
@@ -203,21 +231,21 @@ def _st_views(data: bytes | bytearray | memoryview) -> tuple[dict[str, np.ndarra
     (n,) = struct.unpack_from("<Q", data, 0)
     if n > size - 8:
         raise ValueError(f"header length {n} runs past the payload end ({size} bytes)")
-    header = json.loads(bytes(memoryview(data)[8 : 8 + n]))
+    header = _json(bytes(memoryview(data)[8 : 8 + n]).decode("utf-8"), "header")
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
     meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict):
-        raise ValueError("__metadata__ is not a JSON object")
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError("__metadata__ is not a JSON object of strings")
     start = 8 + n
     spans = []
     for key, info in header.items():
         if not isinstance(info, dict) or info.get("dtype") not in _ST_DTYPES:
             raise ValueError(f"tensor {key!r}: bad entry or unsupported dtype")
         shape, offsets = info.get("shape"), info.get("data_offsets")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d <= _MAX_DIM for d in shape):
             raise ValueError(f"tensor {key!r}: bad shape {shape!r}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
             raise ValueError(f"tensor {key!r}: bad data_offsets {offsets!r}")
         dtype = _ST_DTYPES[info["dtype"]]
         if offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
@@ -231,13 +259,79 @@ def _st_views(data: bytes | bytearray | memoryview) -> tuple[dict[str, np.ndarra
         end = stop
     if start + end != size:
         raise ValueError(f"tensors cover {end} data bytes, the payload holds {size - start}")
-    arrays = {
-        key: np.frombuffer(
-            data, dtype=dtype, count=(stop - begin) // dtype.itemsize, offset=start + begin
-        ).reshape(shape)
-        for begin, stop, key, dtype, shape in spans
-    }
+    arrays = {}
+    for begin, stop, key, dtype, shape in spans:
+        flat = np.frombuffer(data, dtype=dtype, count=(stop - begin) // dtype.itemsize, offset=start + begin)
+        try:
+            arrays[key] = flat.reshape(shape)
+        except (ValueError, OverflowError) as err:  # e.g. more dimensions than numpy's 32
+            raise ValueError(f"tensor {key!r}: shape {shape}: {err}") from None
     return arrays, meta
+
+
+def _decoded_string_nbytes(lengths: int | list[int]) -> int:
+    """Bytes of the numpy str array of items of these UTF-8 lengths: fixed-width UCS-4, as wide as
+    the longest item (a UTF-8 byte is at most one character, so this is an upper bound)."""
+    if isinstance(lengths, int):
+        return 4 * lengths
+    return 4 * len(lengths) * max(lengths, default=0)
+
+
+def _string_budget(payload_nbytes: int) -> int:
+    """The most bytes the decoded string arrays of a payload of `payload_nbytes` may take."""
+    return _STRING_GROWTH * payload_nbytes + _STRING_ALLOWANCE
+
+
+def _string_lengths(
+    meta: Mapping[str, str], arrays: Mapping[str, np.ndarray], payload_nbytes: int
+) -> dict[str, int | list[int]]:
+    """The `hfkit.strings` metadata of a payload, checked against its arrays: key -> item lengths.
+
+    Every key must name a 1-d uint8 tensor; its lengths must be an int (a 0-d string) or a list of
+    ints, none negative, summing to the tensor's size; and the str arrays they decode to must fit in
+    `_string_budget(payload_nbytes)`. Raises `ValueError` saying which check failed.
+    """
+    if _STRINGS_KEY not in meta:
+        return {}
+    strings = _json(meta[_STRINGS_KEY], _STRINGS_KEY)
+    if not isinstance(strings, dict):
+        raise ValueError(f"{_STRINGS_KEY}: expected a JSON object, got {type(strings).__name__}")
+    need = 0
+    for key, lengths in strings.items():
+        where = f"{_STRINGS_KEY}[{key!r}]"
+        array = arrays.get(key)
+        if array is None:
+            raise ValueError(f"{where}: no tensor of that name")
+        if array.dtype != np.uint8 or array.ndim != 1:
+            raise ValueError(
+                f"{where}: expected a 1-d uint8 tensor, got {array.dtype} of shape {array.shape}"
+            )
+        items = [lengths] if _is_int(lengths) else lengths
+        if not isinstance(items, list) or not all(_is_int(x) for x in items):
+            raise ValueError(f"{where}: expected an int or a list of ints, got {str(lengths)[:80]}")
+        if any(x < 0 for x in items):
+            raise ValueError(f"{where}: negative length in {str(lengths)[:80]}")
+        if sum(items) != array.size:
+            raise ValueError(f"{where}: lengths sum to {sum(items)}, the tensor holds {array.size} bytes")
+        need += _decoded_string_nbytes(lengths)
+    if need > _string_budget(payload_nbytes):
+        raise ValueError(
+            f"{_STRINGS_KEY}: the string arrays would decode to {need:,} bytes, more than the "
+            f"{_string_budget(payload_nbytes):,} a {payload_nbytes:,}-byte payload may"
+        )
+    return strings
+
+
+def _decode_strings(key: str, raw: bytes, lengths: int | list[int]) -> np.ndarray:
+    """The numpy str array (0-d for an int `lengths`, else 1-d) of the UTF-8 items in `raw`."""
+    try:
+        if isinstance(lengths, int):
+            return np.array(raw.decode("utf-8"))
+        bounds = list(itertools.accumulate(lengths, initial=0))
+        items = [raw[a:b].decode("utf-8") for a, b in itertools.pairwise(bounds)]
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{_STRINGS_KEY}[{key!r}]: not UTF-8 ({err})") from None
+    return np.array(items, dtype=str) if items else np.array([], dtype="<U1")
 
 
 def decode_sample(data: bytes | bytearray | memoryview, copy: bool = True) -> Sample:
@@ -245,26 +339,16 @@ def decode_sample(data: bytes | bytearray | memoryview, copy: bool = True) -> Sa
 
     Arrays come back with their dtype and shape; string keys come back as numpy `str` arrays (0-d or
     1-d). With `copy` (the default) arrays are writable copies; without, numeric arrays are views of
-    `data` (read-only when `data` is `bytes`), which saves one pass over the payload. Raises
-    `ValueError` when the bytes are not a valid safetensors payload.
+    `data` (read-only when `data` is `bytes`), which saves one pass over the payload. Both accept and
+    refuse exactly the same payloads: raises `ValueError` when the bytes are not a valid safetensors
+    payload or their `hfkit.strings` metadata does not match the arrays (see the module docstring).
     """
-    try:
-        if copy:
-            arrays = _st_load(bytes(data))
-            meta = _st_metadata(data)
-        else:
-            arrays, meta = _st_views(data)
-    except Exception as err:  # safetensors raises its own error type; callers want a ValueError
-        raise ValueError(f"not a safetensors payload: {err}") from err
-    strings = json.loads(meta.get(_STRINGS_KEY, "{}"))
+    arrays, meta = _st_views(data)
+    strings = _string_lengths(meta, arrays, len(data))
     for key, lengths in strings.items():
-        raw = arrays[key].tobytes()
-        if isinstance(lengths, int):
-            arrays[key] = np.array(raw.decode("utf-8"))
-        else:
-            bounds = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-            items = [raw[a:b].decode("utf-8") for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-            arrays[key] = np.array(items, dtype=str) if items else np.array([], dtype="<U1")
+        arrays[key] = _decode_strings(key, arrays[key].tobytes(), lengths)
+    if copy:
+        return {key: np.array(a) if key not in strings else a for key, a in arrays.items()}
     return arrays
 
 
@@ -294,6 +378,8 @@ class RecordWriter:
         if num_samples is not None and (not isinstance(num_samples, int) or num_samples < 0):
             raise ValueError(f"num_samples: expected None or an int >= 0, got {num_samples!r}")
         self.path = Path(path)
+        if self.path.is_dir():
+            raise ValueError(f"path: {self.path} is a directory, expected the record file to write")
         self.num_samples = num_samples
         self.tmp_path = Path(f"{self.path}.tmp-{os.getpid()}")
         self._spill_path = Path(f"{self.tmp_path}.payloads") if num_samples is None else None
@@ -399,13 +485,80 @@ class RecordWriter:
 # --------------------------------------------------------------------------------------------------
 
 
-def read_num_samples(path: str | os.PathLike[str]) -> int:
-    """Return the number of samples in a record file from its first 12 bytes (no checksum check)."""
+def _require_file(path: Path, argument: str) -> None:
+    """Raise naming `argument` when `path` is a directory or does not exist (a record file expected)."""
+    if path.is_dir():
+        raise ValueError(
+            f"{argument}: {path} is a directory, expected a record file (for a folder: validate_dir, "
+            "RecordDataset)"
+        )
+    if not path.exists():
+        raise FileNotFoundError(f"{argument}: {path} does not exist, expected a record file")
+
+
+@dataclass(frozen=True)
+class _Header:
+    """A record file's checked header: per-record CRCs, payload starts and ends (absolute offsets)."""
+
+    checksums: np.ndarray
+    offsets: np.ndarray
+    ends: np.ndarray
+
+
+def _header_end(path: Path, head: bytes | mmap.mmap, size: int) -> tuple[int, int, int]:
+    """`(meta_crc, N, header bytes)` from a file's first 12 bytes, with N checked against its size."""
+    if size < _HEAD_SIZE or len(head) < _HEAD_SIZE:
+        raise CorruptRecordError(path, None, f"file is {size} bytes, shorter than the 12-byte header")
+    meta_crc, n = _HEAD.unpack_from(head, 0)
+    header_end = _HEAD_SIZE + _PER_SAMPLE * n
+    if header_end > size:
+        raise CorruptRecordError(
+            path, None, f"header claims {n} samples ({header_end} bytes of header) in {size} bytes"
+        )
+    return meta_crc, n, header_end
+
+
+def _check_header(
+    path: Path, header: bytes | mmap.mmap, meta_crc: int, n: int, size: int, verify: bool
+) -> _Header:
+    """The header of a file of `size` bytes whose first `12 + 12 N` bytes are `header`: its CRC
+    checked (with `verify`) and its offsets checked to lie in the file, in order."""
+    header_end = _HEAD_SIZE + _PER_SAMPLE * n
+    if verify:
+        actual = zlib.crc32(header[4:header_end])
+        if actual != meta_crc:
+            raise CorruptRecordError(
+                path, None, f"metadata checksum mismatch (stored {meta_crc:#010x}, got {actual:#010x})"
+            )
+    checksums = np.frombuffer(header, dtype="<u4", count=n, offset=_HEAD_SIZE).copy()
+    offsets = np.frombuffer(header, dtype="<u8", count=n, offset=_HEAD_SIZE + 4 * n).copy()
+    # ends[i] = offsets[i + 1], and the file size for the last record (ffrecord's convention).
+    ends = np.append(offsets[1:], np.uint64(size)).astype(np.uint64)
+    bad = np.flatnonzero((offsets < header_end) | (ends < offsets) | (ends > size))
+    if bad.size:
+        raise CorruptRecordError(
+            path, int(bad[0]), f"offset out of bounds ({int(offsets[bad[0]])} in {size} bytes)"
+        )
+    return _Header(checksums, offsets, ends)
+
+
+def read_num_samples(path: str | os.PathLike[str], verify: bool = True) -> int:
+    """Return the number of samples in a record file, read from its header.
+
+    The count is checked against the file size and the offsets against the payload region, and
+    with `verify` the header's CRC too (reading `12 + 12 N` bytes, not the payloads), so a damaged
+    count never yields a dataset of the wrong size. Raises `CorruptRecordError` for a bad header,
+    `FileNotFoundError`/`ValueError` naming `path` when it is missing or a directory.
+    """
+    path = Path(path)
+    _require_file(path, "path")
     with open(path, "rb") as f:
-        head = f.read(_HEAD_SIZE)
-    if len(head) < _HEAD_SIZE:
-        raise CorruptRecordError(path, None, f"file is {len(head)} bytes, shorter than the 12-byte header")
-    return _HEAD.unpack(head)[1]
+        size = os.fstat(f.fileno()).st_size
+        meta_crc, n, header_end = _header_end(path, f.read(_HEAD_SIZE), size)
+        f.seek(0)
+        header = f.read(header_end)
+    _check_header(path, header, meta_crc, n, size, verify)
+    return n
 
 
 class RecordReader:
@@ -416,11 +569,13 @@ class RecordReader:
     sample `dict[str, np.ndarray]` (negative `i` counts from the end); `read_batch(indices)` a list of
     them; `read_bytes(i)` the raw payload. The map is re-made lazily after a fork (the pid is checked
     on each read), so a reader created before DataLoader workers start is safe to use in them; it also
-    pickles as its path. Raises `CorruptRecordError` (a ValueError) naming the file and the record.
+    pickles as its path. Raises `CorruptRecordError` (a ValueError) naming the file and the record;
+    `FileNotFoundError`/`ValueError` naming `path` when it is missing or a directory.
     """
 
     def __init__(self, path: str | os.PathLike[str], verify: bool = True) -> None:
         self.path = Path(path)
+        _require_file(self.path, "path")
         self.verify = verify
         self._mm: mmap.mmap | None = None
         self._pid = -1
@@ -435,32 +590,13 @@ class RecordReader:
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._pid = os.getpid()
         self.nbytes = size
-        meta_crc, n = _HEAD.unpack_from(self._mm, 0)
-        header_end = _HEAD_SIZE + _PER_SAMPLE * n
-        if header_end > size:
+        try:
+            meta_crc, n, _ = _header_end(self.path, self._mm, size)
+            header = _check_header(self.path, self._mm, meta_crc, n, size, self.verify)
+        except CorruptRecordError:
             self.close()
-            raise CorruptRecordError(
-                self.path, None, f"header claims {n} samples ({header_end} bytes of header) in {size} bytes"
-            )
-        self.checksums = np.frombuffer(self._mm, dtype="<u4", count=n, offset=_HEAD_SIZE).copy()
-        self.offsets = np.frombuffer(self._mm, dtype="<u8", count=n, offset=_HEAD_SIZE + 4 * n).copy()
-        if self.verify:
-            actual = zlib.crc32(self._mm[4:header_end])
-            if actual != meta_crc:
-                self.close()
-                raise CorruptRecordError(
-                    self.path,
-                    None,
-                    f"metadata checksum mismatch (stored {meta_crc:#010x}, got {actual:#010x})",
-                )
-        # ends[i] = offsets[i + 1], and the file size for the last record (ffrecord's convention).
-        self.ends = np.append(self.offsets[1:], np.uint64(size)).astype(np.uint64)
-        bad = np.flatnonzero((self.offsets < header_end) | (self.ends < self.offsets) | (self.ends > size))
-        if bad.size:
-            self.close()
-            raise CorruptRecordError(
-                self.path, int(bad[0]), f"offset out of bounds ({int(self.offsets[bad[0]])} in {size} bytes)"
-            )
+            raise
+        self.checksums, self.offsets, self.ends = header.checksums, header.offsets, header.ends
         self.num_samples = int(n)
 
     def _map(self) -> mmap.mmap:
@@ -506,9 +642,9 @@ class RecordReader:
 
     def __getitem__(self, index: int) -> Sample:
         """Return record `index` as `{name: np.ndarray}` (see `decode_sample`)."""
-        data = self.read_bytes(index)
+        data = self.read_view(index)
         try:
-            return decode_sample(data)
+            return decode_sample(data)  # copies the arrays out of the mapping
         except ValueError as err:
             raise CorruptRecordError(self.path, self._check_index(index), str(err)) from err
 
@@ -576,8 +712,13 @@ def validate(path: str | os.PathLike[str]) -> ValidationReport:
 
     Checks the header CRC and bounds, then every payload's CRC and that it decodes as a sample. With a
     bad header the per-record checks are still attempted (offsets permitting), so that the report can
-    say which payloads are intact. A missing or unreadable file is reported as not ok.
+    say which payloads are intact. A missing or unreadable file is reported as not ok. Raises
+    `ValueError` naming `path` when it is a directory (`validate_dir` checks a folder).
     """
+    if Path(path).is_dir():
+        raise ValueError(
+            f"path: {path} is a directory, expected a record file (validate_dir checks a folder)"
+        )
     report = ValidationReport(path=str(path), ok=True)
     try:
         report.nbytes = os.path.getsize(path)
@@ -604,6 +745,9 @@ def validate(path: str | os.PathLike[str]) -> ValidationReport:
             except CorruptRecordError as err:
                 report.bad_records.append(i)
                 report.errors.append(str(err))
+            except Exception as err:  # a verdict whatever a damaged record provokes, never a crash
+                report.bad_records.append(i)
+                report.errors.append(f"{path}: record {i}: {type(err).__name__}: {err}")
     report.ok = report.header_ok and not report.bad_records
     return report
 
@@ -611,10 +755,16 @@ def validate(path: str | os.PathLike[str]) -> ValidationReport:
 def validate_dir(
     directory: str | os.PathLike[str], pattern: str = f"*{RECORD_SUFFIX}"
 ) -> list[ValidationReport]:
-    """`validate` every record file matching `pattern` in `directory` (sorted by name)."""
+    """`validate` every record file matching `pattern` in `directory` (sorted by name).
+
+    Raises `FileNotFoundError` when `directory` does not exist and `ValueError` when it is a file
+    (`validate` checks one file).
+    """
     directory = Path(directory)
+    if not directory.exists():
+        raise FileNotFoundError(f"directory: {directory} does not exist, expected a folder of record files")
     if not directory.is_dir():
-        raise FileNotFoundError(f"validate_dir: {directory} is not a directory")
+        raise ValueError(f"directory: {directory} is a file, expected a folder (validate checks one file)")
     return [validate(p) for p in sorted(directory.glob(pattern))]
 
 
@@ -626,21 +776,28 @@ def validate_dir(
 class RecordDataset:
     """Several record files read as one indexable dataset: global index → (file, local index).
 
-    Only the sample counts are read at construction (12 bytes a file); readers are opened on first use
-    in each process and re-opened after a fork, so the dataset is safe to hand to DataLoader workers
-    (fork or spawn; it pickles as its paths). `dataset[i]` returns the sample dict; `locate(i)` the
-    `(path, local index)`.
+    `paths` is a list of record files, one file, or a folder (its `*.ffr` files by name; none is a
+    `FileNotFoundError`). Only the headers are read at construction (`read_num_samples`: 12 + 12 N
+    bytes a file, checked); readers are opened on first use in each process and re-opened after a
+    fork, so the dataset is safe to hand to DataLoader workers (fork or spawn; it pickles as its
+    paths). `dataset[i]` returns the sample dict; `locate(i)` the `(path, local index)`.
     """
 
     def __init__(
         self, paths: Sequence[str | os.PathLike[str]] | str | os.PathLike[str], verify: bool = True
     ) -> None:
         if isinstance(paths, str | os.PathLike):
-            p = Path(paths)
-            paths = sorted(p.glob(f"*{RECORD_SUFFIX}")) if p.is_dir() else [p]
+            folder = Path(paths)
+            paths = sorted(folder.glob(f"*{RECORD_SUFFIX}")) if folder.is_dir() else [folder]
+            if not paths:
+                raise FileNotFoundError(f"paths: no *{RECORD_SUFFIX} files in the folder {folder}")
         self.paths = [Path(p) for p in paths]
+        for path in self.paths:
+            _require_file(path, "paths")
         self.verify = verify
-        self.counts = [read_num_samples(p) for p in self.paths]
+        # Each header checked (size, offsets; with `verify` its CRC): a flipped bit in a count would
+        # otherwise make a dataset of billions of samples.
+        self.counts = [read_num_samples(p, verify) for p in self.paths]
         self.cumulative = np.cumsum([0, *self.counts]).tolist()
         self._readers: dict[int, RecordReader] = {}
         self._pid = os.getpid()

@@ -379,6 +379,8 @@ def write_synthetic_dataset(
     `identity`). Results measured on these files must be labelled synthetic.
     """
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir: {out} is a file, expected a folder")
     if n_chains < 0:
         raise ValueError(f"n_chains: expected >= 0, got {n_chains}")
     (out / "mmcifs").mkdir(parents=True, exist_ok=True)
