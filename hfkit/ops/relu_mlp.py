@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from hfkit.ops._checks import check_float, check_optional, check_same_device
 from hfkit.ops._linear import autocast_operands, column_sums
 
 __all__ = ["relu_mlp", "relu_mlp_reference"]
@@ -31,16 +32,19 @@ def relu_mlp_reference(
 
 
 def _check(x, w1, b1, w2, b2) -> None:
-    for name, t in (("x", x), ("w1", w1), ("w2", w2)):
-        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
-            raise ValueError(f"{name}: expected a floating-point tensor, got {type(t).__name__}")
+    check_float("x", x)
+    check_float("w1", w1)
+    check_float("w2", w2)
+    if x.dim() < 1:
+        raise ValueError("x: expected at least one dim [*, C], got a 0-d tensor")
     if w1.dim() != 2 or w1.shape[1] != x.shape[-1]:
         raise ValueError(f"w1: expected [H, {x.shape[-1]}], got {list(w1.shape)}")
     if w2.dim() != 2 or w2.shape[1] != w1.shape[0]:
         raise ValueError(f"w2: expected [N, {w1.shape[0]}], got {list(w2.shape)}")
-    for name, b, size in (("b1", b1, w1.shape[0]), ("b2", b2, w2.shape[0])):
-        if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (size,)):
-            raise ValueError(f"{name}: expected [{size}] or None, got {getattr(b, 'shape', b)}")
+    check_same_device("w1", w1, "x", x)
+    check_same_device("w2", w2, "x", x)
+    check_optional("b1", b1, (w1.shape[0],), "x", x)
+    check_optional("b2", b2, (w2.shape[0],), "x", x)
 
 
 def relu_mlp(
@@ -54,7 +58,7 @@ def relu_mlp(
 
     x: [*, C]; w1 [H, C], b1 [H] or None; w2 [N, H], b2 [N] or None (two `nn.Linear`s' parameters).
     Returns [*, N]. Gradients equal autograd's through the plain composition. Raises ValueError naming
-    the argument on bad shapes or dtypes.
+    the argument on bad shapes, dtypes or devices.
     """
     _check(x, w1, b1, w2, b2)
     return _ReluMLP.apply(*autocast_operands(x.device.type, x, w1, b1, w2, b2))

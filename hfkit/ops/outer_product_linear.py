@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from hfkit.ops._checks import check_float, check_optional, check_same_device
 from hfkit.ops._linear import autocast_operands, column_sums
 
 __all__ = ["outer_product_linear", "outer_product_linear_reference"]
@@ -50,9 +51,9 @@ def outer_product_linear_reference(
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    for name, t in (("a", a), ("b", b), ("weight", weight)):
-        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
-            raise ValueError(f"{name}: expected a floating-point tensor, got {type(t).__name__}")
+    check_float("a", a)
+    check_float("b", b)
+    check_float("weight", weight)
     if a.dim() < 3 or b.dim() != a.dim() or a.shape[:-3] != b.shape[:-3] or a.shape[-3] != b.shape[-3]:
         raise ValueError(
             f"a, b: expected [*, S, I, C] and [*, S, J, E] with the same * and S, got {list(a.shape)} and "
@@ -61,8 +62,9 @@ def _check(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, bias: torch.T
     width = a.shape[-1] * b.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != width:
         raise ValueError(f"weight: expected [N, {width}] (C*E), got {list(weight.shape)}")
-    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
-        raise ValueError(f"bias: expected [{weight.shape[0]}] or None, got {getattr(bias, 'shape', bias)}")
+    check_same_device("b", b, "a", a)
+    check_same_device("weight", weight, "a", a)
+    check_optional("bias", bias, (weight.shape[0],), "a", a)
 
 
 def outer_product_linear(
@@ -73,7 +75,7 @@ def outer_product_linear(
 
     a: [*, S, I, C], b: [*, S, J, E]; weight [N, C*E], bias [N] or None (an `nn.Linear`'s parameters).
     Returns [*, I, J, N]. Gradients equal autograd's through the plain composition. Raises ValueError
-    naming the argument on bad shapes or dtypes.
+    naming the argument on bad shapes, dtypes or devices.
     """
     _check(a, b, weight, bias)
     return _OuterProductLinear.apply(*autocast_operands(a.device.type, a, b, weight, bias))
