@@ -146,7 +146,8 @@ def sigmoid_gate(g: torch.Tensor, o: torch.Tensor, bias: torch.Tensor | None = N
     _check_bias(bias, g, "g", trailing_only=False)
     if not uses_triton(g, o) or g.numel() == 0 or (bias is not None and not triton_can_run(bias)):
         return sigmoid_gate_reference(g, o, bias)
-    return _sigmoid_gate_fwd(g, o, bias)
+    # The kernels index the bias by column: unit stride (a copy of its few elements at most).
+    return _sigmoid_gate_fwd(g, o, bias.contiguous() if bias is not None else None)
 
 
 def sigmoid_gate_backward(
@@ -205,6 +206,7 @@ def bias_dropout_add(
     if not dropout and bias is None:
         return residual + x  # one kernel already
     seed_t = _seed_tensor(seed, generator, x.device) if dropout else None
+    bias = bias.contiguous() if bias is not None else None  # indexed by channel: unit stride
     return _bias_dropout_add_fwd(
         x, residual, bias, seed_t, float(p) if dropout else 0.0, -1 if shared_dim is None else shared_dim
     )
@@ -269,7 +271,7 @@ def dropout_keep_mask(
 
 def _gate_layout(g: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int]:
     """(M, N): g viewed as [M, N] rows, N = bias.numel() (or g's last dim), bias indexed by column."""
-    n = bias.numel() if bias is not None else g.shape[-1]
+    n = bias.numel() if bias is not None else (g.shape[-1] if g.dim() else 1)
     return g.numel() // n, n
 
 

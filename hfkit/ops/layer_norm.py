@@ -113,8 +113,8 @@ def layer_norm(
     """Fused LayerNorm over the trailing `normalized_shape` dims of x, a drop-in for `F.layer_norm`.
 
     x: [*, *normalized_shape] in float32, bfloat16 or float16 (float64 runs the reference), any leading
-    shape, contiguous or not; weight, bias: `normalized_shape` or None, any floating dtype (the output
-    keeps x's dtype; their gradients keep theirs). Statistics and gradient sums are in float32.
+    shape, contiguous or not; weight, bias: `normalized_shape` or None, any floating dtype and strides
+    (the output keeps x's dtype; their gradients keep theirs). Statistics and gradient sums are in float32.
     Raises ValueError naming the argument on a wrong shape, dtype or device.
     """
     shape = _as_shape(normalized_shape)
@@ -122,6 +122,9 @@ def layer_norm(
     n = math.prod(shape)
     if not uses_triton(x, n):
         return layer_norm_reference(x, shape, weight, bias, eps)
+    # The kernels index weight and bias by column: unit stride (a copy of n elements at most).
+    weight = weight.contiguous() if weight is not None else None
+    bias = bias.contiguous() if bias is not None else None
     y, _, _ = _layer_norm_fwd(x, weight, bias, n, float(eps))
     return y
 

@@ -13,6 +13,8 @@ each there) and recomputes the outer product in the backward: one matmul of S*N*
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F  # noqa: N812
 
@@ -39,8 +41,9 @@ def _outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     with rows (i, c) and columns (j, e), then (c, j) swapped."""
     s, i, c = a.shape[-3:]
     j, e = b.shape[-2:]
-    rows = torch.bmm(a.reshape(-1, s, i * c).transpose(1, 2), b.reshape(-1, s, j * e))
-    return _swap_axes(rows.view(-1, i, c, j, e), 2, 3).view(*a.shape[:-3], i, j, c * e)
+    batch = math.prod(a.shape[:-3])  # explicit: -1 is ambiguous when S or I is 0
+    rows = torch.bmm(a.reshape(batch, s, i * c).transpose(1, 2), b.reshape(batch, s, j * e))
+    return _swap_axes(rows.view(batch, i, c, j, e), 2, 3).view(*a.shape[:-3], i, j, c * e)
 
 
 def outer_product_linear_reference(
@@ -92,11 +95,11 @@ class _OuterProductLinear(torch.autograd.Function):
     def backward(ctx, dy):
         a, b, weight = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        dy2 = dy.reshape(-1, dy.shape[-1])
+        dy2 = dy.reshape(math.prod(dy.shape[:-1]), dy.shape[-1])
         grad_w = grad_bias = grad_a = grad_b = None
         if needs[2]:
             outer = _outer(a, b)  # recomputed: the forward did not keep it
-            grad_w = dy2.t().mm(outer.reshape(-1, outer.shape[-1]))
+            grad_w = dy2.t().mm(outer.reshape(dy2.shape[0], outer.shape[-1]))
             del outer
         if ctx.has_bias and needs[3]:
             grad_bias = column_sums(dy2)
@@ -105,9 +108,11 @@ class _OuterProductLinear(torch.autograd.Function):
             # both of a's and b's gradients are plain matmuls with the other operand.
             s, i, c = a.shape[-3:]
             j, e = b.shape[-2:]
-            d_rows = _swap_axes(dy.matmul(weight).view(-1, i, j, c, e), 2, 3).view(-1, i * c, j * e)
+            batch = math.prod(a.shape[:-3])
+            d_outer = dy.matmul(weight).reshape(batch, i, j, c, e)
+            d_rows = _swap_axes(d_outer, 2, 3).view(batch, i * c, j * e)
             if needs[0]:
-                grad_a = torch.bmm(b.reshape(-1, s, j * e), d_rows.transpose(1, 2)).view(a.shape)
+                grad_a = torch.bmm(b.reshape(batch, s, j * e), d_rows.transpose(1, 2)).view(a.shape)
             if needs[1]:
-                grad_b = torch.bmm(a.reshape(-1, s, i * c), d_rows).view(b.shape)
+                grad_b = torch.bmm(a.reshape(batch, s, i * c), d_rows).view(b.shape)
         return grad_a, grad_b, grad_w, grad_bias

@@ -11,6 +11,8 @@ Under `torch.autocast` the matmuls run in the autocast dtype, as `nn.Linear` doe
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F  # noqa: N812
 
@@ -76,13 +78,15 @@ class _ReluMLP(torch.autograd.Function):
     def backward(ctx, dy):
         x, w1, b1, w2 = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        x2 = x.reshape(-1, x.shape[-1])
-        dy2 = dy.reshape(-1, dy.shape[-1])
+        rows = math.prod(x.shape[:-1])
+        x2 = x.reshape(rows, x.shape[-1])
+        dy2 = dy.reshape(rows, dy.shape[-1])
         hidden = F.linear(x2, w1, b1).relu_()  # recomputed: the forward did not keep it
         grad_w2 = dy2.t().mm(hidden) if needs[3] else None
         grad_b2 = column_sums(dy2) if ctx.has_b2 and needs[4] else None
-        # relu's gradient: hidden turned in place into its own 0/1 mask (same dtype: a vectorised multiply)
-        d_hidden = dy2.mm(w2).mul_(hidden.gt_(0))
+        # relu's gradient selects (as autograd's does), never multiplies: an inf or NaN in dy @ w2 where
+        # the unit is off must give 0, not inf * 0 = NaN.
+        d_hidden = dy2.mm(w2).masked_fill_(hidden <= 0, 0.0)
         del hidden
         grad_w1 = d_hidden.t().mm(x2) if needs[1] else None
         grad_b1 = column_sums(d_hidden) if b1 is not None and needs[2] else None

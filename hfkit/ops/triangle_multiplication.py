@@ -110,13 +110,28 @@ def triangle_multiplication_reference(
     if mask is None:
         mask = z.new_ones(z.shape[:-1])
     mask = mask.to(z.dtype)[..., None]
+    # LayerNorm parameters may have any float dtype (as on the fast path).
+    ln_in_weight, ln_in_bias = _ln_param(ln_in_weight, z.dtype), _ln_param(ln_in_bias, z.dtype)
     zn = F.layer_norm(z, z.shape[-1:], ln_in_weight, ln_in_bias, eps)
     a_p, a_g, b_p, b_g, g = F.linear(zn, proj_weight, proj_bias).split([c_h] * 4 + [z.shape[-1]], -1)
     a = (mask * torch.sigmoid(a_g) * a_p).movedim(-1, -3)
     b = (mask * torch.sigmoid(b_g) * b_p).movedim(-1, -3)
     x = torch.matmul(a, b.transpose(-1, -2)) if outgoing else torch.matmul(a.transpose(-1, -2), b)
+    ln_out_weight, ln_out_bias = _ln_param(ln_out_weight, x.dtype), _ln_param(ln_out_bias, x.dtype)
     x = F.layer_norm(x.movedim(-3, -1), (c_h,), ln_out_weight, ln_out_bias, eps)
     return F.linear(x, out_weight, out_bias) * torch.sigmoid(g)
+
+
+def _ln_param(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A LayerNorm parameter as `F.layer_norm` takes it beside input of `dtype`: as it is where the
+    dtypes match or torch mixes them (float32 parameters of half input), else cast to `dtype`."""
+    if (
+        t is None
+        or t.dtype == dtype
+        or (t.dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16))
+    ):
+        return t
+    return t.to(dtype)
 
 
 def _check_inputs(z, mask, ln_in_w, ln_in_b, proj_w, proj_b, ln_out_w, ln_out_b, out_w, out_b, eps):
@@ -197,15 +212,15 @@ def triangle_multiplication(
     anything broadcastable to it (bool or float, 1 = keep; no gradient) or None; ln_in_weight /
     ln_in_bias: [C_z] (layer_norm_in); proj_weight: [4 * C_h + C_z, C_z] and proj_bias [4 * C_h + C_z],
     the rows of linear_a_p, linear_a_g, linear_b_p, linear_b_g, linear_g stacked in that order;
-    ln_out_weight / ln_out_bias: [C_h] (layer_norm_out); out_weight: [C_z, C_h] and out_bias [C_z]
-    (linear_z); `outgoing` picks Algorithm 11 (x_ij = sum_k a_ik b_jk) or 12 (x_ij = sum_k a_ki b_kj);
-    `eps` of both LayerNorms. Returns the update [*, N, N, C_z] in z's dtype, or under `torch.autocast`
-    in the autocast dtype (as the plain module). LayerNorm statistics and sums of gradients are float32;
-    intermediates are stored in the compute dtype. `fuse_projection` computes the a/b projections
-    inside the gating kernel (tl.dot from zn, recomputed in backward) rather than as one cuBLAS matmul
-    whose [M, 4 C_h + C_z] output the gate kernels read back: fused saves writing and reading 4 C_h
-    channels per pair in forward and reading them again in backward. Raises ValueError naming the
-    argument on a bad shape, dtype or device.
+    ln_out_weight / ln_out_bias: [C_h] (layer_norm_out; LayerNorm parameters may have any float dtype);
+    out_weight: [C_z, C_h] and out_bias [C_z] (linear_z); `outgoing` picks Algorithm 11 (x_ij = sum_k a_ik
+    b_jk) or 12 (x_ij = sum_k a_ki b_kj); `eps` of both LayerNorms. Returns the update [*, N, N, C_z] in
+    z's dtype, or under `torch.autocast` in the autocast dtype (as the plain module). LayerNorm statistics
+    and sums of gradients are float32; intermediates are stored in the compute dtype. `fuse_projection`
+    computes the a/b projections inside the gating kernel (tl.dot from zn, recomputed in backward) rather
+    than as one cuBLAS matmul whose [M, 4 C_h + C_z] output the gate kernels read back: fused saves
+    writing and reading 4 C_h channels per pair in forward and reading them again in backward. Raises
+    ValueError naming the argument on a bad shape, dtype or device.
     """
     args = (
         ln_in_weight,
@@ -223,7 +238,11 @@ def triangle_multiplication(
         return triangle_multiplication_reference(z, mask, *args, outgoing=outgoing, eps=eps)
     dtype = _compute_dtype(z)
     # The matmul operands in the compute dtype (autograd casts their gradients back); LayerNorm weights
-    # of any float dtype are read by the kernels as they are.
+    # of any float dtype are read by the kernels as they are, by column: unit stride.
+    ln_in_weight, ln_in_bias, ln_out_weight, ln_out_bias = (
+        t.contiguous() if t is not None else None
+        for t in (ln_in_weight, ln_in_bias, ln_out_weight, ln_out_bias)
+    )
     proj_weight, out_weight = proj_weight.to(dtype).contiguous(), out_weight.to(dtype)
     proj_bias = proj_bias.to(dtype).contiguous() if proj_bias is not None else None
     out_bias = out_bias.to(dtype) if out_bias is not None else None
