@@ -299,6 +299,31 @@ def test_every_argument_on_another_device_or_of_a_bad_dtype_names_itself(op, nam
             OPS[op](**bad)
 
 
+LINEAR_OPS = ("gated_linear", "relu_mlp", "outer_product_linear")
+
+
+@pytest.mark.parametrize(
+    "op, name",
+    # g and o may differ in dtype: the gate's output has their promoted one.
+    [(op, name) for op in LINEAR_OPS for name in valid_arguments(op) if name not in PRIMARY | {"o"}],
+)
+def test_matmul_operands_of_another_float_dtype_name_themselves(op, name):
+    # As nn.Linear: outside autocast the weights, biases and the other operand have the activations'
+    # dtype (the reference raises a RuntimeError inside F.linear otherwise); under autocast any float
+    # dtype is cast, and the op matches its reference there.
+    args = valid_arguments(op)
+    bad = dict(args, **{name: args[name].to(torch.bfloat16)})
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        OPS[op](**bad)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = OPS[op](**bad)
+        ref = {"gated_linear": gated_linear_reference, "relu_mlp": relu_mlp_reference}.get(
+            op, outer_product_linear_reference
+        )(**bad)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
 # ----------------------------------------------------------------------------- degenerate shapes
 
 

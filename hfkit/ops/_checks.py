@@ -11,7 +11,15 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["broadcasts_to", "check_eps", "check_float", "check_optional", "check_same_device", "describe"]
+__all__ = [
+    "broadcasts_to",
+    "check_eps",
+    "check_float",
+    "check_matmul_dtype",
+    "check_optional",
+    "check_same_device",
+    "describe",
+]
 
 
 def describe(x: object) -> str:
@@ -59,6 +67,16 @@ def check_optional(
     check_same_device(name, t, ref_name, ref)
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
+
+
+def check_matmul_dtype(name: str, t: torch.Tensor | None, dtype: torch.dtype, device_type: str) -> None:
+    """`t` (None, or a weight, bias or operand multiplied with activations of `dtype`) has that dtype,
+    as `nn.Linear` needs, unless autocast is on for `device_type`, which casts every operand."""
+    if t is None or torch.is_autocast_enabled(device_type) or t.dtype == dtype:
+        return
+    raise ValueError(
+        f"{name}: expected dtype {dtype} (the activations'; or run under torch.autocast), got {t.dtype}"
+    )
 
 
 def broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from hfkit.ops._checks import check_float, check_optional, check_same_device
+from hfkit.ops._checks import check_float, check_matmul_dtype, check_optional, check_same_device
 from hfkit.ops._linear import autocast_operands, column_sums
 from hfkit.ops.elementwise import sigmoid_gate, sigmoid_gate_backward, sigmoid_gate_reference, uses_triton
 
@@ -42,6 +42,9 @@ def _check(g: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, bias: torch.T
     check_same_device("o", o, "g", g)
     check_same_device("weight", weight, "g", g)
     check_optional("bias", bias, (weight.shape[0],), "g", g)
+    dtype = torch.promote_types(g.dtype, o.dtype)  # sigmoid(g) * o's, which the linear multiplies
+    check_matmul_dtype("weight", weight, dtype, g.device.type)
+    check_matmul_dtype("bias", bias, dtype, g.device.type)
 
 
 def gated_linear(

@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from hfkit.ops._checks import check_float, check_optional, check_same_device
+from hfkit.ops._checks import check_float, check_matmul_dtype, check_optional, check_same_device
 from hfkit.ops._linear import autocast_operands, column_sums
 
 __all__ = ["outer_product_linear", "outer_product_linear_reference"]
@@ -68,6 +68,8 @@ def _check(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, bias: torch.T
     check_same_device("b", b, "a", a)
     check_same_device("weight", weight, "a", a)
     check_optional("bias", bias, (weight.shape[0],), "a", a)
+    for name, t in (("b", b), ("weight", weight), ("bias", bias)):
+        check_matmul_dtype(name, t, a.dtype, a.device.type)
 
 
 def outer_product_linear(

@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from hfkit.ops._checks import check_float, check_optional, check_same_device
+from hfkit.ops._checks import check_float, check_matmul_dtype, check_optional, check_same_device
 from hfkit.ops._linear import autocast_operands, column_sums
 
 __all__ = ["relu_mlp", "relu_mlp_reference"]
@@ -47,6 +47,8 @@ def _check(x, w1, b1, w2, b2) -> None:
     check_same_device("w2", w2, "x", x)
     check_optional("b1", b1, (w1.shape[0],), "x", x)
     check_optional("b2", b2, (w2.shape[0],), "x", x)
+    for name, t in (("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)):
+        check_matmul_dtype(name, t, x.dtype, x.device.type)
 
 
 def relu_mlp(
