@@ -1,4 +1,5 @@
-"""Fused ops: one file per op, each with Triton kernels, an autograd path and a plain-torch reference."""
+"""Fused ops: one file per op (reference, input checks, autograd, dispatch; long Triton kernels beside it
+in `_<op>_kernels.py`), and `reference_on_cpu()`, which sends CPU tensors to the references."""
 
 from hfkit.ops._triton import reference_on_cpu
 from hfkit.ops.elementwise import (

@@ -1,4 +1,4 @@
-"""Evoformer attention: flash-style Triton kernels (forward and backward), a torch custom op, the reference.
+"""Evoformer attention: the reference, checks, launchers and autograd of its flash-style Triton kernels.
 
 `evoformer_attention(q, k, v, bias, mask)` computes `softmax(q·kᵀ/√D + bias + (mask - 1)·1e9)·v` for
 q: [B, S, H, Q, D], k/v: [B, S, H, K, D], a pair bias broadcast over MSA rows ([B, 1, H, Q, K]) and a
@@ -7,9 +7,9 @@ the other Evoformer attentions. The forward keeps no [Q, K] logits: it walks key
 softmax and saves two float32 numbers per query row (the running max and the log of the sum). The
 backward recomputes the probabilities block by block from them: one kernel for dk/dv (a program per
 key block), one for dq (a program per query block) and one for dbias (a program per bias tile, which
-loops over the S rows the bias was broadcast over: deterministic, no atomics). Registered as the custom
-ops `hfkit::evoformer_attention_fwd` / `_bwd`; on CPU without `TRITON_INTERPRET=1` it runs
-`evoformer_attention_reference`.
+loops over the S rows the bias was broadcast over: deterministic, no atomics); the kernels are in
+`hfkit.ops._evoformer_attention_kernels`. Registered as the custom ops `hfkit::evoformer_attention_fwd`
+/ `_bwd`; on CPU without `TRITON_INTERPRET=1` it runs `evoformer_attention_reference`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Triangle multiplicative update (AF2 Algorithms 11 and 12): Triton kernels, autograd, the reference.
+"""Triangle multiplicative update (AF2 Algorithms 11 and 12): the reference, checks, launchers, autograd.
 
 `triangle_multiplication(z, mask, ...)` is the whole update of OpenFold's
 `TriangleMultiplicationOutgoing/Incoming` as one function of the pair representation and the module's
@@ -10,7 +10,8 @@ parameters, with the five input projections given as one concatenated weight:
     out = (LN_out(x) @ out_weight.T + out_bias) * sigmoid(g)
 
 The fast path (CUDA, or CPU under `TRITON_INTERPRET=1`) keeps the big matmuls in cuBLAS and fuses what
-lies between them, so the pair tensor is read and written as few times as possible (M = pairs):
+lies between them (its kernels are in `hfkit.ops._triangle_multiplication_kernels`), so the pair
+tensor is read and written as few times as possible (M = pairs):
 
 - LayerNorm in: `hfkit.ops.layer_norm`'s kernels, reading z in its own dtype (float32 under autocast)
   and writing zn in the compute dtype.
