@@ -25,9 +25,11 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import hfkit.ops  # noqa: E402, F401  (imports every op module)
+from hfkit.ops import _evoformer_attention_kernels as eak  # noqa: E402
+from hfkit.ops import _triangle_multiplication_kernels as tmk  # noqa: E402
 from hfkit.ops import elementwise as ew  # noqa: E402
 
-# hfkit.ops re-exports functions named like their modules; take the modules.
+# hfkit.ops re-exports functions named like their modules; take the modules (tiles live there).
 ea = sys.modules["hfkit.ops.evoformer_attention"]
 ln = sys.modules["hfkit.ops.layer_norm"]
 sm = sys.modules["hfkit.ops.softmax"]
@@ -101,11 +103,11 @@ def attention_kernels(even: bool, dtype: str = "bf16", dot: int = 0) -> None:
     ptrs.update({k: "fp32" for k in ("KeyBias", "Mx", "Lg", "Delta", "DB")})
     flags = {"HAS_BIAS": True, "HAS_KEY_BIAS": True, "DOT": dot, "EVEN": even, "BLOCK_D": 32}
     bm, bn, warps, stages = ea.CONFIGS_SMALL_D["fwd"]
-    assert "cubin" in compile_sm90(ea._evo_fwd_kernel, ptrs, {**flags, "BLOCK_M": bm, "BLOCK_N": bn}, warps)
+    assert "cubin" in compile_sm90(eak._evo_fwd_kernel, ptrs, {**flags, "BLOCK_M": bm, "BLOCK_N": bn}, warps)
     for mode, pass_ in ((1, "dq"), (0, "dkdv"), (2, "dbias")):
         bm, bn, warps, stages = ea.CONFIGS_SMALL_D[pass_]
         tiles = {**flags, "MODE": mode, "BLOCK_M": bm, "BLOCK_N": bn}
-        assert "cubin" in compile_sm90(ea._evo_bwd_kernel, ptrs, tiles, warps)
+        assert "cubin" in compile_sm90(eak._evo_bwd_kernel, ptrs, tiles, warps)
 
 
 def norm_and_softmax_kernels() -> None:
@@ -135,8 +137,8 @@ def norm_and_softmax_kernels() -> None:
         }
         compile_sm90(ln._layer_norm_bwd_kernel, ptrs, flags, warps)
     for pass_, fn in (("fwd", sm._softmax_fwd_kernel), ("bwd", sm._softmax_bwd_kernel)):
-        bm, bk, warps = sm._config(256, pass_)
-        flags = {"BLOCK_M": bm, "BLOCK_K": bk}
+        bm, warps = sm._config(256, pass_)
+        flags = {"BLOCK_M": bm, "BLOCK_K": sm._block_k(256)}
         if pass_ == "fwd":
             flags.update(HAS_BIAS=True, HAS_MASK=True)
         ptrs = {k: "bf16" for k in ("X", "Bias", "Mask", "Y", "DY", "DX")}
@@ -171,19 +173,19 @@ def triangle_multiplication_kernels(dtype: str = "bf16", dot: int = 0) -> None:
     block_p, block_c, block_k, warps = tm.PROJ_TILES
     proj = {"HAS_BIAS": True, "HAS_MASK": True, "DOT": dot, "BLOCK_P": block_p, "BLOCK_C": block_c}
     proj["BLOCK_K"] = block_k
-    compile_sm90(tm._proj_gate_fwd_kernel, ptrs, proj, warps)
-    compile_sm90(tm._proj_gate_bwd_kernel, ptrs, proj, warps)
+    compile_sm90(tmk._proj_gate_fwd_kernel, ptrs, proj, warps)
+    compile_sm90(tmk._proj_gate_bwd_kernel, ptrs, proj, warps)
     block_p, block_c, warps = tm._gate_config(c)
     gate = {"HAS_MASK": True, "BLOCK_P": block_p, "BLOCK_C": block_c}
-    compile_sm90(tm._gate_ab_fwd_kernel, ptrs, gate, warps)
-    compile_sm90(tm._gate_ab_bwd_kernel, ptrs, gate, warps)
+    compile_sm90(tmk._gate_ab_fwd_kernel, ptrs, gate, warps)
+    compile_sm90(tmk._gate_ab_bwd_kernel, ptrs, gate, warps)
     block_p, block_c, warps = tm._ln_out_config(c)
     tiles = {"HAS_W": True, "BLOCK_P": block_p, "BLOCK_C": block_c}
-    compile_sm90(tm._ln_out_t_fwd_kernel, ptrs, {**tiles, "HAS_B": True}, warps)
-    compile_sm90(tm._ln_out_t_bwd_kernel, ptrs, {**tiles, "HAS_DW": True}, warps)
+    compile_sm90(tmk._ln_out_t_fwd_kernel, ptrs, {**tiles, "HAS_B": True}, warps)
+    compile_sm90(tmk._ln_out_t_bwd_kernel, ptrs, {**tiles, "HAS_DW": True}, warps)
     block_m, block_c, warps = tm._elementwise_config(c)
-    compile_sm90(tm._out_gate_fwd_kernel, ptrs, {"BLOCK_M": block_m, "BLOCK_C": block_c}, warps)
-    compile_sm90(tm._out_gate_bwd_kernel, ptrs, {"BLOCK_M": block_m, "BLOCK_C": block_c}, warps)
+    compile_sm90(tmk._out_gate_fwd_kernel, ptrs, {"BLOCK_M": block_m, "BLOCK_C": block_c}, warps)
+    compile_sm90(tmk._out_gate_bwd_kernel, ptrs, {"BLOCK_M": block_m, "BLOCK_C": block_c}, warps)
 
 
 def main() -> int:

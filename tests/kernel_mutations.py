@@ -122,16 +122,13 @@ def drive() -> None:
         q, k, v = r(1, 3, 2, 40, 32), r(1, 3, 2, 40, 32), r(1, 3, 2, 40, 32)
         pair = r(1, 1, 2, 40, 40) if bias else None
         backward(evoformer_attention(q, k, v, pair, torch.rand(1, 3, 1, 1, 40) > 0.2))
-    tm = sys.modules["hfkit.ops.triangle_multiplication"]
     c_z, c_h, n = 32, 16, 9
     params = [r(c_z, dtype=f32), r(c_z, dtype=f32), r(4 * c_h + c_z, c_z), r(4 * c_h + c_z)]
     params += [r(c_h, dtype=f32), r(c_h, dtype=f32), r(c_z, c_h), r(c_z)]
     for fuse in (True, False):
-        tm.FUSE_PROJECTION = fuse
         for outgoing in (True, False):
-            z = r(1, n, n, c_z)
-            backward(triangle_multiplication(z, torch.rand(1, n, n) > 0.2, *params, outgoing=outgoing))
-    tm.FUSE_PROJECTION = True
+            z, mask = r(1, n, n, c_z), torch.rand(1, n, n) > 0.2
+            backward(triangle_multiplication(z, mask, *params, outgoing=outgoing, fuse_projection=fuse))
     backward(sigmoid_gate(r(4, 7, 16), r(4, 7, 16), r(16)))
     backward(bias_dropout_add(r(4, 7, 16), r(4, 7, 16), r(16), p=0.25, training=True, shared_dim=0))
 

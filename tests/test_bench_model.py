@@ -161,13 +161,25 @@ def test_waterfall_stages_and_train_step_subset() -> None:
     assert math.isfinite(out["loss"])
 
 
-def test_reference_ops_on_cpu_restores_the_environment(monkeypatch) -> None:
-    from hfkit.ops._triton import interpreting
+def test_reference_ops_on_cpu_runs_the_references(monkeypatch) -> None:
+    import os
+
+    pytest.importorskip("triton")
+    from hfkit.ops import layer_norm, layer_norm_reference
+    from hfkit.ops.layer_norm import uses_triton
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.randn(3, 8)
+    assert uses_triton(x, 8)
     with reference_ops_on_cpu():
-        assert not interpreting()
-    assert interpreting()
+        assert not uses_triton(x, 8)
+        assert os.environ["TRITON_INTERPRET"] == "1"  # a context variable, not an environment rewrite
+        assert torch.equal(layer_norm(x, (8,)), layer_norm_reference(x, (8,)))
+    assert uses_triton(x, 8)
+    with pytest.raises(RuntimeError, match="inside"), reference_ops_on_cpu():
+        assert not uses_triton(x, 8)
+        raise RuntimeError("inside")
+    assert uses_triton(x, 8)
 
 
 def test_bad_arguments_raise() -> None:

@@ -80,13 +80,28 @@ def test_wide_rows(n, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_many_row_blocks_reduce_weight_grads(device, prefetch, monkeypatch):
+@pytest.mark.parametrize("prefetch, acc2d", [(False, True), (True, True), (False, False)])
+def test_many_row_blocks_reduce_weight_grads(device, prefetch, acc2d):
     # More row blocks than persistent programs: each program accumulates several blocks of dw/db,
-    # with and without the next block's loads issued early.
-    monkeypatch.setattr(importlib.import_module("hfkit.ops.layer_norm"), "BWD_PREFETCH", prefetch)
-    for name, actual, expected in run_both((301, 128), 128, torch.float32, device):
-        assert rel_err(actual, expected) < TOL[torch.float32], name
+    # with and without the next block's loads issued early, with per-slot or per-column partials.
+    ln = importlib.import_module("hfkit.ops.layer_norm")
+    m, n = 301, 128
+    x = torch.randn(m, n, device=device) * 3 + 0.5
+    w, b, dy = torch.randn(n, device=device), torch.randn(n, device=device), torch.randn(m, n, device=device)
+    with torch.no_grad():
+        y, mean, rstd = ln._layer_norm_fwd(x, w, b, n, 1e-5)
+        cfg = ln._bwd_config(n, x.element_size())
+        programs = ln._bwd_programs(m, cfg, x.device)
+        assert programs < -(-m // cfg[0])
+        dx, dwb = torch.empty_like(x), torch.empty(2, programs, n, device=device)
+        ln._launch_bwd(x, dy, dx, w, mean, rstd, dwb, True, programs, cfg, prefetch, acc2d)
+    ref = [t.double().requires_grad_(True) for t in (x, w, b)]
+    y64 = layer_norm_reference(ref[0], n, ref[1], ref[2], 1e-5)
+    ref_grads = torch.autograd.grad(y64, ref, dy.double())
+    dw, db = dwb.sum(dim=1)
+    outputs = zip(["y", "dx", "dw", "db"], [y, dx, dw, db], [y64, *ref_grads], strict=True)
+    for name, actual, expected in outputs:
+        assert rel_err(actual, expected.detach()) < TOL[torch.float32], name
 
 
 @pytest.mark.parametrize("device", DEVICES)

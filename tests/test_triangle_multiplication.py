@@ -11,7 +11,6 @@ TRITON_INTERPRET=1 (conftest.py); a GPU machine also runs them on CUDA.
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 
@@ -34,8 +33,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (
     ["cuda"] if torch.cuda.is_available() else []
 )
-# The op's module (the package attribute of the same name is the function).
-tm_ops = importlib.import_module("hfkit.ops.triangle_multiplication")
 PLAIN = {True: TriangleMultiplicationOutgoing, False: TriangleMultiplicationIncoming}
 FUSED = {True: hnn.TriangleMultiplicationOutgoing, False: hnn.TriangleMultiplicationIncoming}
 
@@ -159,13 +156,34 @@ def test_autocast_matches_plain_module(device, seed):
     assert_as_close_as_plain(got, lowp, want, torch.bfloat16)
 
 
+class Unfused(nn.Module):
+    """`plain`'s update through the op with `fuse_projection=False`, over `plain`'s own parameters (so
+    gradients come back under the same names)."""
+
+    def __init__(self, plain: nn.Module) -> None:
+        super().__init__()
+        self.plain = plain
+
+    def named_parameters(self, *args, **kwargs):
+        return self.plain.named_parameters(*args, **kwargs)
+
+    def forward(self, z: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        m = self.plain
+        lins = (m.linear_a_p, m.linear_a_g, m.linear_b_p, m.linear_b_g, m.linear_g)
+        return triangle_multiplication(
+            z, mask, m.layer_norm_in.weight, m.layer_norm_in.bias,
+            torch.cat([lin.weight for lin in lins]), torch.cat([lin.bias for lin in lins]),
+            m.layer_norm_out.weight, m.layer_norm_out.bias, m.linear_z.weight, m.linear_z.bias,
+            outgoing=m.outgoing, eps=m.layer_norm_in.eps, fuse_projection=False,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("outgoing, dtype", [(True, torch.float32), (False, torch.bfloat16)], ids=str)
-def test_unfused_projection_matches_plain(outgoing, dtype, device, monkeypatch, seed):
-    """FUSE_PROJECTION off: one cuBLAS matmul for all projections, read back by the gate kernels."""
-    monkeypatch.setattr(tm_ops, "FUSE_PROJECTION", False)
+def test_unfused_projection_matches_plain(outgoing, dtype, device, seed):
+    """fuse_projection=False: one cuBLAS matmul for all projections, read back by the gate kernels."""
     plain = make_plain(outgoing, 16, 8, device).to(dtype)
-    fused = hnn.to_hfkit(plain, inplace=False)
+    fused = Unfused(plain)
     z = torch.randn(2, 11, 11, 16, device=device, dtype=dtype)
     mask = torch.rand(2, 11, 11, device=device) > 0.3
     dout = torch.randn_like(z)

@@ -409,22 +409,13 @@ def _cpu_path(device: torch.device, interpret: bool) -> contextlib.AbstractConte
     return reference_ops_on_cpu()
 
 
-@contextlib.contextmanager
-def reference_ops_on_cpu() -> Iterator[None]:
+def reference_ops_on_cpu() -> contextlib.AbstractContextManager[None]:
     """Within this block, hfkit's ops run their plain-torch reference on CPU tensors even under
     `TRITON_INTERPRET=1` (the interpreter runs a model ~1000x slower: fine for testing a kernel, not
-    for timing or profiling a model). CUDA tensors are unaffected."""
-    import os
+    for timing or profiling a model). CUDA tensors are unaffected: `hfkit.ops.reference_on_cpu()`."""
+    from hfkit.ops import reference_on_cpu
 
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0"  # read at call time by hfkit.ops._triton.triton_can_run
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    return reference_on_cpu()
 
 
 def _block_inputs(

@@ -3,10 +3,10 @@
 Run on a GPU: `python -m hfkit.bench.tune_attention --out tune.json`. For triangle attention (H=4,
 D=32, pair bias, key mask) at several N and MSA row attention with pair bias, in bfloat16, it times
 each kernel pass alone — the forward, and the backward's dk/dv, dq and dbias passes — for every
-(BLOCK_M, BLOCK_N, num_warps, num_stages) in the pass's grid with CUDA graphs, then times the whole op
-(forward, forward+backward) with the best tiles per pass beside the current defaults. Configurations
-that fail to compile (too many registers or too much shared memory) are recorded as failures. Not part
-of the test suite: it needs a GPU.
+(BLOCK_M, BLOCK_N, num_warps, num_stages) in the pass's grid with CUDA graphs, then times the passes
+of the whole op (forward, forward+backward) with the best tiles per pass beside the current defaults.
+Configurations that fail to compile (too many registers or too much shared memory) are recorded as
+failures. Not part of the test suite: it needs a GPU.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import time
 import torch
 import triton
 
+import hfkit.ops  # noqa: F401  (registers the custom ops)
 from hfkit.bench.timing import time_cuda
-from hfkit.ops import evoformer_attention  # importing hfkit.ops registers the custom ops
 
 # hfkit.ops re-exports the function `evoformer_attention`, which shadows the module of the same name.
 ea = sys.modules["hfkit.ops.evoformer_attention"]
@@ -131,18 +131,12 @@ def best_per_pass(rows: list[dict], shape_names: list[str]) -> dict[str, tuple[i
     return best
 
 
-def time_op(t: dict, reps: int) -> dict[str, float]:
-    q, k, v, bias, mask = (t[x] for x in ("q", "k", "v", "bias", "mask"))
-    fwd = time_cuda(lambda: evoformer_attention(q, k, v, bias, mask), warmup=3, reps=reps).p50
-    qg, kg, vg, bg = (x.detach().clone().requires_grad_(True) for x in (q, k, v, bias))
-    do = torch.randn_like(q)
-
-    def step():
-        for x in (qg, kg, vg, bg):
-            x.grad = None
-        evoformer_attention(qg, kg, vg, bg, mask).backward(do)
-
-    both = time_cuda(step, warmup=3, reps=reps).p50
+def time_op(t: dict, configs: dict[str, ea.Config], reps: int) -> dict[str, float]:
+    """Median ms of the forward and of forward + backward (every pass, in the op's order) with the
+    tiles `configs` per pass."""
+    runs = {pass_: pass_runner(pass_, t, cfg) for pass_, cfg in configs.items()}
+    fwd = time_cuda(runs["fwd"], warmup=3, reps=reps).p50
+    both = time_cuda(lambda: [runs[p]() for p in ("fwd", "dq", "dkdv", "dbias")], warmup=3, reps=reps).p50
     return {"fwd_ms": fwd, "fwd_bwd_ms": both}
 
 
@@ -182,13 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     doc["best"] = {k: list(v) for k, v in best.items()}
     print("best", best, flush=True)
     doc["op"] = {}
-    for label, override in (("default", {}), ("best", best)):
-        ea.CONFIG_OVERRIDE.clear()
-        ea.CONFIG_OVERRIDE.update(override)
-        doc["op"][label] = {name: time_op(inputs[name], args.reps) for name in names}
+    default = {pass_: ea._config(pass_, 32, torch.device("cuda")) for pass_ in GRIDS}
+    tuned = {pass_: ea.Config(bm, bn, 32, w, st) for pass_, (bm, bn, w, st) in best.items()}
+    for label, configs in (("default", default), ("best", {**default, **tuned})):
+        doc["op"][label] = {name: time_op(inputs[name], configs, args.reps) for name in names}
         print(label, doc["op"][label], flush=True)
         dump()
-    ea.CONFIG_OVERRIDE.clear()
     return 0
 
 

@@ -122,11 +122,15 @@ def tune_shape(shape: tuple[int, ...], dtype: torch.dtype, bwd_only: bool = Fals
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="tune_layer_norm.json")
     parser.add_argument("--bwd-only", action="store_true", help="skip the forward sweep")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    given = argv if argv is not None else sys.argv[1:]
+    if not torch.cuda.is_available():
+        print("tune_layer_norm: needs a CUDA device", file=sys.stderr)
+        return 2
     shapes = SHAPES_BWD if args.bwd_only else SHAPES
     # Clocks idle low: a second of matrix products first, then the copy ceiling.
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -134,7 +138,7 @@ def main() -> None:
         a @ a
     ceiling = measure_copy_bandwidth("cuda")  # eager-timed: see hfkit.bench.ceilings
     results = {
-        "command": " ".join(["python", "-m", "hfkit.bench.tune_layer_norm", *sys.argv[1:]]),
+        "command": " ".join(["python -m hfkit.bench.tune_layer_norm", *given]),
         "gpu": torch.cuda.get_device_name(),
         "copy_ceiling_gbps": ceiling,
         "shapes": [],
@@ -157,7 +161,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -38,16 +38,26 @@ def make_sets(shape: tuple[int, ...], sets: int = 4) -> list[dict]:
         bias = torch.randn(1, h, n, k, device=dev, dtype=torch.bfloat16)
         mask = (torch.rand(s, 1, 1, k, device=dev) > 0.05).to(torch.bfloat16)
         y = torch.ops.hfkit.softmax_fwd(x, bias, mask)
-        out.append({"x": x, "bias": bias, "mask": mask, "y": y, "dy": torch.randn_like(y)})
+        out.append(
+            {
+                "x": x,
+                "bias": bias,
+                "mask": mask,
+                "y": y,
+                "dy": torch.randn_like(y),
+                "out": torch.empty_like(y),
+            }
+        )
     return out
 
 
-def time_pass(pass_: str, sets: list[dict]) -> float:
-    """Median ms of one call of the 'fwd' or 'bwd' kernel, averaged over the rotating sets."""
+def time_pass(pass_: str, sets: list[dict], tiles: tuple[int, int]) -> float:
+    """Median ms of one call of the 'fwd' or 'bwd' kernel with `tiles` (rows a program, num_warps),
+    averaged over the rotating sets."""
     if pass_ == "fwd":
-        calls = [lambda t=t: torch.ops.hfkit.softmax_fwd(t["x"], t["bias"], t["mask"]) for t in sets]
+        calls = [lambda t=t: sm.launch_fwd(t["x"], t["bias"], t["mask"], t["out"], tiles) for t in sets]
     else:
-        calls = [lambda t=t: torch.ops.hfkit.softmax_bwd(t["dy"], t["y"]) for t in sets]
+        calls = [lambda t=t: sm.launch_bwd(t["dy"], t["y"], t["out"], tiles) for t in sets]
     return time_cuda(lambda: [c() for c in calls], warmup=2, reps=20, calls_per_graph=len(calls)).p50
 
 
@@ -73,19 +83,16 @@ def main(argv: list[str] | None = None) -> int:
         sets = make_sets(shape)
         nbytes = {"fwd": 2 * sets[0]["x"].nbytes, "bwd": 3 * sets[0]["x"].nbytes}
         for pass_ in ("fwd", "bwd"):
-            sm.CONFIG_OVERRIDE.clear()
-            default_ms = time_pass(pass_, sets)
+            default_ms = time_pass(pass_, sets, sm._config(shape[-1], pass_))
             for rows, warps in itertools.product(ROWS, WARPS):
-                sm.CONFIG_OVERRIDE[pass_] = (rows, warps)
                 row = {"shape": list(shape), "pass": pass_, "block_m": rows, "warps": warps}
                 row["default_ms"] = default_ms
                 try:
-                    ms = time_pass(pass_, sets)
+                    ms = time_pass(pass_, sets, (rows, warps))
                     row.update(ms=ms, pct_copy=100 * nbytes[pass_] / ms / 1e6 / copy_gbps)
                 except Exception as exc:  # noqa: BLE001  (a tile that does not compile is a data point)
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 doc["rows"].append(row)
-            sm.CONFIG_OVERRIDE.clear()
             timed = [r for r in doc["rows"] if "ms" in r and r["shape"] == list(shape) and r["pass"] == pass_]
             best = min(timed, key=lambda r: r["ms"])
             print(

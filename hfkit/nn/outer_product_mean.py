@@ -14,7 +14,7 @@ import torch
 
 from hfkit.model.outer_product_mean import OuterProductMean as _PlainOuterProductMean
 from hfkit.nn.convert import register_swap
-from hfkit.ops.outer_product import outer_product_linear
+from hfkit.ops.outer_product_linear import outer_product_linear
 
 __all__ = ["OuterProductMean"]
 

@@ -1,5 +1,7 @@
-"""Fused ops: one file per op, each with Triton kernels, an autograd path and a plain-torch reference."""
+"""Fused ops: one file per op (reference, input checks, autograd, dispatch; long Triton kernels beside it
+in `_<op>_kernels.py`), and `reference_on_cpu()`, which sends CPU tensors to the references."""
 
+from hfkit.ops._triton import reference_on_cpu
 from hfkit.ops.elementwise import (
     bias_dropout_add,
     bias_dropout_add_reference,
@@ -9,7 +11,7 @@ from hfkit.ops.elementwise import (
 from hfkit.ops.evoformer_attention import evoformer_attention, evoformer_attention_reference
 from hfkit.ops.gated_linear import gated_linear, gated_linear_reference
 from hfkit.ops.layer_norm import layer_norm, layer_norm_reference
-from hfkit.ops.outer_product import outer_product_linear, outer_product_linear_reference
+from hfkit.ops.outer_product_linear import outer_product_linear, outer_product_linear_reference
 from hfkit.ops.relu_mlp import relu_mlp, relu_mlp_reference
 from hfkit.ops.softmax import softmax, softmax_reference
 from hfkit.ops.triangle_multiplication import triangle_multiplication, triangle_multiplication_reference
@@ -25,6 +27,7 @@ __all__ = [
     "layer_norm_reference",
     "outer_product_linear",
     "outer_product_linear_reference",
+    "reference_on_cpu",
     "relu_mlp",
     "relu_mlp_reference",
     "sigmoid_gate",

@@ -2,13 +2,16 @@
 
 Kernels run on CUDA tensors, and on CPU tensors when `TRITON_INTERPRET=1` (Triton's interpreter,
 how the tests check kernels without a GPU) — except while `torch.compile` traces a CPU graph, where
-each op's plain-torch reference is what Inductor compiles. Without Triton installed, nothing runs it.
+each op's plain-torch reference is what Inductor compiles, and inside `reference_on_cpu()`, where CPU
+tensors take the references although the interpreter is on. Without Triton installed, nothing runs it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -33,14 +36,33 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# True inside `reference_on_cpu()`: a context variable, so each thread and task has its own setting.
+_REFERENCE_ON_CPU: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "hfkit_reference_on_cpu", default=False
+)
+
+
+@contextlib.contextmanager
+def reference_on_cpu() -> Iterator[None]:
+    """Inside this context, ops on CPU tensors run their plain-torch references even under
+    `TRITON_INTERPRET=1` (the interpreter runs a model ~1000x slower: fine for checking a kernel, not
+    for timing a model on CPU); CUDA tensors are unaffected. The previous setting comes back on exit,
+    exceptions included."""
+    token = _REFERENCE_ON_CPU.set(True)
+    try:
+        yield
+    finally:
+        _REFERENCE_ON_CPU.reset(token)
+
+
 def triton_can_run(x: torch.Tensor) -> bool:
     """Whether a Triton kernel can take `x`: Triton present, a float32/bfloat16/float16 tensor on CUDA,
-    or on the CPU under the interpreter outside `torch.compile` tracing."""
+    or on the CPU under the interpreter outside `torch.compile` tracing and `reference_on_cpu()`."""
     if not HAS_TRITON or x.dtype not in TRITON_DTYPES:
         return False
     if x.is_cuda:
         return True
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _REFERENCE_ON_CPU.get():
         return False
     return x.device.type == "cpu" and interpreting()
 

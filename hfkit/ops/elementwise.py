@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from hfkit.ops._checks import check_float, check_optional, check_same_device
 from hfkit.ops._triton import HAS_TRITON, hfkit_op, triton_can_run
 
 if HAS_TRITON:
@@ -105,28 +106,18 @@ def _mask_shape(shape: torch.Size | tuple[int, ...], shared_dim: int | None) -> 
 # ----------------------------------------------------------------------------- checks and dispatch
 
 
-def _check_tensor(name: str, t: object) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if not t.dtype.is_floating_point:
-        raise ValueError(f"{name}: expected a floating-point dtype, got {t.dtype}")
-
-
 def _check_pair(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:
-    _check_tensor(a_name, a)
-    _check_tensor(b_name, b)
+    check_float(a_name, a)
+    check_float(b_name, b)
     if a.shape != b.shape:
         raise ValueError(f"{b_name}: expected {a_name}'s shape {list(a.shape)}, got {list(b.shape)}")
-    if a.device != b.device:
-        raise ValueError(f"{b_name}: on {b.device}, but {a_name} is on {a.device}; put them on one device")
+    check_same_device(b_name, b, a_name, a)
 
 
 def _check_bias(bias: torch.Tensor | None, x: torch.Tensor, x_name: str, trailing_only: bool) -> None:
+    check_optional("bias", bias, None, x_name, x)
     if bias is None:
         return
-    _check_tensor("bias", bias)
-    if bias.device != x.device:
-        raise ValueError(f"bias: on {bias.device}, but {x_name} is on {x.device}; put them on one device")
     k = bias.dim()
     ok = 1 <= k <= x.dim() and tuple(bias.shape) == tuple(x.shape[x.dim() - k :])
     if trailing_only and k != 1:
@@ -155,7 +146,8 @@ def sigmoid_gate(g: torch.Tensor, o: torch.Tensor, bias: torch.Tensor | None = N
     _check_bias(bias, g, "g", trailing_only=False)
     if not uses_triton(g, o) or g.numel() == 0 or (bias is not None and not triton_can_run(bias)):
         return sigmoid_gate_reference(g, o, bias)
-    return _sigmoid_gate_fwd(g, o, bias)
+    # The kernels index the bias by column: unit stride (a copy of its few elements at most).
+    return _sigmoid_gate_fwd(g, o, bias.contiguous() if bias is not None else None)
 
 
 def sigmoid_gate_backward(
@@ -214,6 +206,7 @@ def bias_dropout_add(
     if not dropout and bias is None:
         return residual + x  # one kernel already
     seed_t = _seed_tensor(seed, generator, x.device) if dropout else None
+    bias = bias.contiguous() if bias is not None else None  # indexed by channel: unit stride
     return _bias_dropout_add_fwd(
         x, residual, bias, seed_t, float(p) if dropout else 0.0, -1 if shared_dim is None else shared_dim
     )
@@ -278,7 +271,7 @@ def dropout_keep_mask(
 
 def _gate_layout(g: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int]:
     """(M, N): g viewed as [M, N] rows, N = bias.numel() (or g's last dim), bias indexed by column."""
-    n = bias.numel() if bias is not None else g.shape[-1]
+    n = bias.numel() if bias is not None else (g.shape[-1] if g.dim() else 1)
     return g.numel() // n, n
 
 

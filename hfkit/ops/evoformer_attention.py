@@ -1,4 +1,4 @@
-"""Evoformer attention: flash-style Triton kernels (forward and backward), a torch custom op, the reference.
+"""Evoformer attention: the reference, checks, launchers and autograd of its flash-style Triton kernels.
 
 `evoformer_attention(q, k, v, bias, mask)` computes `softmax(q·kᵀ/√D + bias + (mask - 1)·1e9)·v` for
 q: [B, S, H, Q, D], k/v: [B, S, H, K, D], a pair bias broadcast over MSA rows ([B, 1, H, Q, K]) and a
@@ -7,9 +7,9 @@ the other Evoformer attentions. The forward keeps no [Q, K] logits: it walks key
 softmax and saves two float32 numbers per query row (the running max and the log of the sum). The
 backward recomputes the probabilities block by block from them: one kernel for dk/dv (a program per
 key block), one for dq (a program per query block) and one for dbias (a program per bias tile, which
-loops over the S rows the bias was broadcast over: deterministic, no atomics). Registered as the custom
-ops `hfkit::evoformer_attention_fwd` / `_bwd`; on CPU without `TRITON_INTERPRET=1` it runs
-`evoformer_attention_reference`.
+loops over the S rows the bias was broadcast over: deterministic, no atomics); the kernels are in
+`hfkit.ops._evoformer_attention_kernels`. Registered as the custom ops `hfkit::evoformer_attention_fwd`
+/ `_bwd`; on CPU without `TRITON_INTERPRET=1` it runs `evoformer_attention_reference`.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from typing import NamedTuple
 
 import torch
 
+from hfkit.ops._checks import broadcasts_to, check_float, check_optional, check_same_device
 from hfkit.ops._triton import HAS_TRITON, dot_mode, hfkit_op, num_sms, triton_can_run
 from hfkit.ops.softmax import MASK_INF
 
 if HAS_TRITON:
     import triton
-    import triton.language as tl
     from torch.library import wrap_triton
 
-    from hfkit.ops._triton import dot
+    from hfkit.ops._evoformer_attention_kernels import _evo_bwd_kernel, _evo_fwd_kernel
 
 __all__ = ["MAX_HEAD_DIM", "evoformer_attention", "evoformer_attention_reference", "uses_triton"]
 
@@ -61,8 +61,6 @@ CONFIGS_LARGE_D: dict[str, tuple[int, int, int, int]] = {
     "dq": (32, 32, 4, 2),
     "dbias": (32, 32, 4, 2),
 }
-# Set by the tuning sweep only: pass -> (BLOCK_M, BLOCK_N, num_warps, num_stages) for every head dim.
-CONFIG_OVERRIDE: dict[str, tuple[int, int, int, int]] = {}
 
 
 def evoformer_attention_reference(
@@ -101,16 +99,10 @@ def _mask_5d(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def _check_inputs(q, k, v, bias, mask) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 5:
-            raise ValueError(f"{name}: expected 5 dims [B, S, H, N, D], got shape {list(t.shape)}")
-        if not t.dtype.is_floating_point:
-            raise ValueError(f"{name}: expected a floating-point dtype, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: on {t.device}, but q is on {q.device}; put them on one device")
+        check_float(name, t, dims=5)
+        check_same_device(name, t, "q", q)
         if t.dtype != q.dtype:
-            raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+            raise ValueError(f"{name}: expected q's dtype {q.dtype}, got {t.dtype}")
     b, s, h, n_q, d = q.shape
     n_k = k.shape[3]
     if tuple(k.shape) != (b, s, h, n_k, d):
@@ -118,35 +110,22 @@ def _check_inputs(q, k, v, bias, mask) -> None:
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v: expected k's shape {list(k.shape)}, got {list(v.shape)}")
     logits = (b, s, h, n_q, n_k)
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise ValueError(f"bias: expected a torch.Tensor or None, got {type(bias).__name__}")
-        if not bias.dtype.is_floating_point:
-            raise ValueError(f"bias: expected a floating-point dtype, got {bias.dtype}")
-        if bias.device != q.device:
-            raise ValueError(f"bias: on {bias.device}, but q is on {q.device}; put them on one device")
-        if bias.dim() != 5 or any(x not in (1, y) for x, y in zip(bias.shape, logits, strict=True)):
-            raise ValueError(
-                f"bias: expected shape [B|1, S|1, H|1, Q|1, K|1] broadcastable to {list(logits)}, "
-                f"got {list(bias.shape)}"
-            )
+    check_optional("bias", bias, None, "q", q)
+    if bias is not None and (bias.dim() != 5 or not broadcasts_to(bias.shape, logits)):
+        raise ValueError(
+            f"bias: expected shape [B|1, S|1, H|1, Q|1, K|1] broadcastable to {list(logits)}, "
+            f"got {list(bias.shape)}"
+        )
+    check_optional("mask", mask, None, "q", q, floating=False)
     if mask is not None:
-        if not isinstance(mask, torch.Tensor):
-            raise ValueError(f"mask: expected a torch.Tensor or None, got {type(mask).__name__}")
-        if mask.device != q.device:
-            raise ValueError(f"mask: on {mask.device}, but q is on {q.device}; put them on one device")
-        ok = (mask.dim() == 3 and _bcast(mask.shape, (b, s, n_k))) or (
-            mask.dim() == 5 and mask.shape[2:4] == (1, 1) and _bcast(mask.shape, (b, s, 1, 1, n_k))
+        ok = (mask.dim() == 3 and broadcasts_to(mask.shape, (b, s, n_k))) or (
+            mask.dim() == 5 and mask.shape[2:4] == (1, 1) and broadcasts_to(mask.shape, (b, s, 1, 1, n_k))
         )
         if not ok:
             raise ValueError(
                 f"mask: expected shape [B, S, K] or [B, S, 1, 1, K] (B, S may be 1) with B={b}, S={s}, "
                 f"K={n_k}, got {list(mask.shape)}"
             )
-
-
-def _bcast(shape, target) -> bool:
-    return all(x in (1, y) for x, y in zip(shape, target, strict=True))
 
 
 def uses_triton(q: torch.Tensor) -> bool:
@@ -190,7 +169,7 @@ def evoformer_attention(
     # A unit key stride lets the kernels load bias rows as vectors (Triton specializes a stride of 1);
     # a pair bias that is a permuted view of the pair projection (key stride H, as in the Evoformer)
     # would be gathered element by element on every one of its S re-reads. One copy is cheap beside
-    # that. (Expected from the kernels' code; not yet timed in the model on a GPU.)
+    # that.
     bias, add = _unit_key_stride(bias), _unit_key_stride(add)
     o, _, _ = _evo_fwd(q, k, v, bias, add)
     return o
@@ -203,16 +182,11 @@ def _unit_key_stride(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _check_key_bias(key_bias: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> None:
+    check_optional("key_bias", key_bias, None, "q", q)
     if key_bias is None:
         return
-    if not isinstance(key_bias, torch.Tensor):
-        raise ValueError(f"key_bias: expected a torch.Tensor or None, got {type(key_bias).__name__}")
-    if not key_bias.dtype.is_floating_point:
-        raise ValueError(f"key_bias: expected a floating-point dtype, got {key_bias.dtype}")
-    if key_bias.device != q.device:
-        raise ValueError(f"key_bias: on {key_bias.device}, but q is on {q.device}; put them on one device")
     b, s, _, _, _ = q.shape
-    if key_bias.dim() != 3 or not _bcast(key_bias.shape, (b, s, k.shape[3])):
+    if key_bias.dim() != 3 or not broadcasts_to(key_bias.shape, (b, s, k.shape[3])):
         raise ValueError(
             f"key_bias: expected shape [B|1, S|1, K] with B={b}, S={s}, K={k.shape[3]}, "
             f"got {list(key_bias.shape)}"
@@ -237,301 +211,11 @@ def _key_bias_strides(key_bias: torch.Tensor | None) -> list[int]:
 
 if HAS_TRITON:
 
-    @triton.jit
-    def _ld(ptrs, mask, EVEN: tl.constexpr):
-        # EVEN: every tile is full (no ragged rows, keys or head dims), so no load needs a mask.
-        if EVEN:
-            return tl.load(ptrs)
-        else:
-            return tl.load(ptrs, mask=mask, other=0.0)
-
-    @triton.jit
-    def _st(ptrs, value, mask, EVEN: tl.constexpr):
-        if EVEN:
-            tl.store(ptrs, value)
-        else:
-            tl.store(ptrs, value, mask=mask)
-
-    @triton.jit
-    def _bias_tile(Bias, b_off, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN: tl.constexpr):
-        ok = (offs_m < n_q)[:, None] & (offs_n < n_k)[None, :]
-        return _ld(Bias + b_off + offs_m[:, None] * sbq + offs_n[None, :] * sbk, ok, EVEN).to(tl.float32)
-
-    @triton.jit
-    def _logits(
-        q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-        k_ok_d, b_off, kb_off, sbq, sbk, skb_k, btile,
-        HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
-        BIAS_PRELOADED: tl.constexpr,
-    ):  # fmt: skip
-        # One [BLOCK_M, BLOCK_N] tile of logits in float32, in base-2 units (natural logits times
-        # log2(e): qk_scale includes it, so the softmax is a bare exp2); keys past n_k are -inf.
-        # BIAS_PRELOADED: `btile` holds this tile's bias already (float32), else it is loaded here.
-        k_ok = offs_n < n_k
-        kt = _ld(k_ptrs, k_ok[None, :] & k_ok_d, EVEN)
-        # (float32 explicitly: under torch.compile, Inductor may pass the scale as a float64 scalar.)
-        s = (dot(q, kt, DOT) * qk_scale).to(tl.float32)
-        if HAS_BIAS or HAS_KEY_BIAS:
-            t = tl.zeros_like(s)
-            if HAS_BIAS:
-                if BIAS_PRELOADED:
-                    t = btile
-                else:
-                    t = _bias_tile(Bias, b_off, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN)
-            if HAS_KEY_BIAS:
-                t += _ld(KeyBias + kb_off + offs_n * skb_k, k_ok, EVEN)[None, :]
-            s += t * 1.4426950408889634  # LOG2E
-        if not EVEN:
-            s = tl.where(k_ok[None, :], s, float("-inf"))
-        return s
-
-    @triton.jit
-    def _evo_fwd_kernel(
-        Q, K, V, Bias, KeyBias, O, Mx, Lg,
-        S, H, n_q, n_k, d, qk_scale,
-        sqb, sqs, sqh, sqn, skb, sks, skh, skn, svb, svs, svh, svn, sob, sos, soh, son,
-        sbb, sbs, sbh, sbq, sbk, skb_b, skb_s, skb_k,
-        HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):  # fmt: skip
-        # Grid (query blocks, B*S*H). Traffic: q and o once; k, v (and the bias rows) once per query
-        # block. Registers hold the q tile, the [BLOCK_M, BLOCK_D] float32 accumulator and one logits
-        # tile; o has its own strides (the host lays it out like q), the statistics are [B*S*H, Q].
-        pid_m = tl.program_id(0)
-        bsh = tl.program_id(1)
-        h = bsh % H
-        s_ = (bsh // H) % S
-        b = bsh // (H * S)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < d
-        m_ok = offs_m < n_q
-        q_base = Q + b.to(tl.int64) * sqb + s_ * sqs + h * sqh
-        q = _ld(q_base + offs_m[:, None] * sqn + offs_d[None, :], m_ok[:, None] & d_ok[None, :], EVEN)
-        k_base = K + b.to(tl.int64) * skb + s_ * sks + h * skh
-        v_base = V + b.to(tl.int64) * svb + s_ * svs + h * svh
-        b_off = b.to(tl.int64) * sbb + s_ * sbs + h * sbh
-        kb_off = b.to(tl.int64) * skb_b + s_ * skb_s
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for start in range(0, n_k, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            k_ptrs = k_base + offs_n[None, :] * skn + offs_d[:, None]
-            s = _logits(
-                q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-                d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, 0, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, False,
-            )  # fmt: skip
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            vt = _ld(
-                v_base + offs_n[:, None] * svn + offs_d[None, :],
-                (offs_n < n_k)[:, None] & d_ok[None, :],
-                EVEN,
-            )
-            acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, DOT)
-            m_i = m_new
-        o = acc / l_i[:, None]
-        o_ptrs = O + b.to(tl.int64) * sob + s_ * sos + h * soh + offs_m[:, None] * son + offs_d[None, :]
-        _st(o_ptrs, o.to(O.dtype.element_ty), m_ok[:, None] & d_ok[None, :], EVEN)
-        # Max and log-sum apart, not their sum: with every key masked both are about -1e9 and log(l)
-        # would vanish in the float32 sum, turning p = 1/K into p = 1 in the backward.
-        tl.store(Mx + bsh.to(tl.int64) * n_q + offs_m, m_i, mask=m_ok)
-        tl.store(Lg + bsh.to(tl.int64) * n_q + offs_m, tl.log2(l_i), mask=m_ok)
-
-    @triton.jit
-    def _probs_and_dlogits(
-        q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-        k_ok_d, b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta, btile,
-        HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
-        BIAS_PRELOADED: tl.constexpr,
-    ):  # fmt: skip
-        # p = softmax probabilities of one tile (0 outside the valid rows/keys) and ds = dL/dlogits
-        # (of the natural logits; mx and lg are base-2 like the logits `_logits` returns).
-        s = _logits(
-            q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-            k_ok_d, b_off, kb_off, sbq, sbk, skb_k, btile, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, BIAS_PRELOADED,
-        )  # fmt: skip
-        p = tl.exp2((s - mx[:, None]) - lg[:, None])
-        if not EVEN:
-            p = tl.where((offs_m < n_q)[:, None] & (offs_n < n_k)[None, :], p, 0.0)
-        vt = _ld(vt_ptrs, (offs_n < n_k)[None, :] & k_ok_d, EVEN)
-        dp = dot(do, vt, DOT)
-        ds = p * (dp - delta[:, None])
-        return p, ds
-
-    @triton.jit
-    def _evo_bwd_kernel(
-        Q, K, V, Bias, KeyBias, O, DO, Mx, Lg, Delta, DQ, DK, DV, DB,
-        B, S, H, n_q, n_k, d, qk_scale, sm_scale, reps_per_split,
-        sqb, sqs, sqh, sqn, skb, sks, skh, skn, svb, svs, svh, svn,
-        sob, sos, soh, son, sdob, sdos, sdoh, sdon,
-        sdqb, sdqs, sdqh, sdqn, sdkb, sdks, sdkh, sdkn, sdvb, sdvs, sdvh, sdvn,
-        sbb, sbs, sbh, sbq, sbk, skb_b, skb_s, skb_k,
-        nb_b, nb_s, nb_h,
-        MODE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr,
-        EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):  # fmt: skip
-        # MODE 1 (dq):     grid (query blocks, B*S*H); walks the key blocks. Runs first: it also writes
-        #                  delta = rowsum(do * o), which the other two passes read.
-        # MODE 0 (dk, dv): grid (key blocks, B*S*H); walks the query blocks.
-        # MODE 2 (dbias):  grid (query blocks * key blocks, bias B*S*H, splits); each program walks
-        #                  `reps_per_split` of the B, S, H rows the bias was broadcast over, sums their
-        #                  dlogits in float32 registers and writes one partial sum per split (the host
-        #                  adds the splits in a fixed order: deterministic). Its bias tile is loaded once.
-        # Each tile recomputes its logits from q, k, bias, mask and the saved row statistics; o, do,
-        # dq, dk, dv have strides of their own (unit along D), the statistics and
-        # delta = rowsum(do * o) are [B*S*H, Q].
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < d
-        n_mb = tl.cdiv(n_q, BLOCK_M)
-        tile_a = tl.program_id(1)
-        btile = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if MODE == 2:
-            pid_m = tl.program_id(0) % n_mb
-            pid_n = tl.program_id(0) // n_mb
-            r_lo = tl.program_id(2) * reps_per_split
-            r_hi = tl.minimum(r_lo + reps_per_split, (B // nb_b) * (S // nb_s) * (H // nb_h))
-            if HAS_BIAS:
-                # Along its broadcast dims the bias strides are 0: one tile serves every row walked.
-                b0 = (tile_a // (nb_h * nb_s)).to(tl.int64) * sbb + ((tile_a // nb_h) % nb_s) * sbs
-                b0 += (tile_a % nb_h) * sbh
-                offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                btile = _bias_tile(Bias, b0, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN)
-        else:
-            pid_m = tl.program_id(0)
-            pid_n = tl.program_id(0)
-            r_lo = 0
-            r_hi = 1
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for r in range(r_lo, r_hi):
-            if MODE == 2:
-                # Bias row (bb, sb, hb) covers every (b, s, h) equal to it where the bias is not
-                # broadcast; r counts through the broadcast ones.
-                hb = tile_a % nb_h
-                sb = (tile_a // nb_h) % nb_s
-                bb = tile_a // (nb_h * nb_s)
-                rh = H // nb_h
-                rs = S // nb_s
-                h = hb + r % rh
-                s_ = sb + (r // rh) % rs
-                b = bb + r // (rh * rs)
-                bsh = (b * S + s_) * H + h
-            else:
-                bsh = tile_a
-                h = bsh % H
-                s_ = (bsh // H) % S
-                b = bsh // (H * S)
-            q_base = Q + b.to(tl.int64) * sqb + s_ * sqs + h * sqh
-            k_base = K + b.to(tl.int64) * skb + s_ * sks + h * skh
-            v_base = V + b.to(tl.int64) * svb + s_ * svs + h * svh
-            do_base = DO + b.to(tl.int64) * sdob + s_ * sdos + h * sdoh
-            b_off = b.to(tl.int64) * sbb + s_ * sbs + h * sbh
-            kb_off = b.to(tl.int64) * skb_b + s_ * skb_s
-            row0 = bsh.to(tl.int64) * n_q
-            if MODE == 0:
-                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                n_ok = offs_n < n_k
-                dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-                dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-                # Transposed tiles [keys, queries] throughout, so that pᵀ and dsᵀ come out of the
-                # softmax in the layout the dv and dk products take (no register transposes).
-                nd = n_ok[:, None] & d_ok[None, :]
-                k = _ld(k_base + offs_n[:, None] * skn + offs_d[None, :], nd, EVEN)
-                v = _ld(v_base + offs_n[:, None] * svn + offs_d[None, :], nd, EVEN)
-                kbias = tl.zeros([BLOCK_N], dtype=tl.float32)
-                if HAS_KEY_BIAS:
-                    kbias = _ld(KeyBias + kb_off + offs_n * skb_k, n_ok, EVEN) * 1.4426950408889634
-                for start in range(0, n_q, BLOCK_M):
-                    offs_m = start + tl.arange(0, BLOCK_M)
-                    m_ok = offs_m < n_q
-                    qt = _ld(
-                        q_base + offs_m[None, :] * sqn + offs_d[:, None], d_ok[:, None] & m_ok[None, :], EVEN
-                    )
-                    do = _ld(
-                        do_base + offs_m[:, None] * sdon + offs_d[None, :],
-                        m_ok[:, None] & d_ok[None, :],
-                        EVEN,
-                    )
-                    mx = _ld(Mx + row0 + offs_m, m_ok, EVEN)
-                    lg = _ld(Lg + row0 + offs_m, m_ok, EVEN)
-                    delta = _ld(Delta + row0 + offs_m, m_ok, EVEN)
-                    st = (dot(k, qt, DOT) * qk_scale).to(tl.float32) + kbias[:, None]
-                    if HAS_BIAS:
-                        ok = n_ok[:, None] & m_ok[None, :]
-                        b_ptrs = Bias + b_off + offs_n[:, None] * sbk + offs_m[None, :] * sbq
-                        st += _ld(b_ptrs, ok, EVEN).to(tl.float32) * 1.4426950408889634
-                    pt = tl.exp2((st - mx[None, :]) - lg[None, :])
-                    if not EVEN:
-                        pt = tl.where(n_ok[:, None] & m_ok[None, :], pt, 0.0)
-                    dpt = dot(v, tl.trans(do), DOT)
-                    dst = pt * (dpt - delta[None, :])
-                    dv += dot(pt.to(do.dtype), do, DOT)
-                    dk += dot(dst.to(do.dtype), tl.trans(qt), DOT)
-                dk_ptrs = DK + b.to(tl.int64) * sdkb + s_ * sdks + h * sdkh + offs_n[:, None] * sdkn
-                dv_ptrs = DV + b.to(tl.int64) * sdvb + s_ * sdvs + h * sdvh + offs_n[:, None] * sdvn
-                _st(dk_ptrs + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), nd, EVEN)
-                _st(dv_ptrs + offs_d[None, :], dv.to(DV.dtype.element_ty), nd, EVEN)
-            else:
-                offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-                m_ok = offs_m < n_q
-                md = m_ok[:, None] & d_ok[None, :]
-                q = _ld(q_base + offs_m[:, None] * sqn + offs_d[None, :], md, EVEN)
-                do = _ld(do_base + offs_m[:, None] * sdon + offs_d[None, :], md, EVEN)
-                mx = _ld(Mx + row0 + offs_m, m_ok, EVEN)
-                lg = _ld(Lg + row0 + offs_m, m_ok, EVEN)
-                if MODE == 1:
-                    o_base = O + b.to(tl.int64) * sob + s_ * sos + h * soh
-                    o = _ld(o_base + offs_m[:, None] * son + offs_d[None, :], md, EVEN)
-                    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-                    _st(Delta + row0 + offs_m, delta, m_ok, EVEN)
-                else:
-                    delta = _ld(Delta + row0 + offs_m, m_ok, EVEN)
-                if MODE == 1:
-                    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-                    for start in range(0, n_k, BLOCK_N):
-                        offs_n = start + tl.arange(0, BLOCK_N)
-                        k_ptrs = k_base + offs_n[None, :] * skn + offs_d[:, None]
-                        vt_ptrs = v_base + offs_n[None, :] * svn + offs_d[:, None]
-                        p, ds = _probs_and_dlogits(
-                            q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-                            d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta, 0,
-                            HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, False,
-                        )  # fmt: skip
-                        kt = _ld(k_ptrs, (offs_n < n_k)[None, :] & d_ok[:, None], EVEN)
-                        dq += dot(ds.to(kt.dtype), tl.trans(kt), DOT)
-                    dq_base = DQ + b.to(tl.int64) * sdqb + s_ * sdqs + h * sdqh
-                    dq_ptrs = dq_base + offs_m[:, None] * sdqn + offs_d[None, :]
-                    _st(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), md, EVEN)
-                else:
-                    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                    k_ptrs = k_base + offs_n[None, :] * skn + offs_d[:, None]
-                    vt_ptrs = v_base + offs_n[None, :] * svn + offs_d[:, None]
-                    p, ds = _probs_and_dlogits(
-                        q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-                        d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta, btile,
-                        HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, True,
-                    )  # fmt: skip
-                    acc += ds
-        if MODE == 2:
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            ok = (offs_m < n_q)[:, None] & (offs_n < n_k)[None, :]
-            # dbias partials are contiguous [splits, nb_b * nb_s * nb_h, Q, K] in float32.
-            db_base = DB + (tl.program_id(2) * tl.num_programs(1) + tile_a).to(tl.int64) * n_q * n_k
-            _st(db_base + offs_m[:, None] * n_k + offs_n[None, :], acc, ok, EVEN)
-
     def _config(pass_: str, d: int, device: torch.device) -> Config:
         """Tile configuration of one kernel pass ('fwd', 'dkdv', 'dq', 'dbias') for head dim d."""
         block_d = max(16, triton.next_power_of_2(d))
         if device.type != "cuda":
             return Config(32, 32, block_d, 4, 1)  # small tiles so that tests cross block edges cheaply
-        if pass_ in CONFIG_OVERRIDE:
-            bm, bn, warps, stages = CONFIG_OVERRIDE[pass_]
-            return Config(bm, bn, block_d, warps, stages)
         table = CONFIGS_SMALL_D if block_d <= 32 else CONFIGS_LARGE_D
         bm, bn, warps, stages = table[pass_]
         return Config(bm, bn, block_d, warps, stages)

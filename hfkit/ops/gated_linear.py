@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from hfkit.ops._checks import check_float, check_matmul_dtype, check_optional, check_same_device
 from hfkit.ops._linear import autocast_operands, column_sums
 from hfkit.ops.elementwise import sigmoid_gate, sigmoid_gate_backward, sigmoid_gate_reference, uses_triton
 
@@ -31,18 +32,19 @@ def gated_linear_reference(
 
 
 def _check(g: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    for name, t in (("g", g), ("o", o), ("weight", weight)):
-        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
-            raise ValueError(f"{name}: expected a floating-point tensor, got {type(t).__name__}")
+    check_float("g", g)
+    check_float("o", o)
+    check_float("weight", weight)
     if g.shape != o.shape or g.dim() < 1:
         raise ValueError(f"g, o: expected one shape [*, K], got {list(g.shape)} and {list(o.shape)}")
     if weight.dim() != 2 or weight.shape[1] != g.shape[-1]:
         raise ValueError(f"weight: expected [N, {g.shape[-1]}], got {list(weight.shape)}")
-    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
-        raise ValueError(f"bias: expected [{weight.shape[0]}] or None, got {getattr(bias, 'shape', bias)}")
-    for name, t in (("o", o), ("weight", weight), ("bias", bias)):
-        if t is not None and t.device != g.device:
-            raise ValueError(f"{name}: on {t.device}, but g is on {g.device}; put them on one device")
+    check_same_device("o", o, "g", g)
+    check_same_device("weight", weight, "g", g)
+    check_optional("bias", bias, (weight.shape[0],), "g", g)
+    dtype = torch.promote_types(g.dtype, o.dtype)  # sigmoid(g) * o's, which the linear multiplies
+    check_matmul_dtype("weight", weight, dtype, g.device.type)
+    check_matmul_dtype("bias", bias, dtype, g.device.type)
 
 
 def gated_linear(

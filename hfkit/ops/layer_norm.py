@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from hfkit.ops._checks import check_eps, check_float, check_optional
 from hfkit.ops._triton import HAS_TRITON, hfkit_op, num_sms, triton_can_run
 
 if HAS_TRITON:
@@ -26,10 +27,6 @@ __all__ = ["layer_norm", "layer_norm_reference", "MAX_FUSED_SIZE", "uses_triton"
 
 # One row lives in registers; past this many elements per row the backward kernel spills.
 MAX_FUSED_SIZE = 16384
-# Backward variants (see the kernel): issue the next row block's loads before the current block's
-# reductions (None: by dtype), and keep dweight/dbias partials per row slot until the end.
-BWD_PREFETCH: bool | None = None
-BWD_ACC2D = True
 
 ShapeLike = int | Sequence[int] | torch.Size
 
@@ -85,28 +82,15 @@ def _check_inputs(
     bias: torch.Tensor | None,
     eps: float,
 ) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if not x.dtype.is_floating_point:
-        raise ValueError(f"x: expected a floating-point dtype, got {x.dtype}")
+    check_float("x", x)
     if tuple(x.shape[x.dim() - len(shape) :]) != shape or x.dim() < len(shape):
         raise ValueError(
             f"normalized_shape: {list(shape)} does not match the trailing dims of x with shape "
             f"{list(x.shape)}"
         )
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is None:
-            continue
-        if not isinstance(p, torch.Tensor):
-            raise ValueError(f"{name}: expected a torch.Tensor or None, got {type(p).__name__}")
-        if tuple(p.shape) != shape:
-            raise ValueError(f"{name}: expected shape {list(shape)}, got {list(p.shape)}")
-        if not p.dtype.is_floating_point:
-            raise ValueError(f"{name}: expected a floating-point dtype, got {p.dtype}")
-        if p.device != x.device:
-            raise ValueError(f"{name}: on {p.device}, but x is on {x.device}; put them on one device")
-    if not (isinstance(eps, (int, float)) and eps >= 0 and math.isfinite(eps)):
-        raise ValueError(f"eps: expected a finite non-negative number, got {eps!r}")
+    check_optional("weight", weight, shape, "x", x)
+    check_optional("bias", bias, shape, "x", x)
+    check_eps(eps)
 
 
 def uses_triton(x: torch.Tensor, normalized_size: int) -> bool:
@@ -129,8 +113,8 @@ def layer_norm(
     """Fused LayerNorm over the trailing `normalized_shape` dims of x, a drop-in for `F.layer_norm`.
 
     x: [*, *normalized_shape] in float32, bfloat16 or float16 (float64 runs the reference), any leading
-    shape, contiguous or not; weight, bias: `normalized_shape` or None, any floating dtype (the output
-    keeps x's dtype; their gradients keep theirs). Statistics and gradient sums are in float32.
+    shape, contiguous or not; weight, bias: `normalized_shape` or None, any floating dtype and strides
+    (the output keeps x's dtype; their gradients keep theirs). Statistics and gradient sums are in float32.
     Raises ValueError naming the argument on a wrong shape, dtype or device.
     """
     shape = _as_shape(normalized_shape)
@@ -138,6 +122,9 @@ def layer_norm(
     n = math.prod(shape)
     if not uses_triton(x, n):
         return layer_norm_reference(x, shape, weight, bias, eps)
+    # The kernels index weight and bias by column: unit stride (a copy of n elements at most).
+    weight = weight.contiguous() if weight is not None else None
+    bias = bias.contiguous() if bias is not None else None
     y, _, _ = _layer_norm_fwd(x, weight, bias, n, float(eps))
     return y
 
@@ -321,14 +308,14 @@ def _launch_fwd(x2, y2, weight, bias, mean, rstd, eps: float, cfg: tuple[int, in
 
 def _launch_bwd(
     x2, dy2, dx2, weight, mean, rstd, dwb, need_dwb: bool, programs: int, cfg,
-    prefetch: bool | None = None, acc2d: bool | None = None,
+    prefetch: bool | None = None, acc2d: bool = True,
 ) -> None:  # fmt: skip
+    """The backward kernel's variants: `prefetch` issues the next row block's loads before the current
+    block's reductions (None: by dtype), `acc2d` keeps dweight/dbias partials per row slot until the end."""
     block_m, block_n, num_warps = cfg
     if prefetch is None:
         # The H200 sweep: 3-9% faster for 2-byte dtypes, neutral to slightly worse for float32.
-        prefetch = BWD_PREFETCH if BWD_PREFETCH is not None else x2.element_size() < 4
-    if acc2d is None:
-        acc2d = BWD_ACC2D
+        prefetch = x2.element_size() < 4
     m, n = x2.shape
     wrap_triton(_layer_norm_bwd_kernel)[(programs,)](
         x2, dy2, dx2, weight, mean, rstd, dwb,

@@ -11,9 +11,12 @@ Under `torch.autocast` the matmuls run in the autocast dtype, as `nn.Linear` doe
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from hfkit.ops._checks import check_float, check_matmul_dtype, check_optional, check_same_device
 from hfkit.ops._linear import autocast_operands, column_sums
 
 __all__ = ["relu_mlp", "relu_mlp_reference"]
@@ -31,16 +34,21 @@ def relu_mlp_reference(
 
 
 def _check(x, w1, b1, w2, b2) -> None:
-    for name, t in (("x", x), ("w1", w1), ("w2", w2)):
-        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
-            raise ValueError(f"{name}: expected a floating-point tensor, got {type(t).__name__}")
+    check_float("x", x)
+    check_float("w1", w1)
+    check_float("w2", w2)
+    if x.dim() < 1:
+        raise ValueError("x: expected at least one dim [*, C], got a 0-d tensor")
     if w1.dim() != 2 or w1.shape[1] != x.shape[-1]:
         raise ValueError(f"w1: expected [H, {x.shape[-1]}], got {list(w1.shape)}")
     if w2.dim() != 2 or w2.shape[1] != w1.shape[0]:
         raise ValueError(f"w2: expected [N, {w1.shape[0]}], got {list(w2.shape)}")
-    for name, b, size in (("b1", b1, w1.shape[0]), ("b2", b2, w2.shape[0])):
-        if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (size,)):
-            raise ValueError(f"{name}: expected [{size}] or None, got {getattr(b, 'shape', b)}")
+    check_same_device("w1", w1, "x", x)
+    check_same_device("w2", w2, "x", x)
+    check_optional("b1", b1, (w1.shape[0],), "x", x)
+    check_optional("b2", b2, (w2.shape[0],), "x", x)
+    for name, t in (("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)):
+        check_matmul_dtype(name, t, x.dtype, x.device.type)
 
 
 def relu_mlp(
@@ -54,7 +62,7 @@ def relu_mlp(
 
     x: [*, C]; w1 [H, C], b1 [H] or None; w2 [N, H], b2 [N] or None (two `nn.Linear`s' parameters).
     Returns [*, N]. Gradients equal autograd's through the plain composition. Raises ValueError naming
-    the argument on bad shapes or dtypes.
+    the argument on bad shapes, dtypes or devices.
     """
     _check(x, w1, b1, w2, b2)
     return _ReluMLP.apply(*autocast_operands(x.device.type, x, w1, b1, w2, b2))
@@ -72,13 +80,15 @@ class _ReluMLP(torch.autograd.Function):
     def backward(ctx, dy):
         x, w1, b1, w2 = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        x2 = x.reshape(-1, x.shape[-1])
-        dy2 = dy.reshape(-1, dy.shape[-1])
+        rows = math.prod(x.shape[:-1])
+        x2 = x.reshape(rows, x.shape[-1])
+        dy2 = dy.reshape(rows, dy.shape[-1])
         hidden = F.linear(x2, w1, b1).relu_()  # recomputed: the forward did not keep it
         grad_w2 = dy2.t().mm(hidden) if needs[3] else None
         grad_b2 = column_sums(dy2) if ctx.has_b2 and needs[4] else None
-        # relu's gradient: hidden turned in place into its own 0/1 mask (same dtype: a vectorised multiply)
-        d_hidden = dy2.mm(w2).mul_(hidden.gt_(0))
+        # relu's gradient selects (as autograd's does), never multiplies: an inf or NaN in dy @ w2 where
+        # the unit is off must give 0, not inf * 0 = NaN.
+        d_hidden = dy2.mm(w2).masked_fill_(hidden <= 0, 0.0)
         del hidden
         grad_w1 = d_hidden.t().mm(x2) if needs[1] else None
         grad_b1 = column_sums(d_hidden) if b1 is not None and needs[2] else None

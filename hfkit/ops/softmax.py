@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from hfkit.ops._checks import broadcasts_to, check_float, check_optional
 from hfkit.ops._triton import HAS_TRITON, hfkit_op, triton_can_run
 
 if HAS_TRITON:
@@ -27,10 +28,6 @@ MASK_INF = 1e9
 # One row lives in registers.
 MAX_FUSED_SIZE = 16384
 _LEAD = 4  # leading dims the kernel indexes bias and mask by
-
-
-# Set by the tuning sweep only: 'fwd' | 'bwd' -> (BLOCK_M rows a program, num_warps).
-CONFIG_OVERRIDE: dict[str, tuple[int, int]] = {}
 
 
 def softmax_reference(
@@ -53,23 +50,13 @@ def softmax_reference(
 
 
 def _check_inputs(x: torch.Tensor, bias: torch.Tensor | None, mask: torch.Tensor | None) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if not x.dtype.is_floating_point:
-        raise ValueError(f"x: expected a floating-point dtype, got {x.dtype}")
+    check_float("x", x)
     if x.dim() < 1:
         raise ValueError("x: expected at least one dim (the softmax dim), got a 0-d tensor")
+    check_optional("bias", bias, None, "x", x)
+    check_optional("mask", mask, None, "x", x, floating=False)
     for name, t in (("bias", bias), ("mask", mask)):
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
-        if name == "bias" and not t.dtype.is_floating_point:
-            raise ValueError(f"bias: expected a floating-point dtype, got {t.dtype}")
-        if t.device != x.device:
-            raise ValueError(f"{name}: on {t.device}, but x is on {x.device}; put them on one device")
-        trailing = x.shape[x.dim() - t.dim() :]
-        if t.dim() > x.dim() or any(a not in (1, b) for a, b in zip(t.shape, trailing, strict=True)):
+        if t is not None and not broadcasts_to(t.shape, x.shape):
             raise ValueError(f"{name}: shape {list(t.shape)} does not broadcast to x's shape {list(x.shape)}")
 
 
@@ -187,53 +174,66 @@ if HAS_TRITON:
         dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=ok)
 
-    def _config(k: int, pass_: str) -> tuple[int, int, int]:
-        """(BLOCK_M, BLOCK_K, num_warps) of the 'fwd' or 'bwd' kernel, from the H200 sweep
+    def _config(k: int, pass_: str) -> tuple[int, int]:
+        """(BLOCK_M, num_warps) of the 'fwd' or 'bwd' kernel for rows of k, from the H200 sweep
         (`python -m hfkit.bench.tune_softmax`, data/results/h200/tuning/softmax.json). Forward: about
         1024 elements a program, 32 a thread (one warp up to K = 1024), the best or within 3% of it at
         every Evoformer shape; its default of 2048 elements on 4+ warps was up to 36% slower. Backward:
         about 2048 elements a program, 16 a thread, within 1% of the best everywhere (it moves as many
         bytes as a copy)."""
-        block_k = max(16, triton.next_power_of_2(k))
-        if pass_ in CONFIG_OVERRIDE:
-            block_m, warps = CONFIG_OVERRIDE[pass_]
-            return block_m, block_k, warps
+        block_k = _block_k(k)
         per_program = 1024 if pass_ == "fwd" else 2048
         per_thread = 32 if pass_ == "fwd" else 16
         block_m = max(1, per_program // block_k)
-        return block_m, block_k, max(1, min(16, block_m * block_k // (32 * per_thread)))
+        return block_m, max(1, min(16, block_m * block_k // (32 * per_thread)))
+
+    def _block_k(k: int) -> int:
+        return max(16, triton.next_power_of_2(k))
+
+    def launch_fwd(
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        y: torch.Tensor,
+        tiles: tuple[int, int],
+    ) -> None:
+        """Run the forward kernel on contiguous x into y; `tiles`: (BLOCK_M rows a program, num_warps)."""
+        k = x.shape[-1]
+        m = x.numel() // k
+        (bs, bsk), (ms, msk) = _lead_strides(x, bias), _lead_strides(x, mask)
+        sizes, (bs, ms) = _merge_lead(list(x.shape[:-1]), [bs, ms])
+        pad = _LEAD - len(sizes)
+        sizes, bs, ms = [1] * pad + sizes, [0] * pad + bs, [0] * pad + ms
+        block_m, warps = tiles
+        wrap_triton(_softmax_fwd_kernel)[(triton.cdiv(m, block_m),)](
+            x, bias, mask, y,
+            m, k, sizes[1], sizes[2], sizes[3],
+            *bs, bsk, *ms, msk,
+            MASK_INF,
+            HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
+            BLOCK_M=block_m, BLOCK_K=_block_k(k), num_warps=warps,
+        )  # fmt: skip
+
+    def launch_bwd(dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, tiles: tuple[int, int]) -> None:
+        """Run the backward kernel on contiguous dy, y into dx with `tiles` = (BLOCK_M, num_warps)."""
+        k = y.shape[-1]
+        m = y.numel() // k
+        block_m, warps = tiles
+        wrap_triton(_softmax_bwd_kernel)[(triton.cdiv(m, block_m),)](
+            y, dy, dx, m, k, BLOCK_M=block_m, BLOCK_K=_block_k(k), num_warps=warps
+        )
 
     @hfkit_op("softmax_fwd")
     def _softmax_fwd(x: torch.Tensor, bias: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
         xc = x.contiguous()
         y = torch.empty_like(xc)
-        k = x.shape[-1]
-        m = xc.numel() // k
-        (bs, bsk), (ms, msk) = _lead_strides(x, bias), _lead_strides(x, mask)
-        sizes, (bs, ms) = _merge_lead(list(x.shape[:-1]), [bs, ms])
-        pad = _LEAD - len(sizes)
-        sizes, bs, ms = [1] * pad + sizes, [0] * pad + bs, [0] * pad + ms
-        block_m, block_k, warps = _config(k, "fwd")
-        wrap_triton(_softmax_fwd_kernel)[(triton.cdiv(m, block_m),)](
-            xc, bias, mask, y,
-            m, k, sizes[1], sizes[2], sizes[3],
-            *bs, bsk, *ms, msk,
-            MASK_INF,
-            HAS_BIAS=bias is not None, HAS_MASK=mask is not None,
-            BLOCK_M=block_m, BLOCK_K=block_k, num_warps=warps,
-        )  # fmt: skip
+        launch_fwd(xc, bias, mask, y, _config(x.shape[-1], "fwd"))
         return y
 
     @hfkit_op("softmax_bwd")
     def _softmax_bwd(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        dyc = dy.contiguous()
         dx = torch.empty_like(y)
-        k = y.shape[-1]
-        m = y.numel() // k
-        block_m, block_k, warps = _config(k, "bwd")
-        wrap_triton(_softmax_bwd_kernel)[(triton.cdiv(m, block_m),)](
-            y, dyc, dx, m, k, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=warps
-        )
+        launch_bwd(dy.contiguous(), y, dx, _config(y.shape[-1], "bwd"))
         return dx
 
     def _setup_context(ctx, inputs, output) -> None:

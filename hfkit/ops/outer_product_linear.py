@@ -13,9 +13,12 @@ each there) and recomputes the outer product in the backward: one matmul of S*N*
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from hfkit.ops._checks import check_float, check_matmul_dtype, check_optional, check_same_device
 from hfkit.ops._linear import autocast_operands, column_sums
 
 __all__ = ["outer_product_linear", "outer_product_linear_reference"]
@@ -38,8 +41,9 @@ def _outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     with rows (i, c) and columns (j, e), then (c, j) swapped."""
     s, i, c = a.shape[-3:]
     j, e = b.shape[-2:]
-    rows = torch.bmm(a.reshape(-1, s, i * c).transpose(1, 2), b.reshape(-1, s, j * e))
-    return _swap_axes(rows.view(-1, i, c, j, e), 2, 3).view(*a.shape[:-3], i, j, c * e)
+    batch = math.prod(a.shape[:-3])  # explicit: -1 is ambiguous when S or I is 0
+    rows = torch.bmm(a.reshape(batch, s, i * c).transpose(1, 2), b.reshape(batch, s, j * e))
+    return _swap_axes(rows.view(batch, i, c, j, e), 2, 3).view(*a.shape[:-3], i, j, c * e)
 
 
 def outer_product_linear_reference(
@@ -50,9 +54,9 @@ def outer_product_linear_reference(
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    for name, t in (("a", a), ("b", b), ("weight", weight)):
-        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
-            raise ValueError(f"{name}: expected a floating-point tensor, got {type(t).__name__}")
+    check_float("a", a)
+    check_float("b", b)
+    check_float("weight", weight)
     if a.dim() < 3 or b.dim() != a.dim() or a.shape[:-3] != b.shape[:-3] or a.shape[-3] != b.shape[-3]:
         raise ValueError(
             f"a, b: expected [*, S, I, C] and [*, S, J, E] with the same * and S, got {list(a.shape)} and "
@@ -61,8 +65,11 @@ def _check(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, bias: torch.T
     width = a.shape[-1] * b.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != width:
         raise ValueError(f"weight: expected [N, {width}] (C*E), got {list(weight.shape)}")
-    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
-        raise ValueError(f"bias: expected [{weight.shape[0]}] or None, got {getattr(bias, 'shape', bias)}")
+    check_same_device("b", b, "a", a)
+    check_same_device("weight", weight, "a", a)
+    check_optional("bias", bias, (weight.shape[0],), "a", a)
+    for name, t in (("b", b), ("weight", weight), ("bias", bias)):
+        check_matmul_dtype(name, t, a.dtype, a.device.type)
 
 
 def outer_product_linear(
@@ -73,7 +80,7 @@ def outer_product_linear(
 
     a: [*, S, I, C], b: [*, S, J, E]; weight [N, C*E], bias [N] or None (an `nn.Linear`'s parameters).
     Returns [*, I, J, N]. Gradients equal autograd's through the plain composition. Raises ValueError
-    naming the argument on bad shapes or dtypes.
+    naming the argument on bad shapes, dtypes or devices.
     """
     _check(a, b, weight, bias)
     return _OuterProductLinear.apply(*autocast_operands(a.device.type, a, b, weight, bias))
@@ -90,11 +97,11 @@ class _OuterProductLinear(torch.autograd.Function):
     def backward(ctx, dy):
         a, b, weight = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        dy2 = dy.reshape(-1, dy.shape[-1])
+        dy2 = dy.reshape(math.prod(dy.shape[:-1]), dy.shape[-1])
         grad_w = grad_bias = grad_a = grad_b = None
         if needs[2]:
             outer = _outer(a, b)  # recomputed: the forward did not keep it
-            grad_w = dy2.t().mm(outer.reshape(-1, outer.shape[-1]))
+            grad_w = dy2.t().mm(outer.reshape(dy2.shape[0], outer.shape[-1]))
             del outer
         if ctx.has_bias and needs[3]:
             grad_bias = column_sums(dy2)
@@ -103,9 +110,11 @@ class _OuterProductLinear(torch.autograd.Function):
             # both of a's and b's gradients are plain matmuls with the other operand.
             s, i, c = a.shape[-3:]
             j, e = b.shape[-2:]
-            d_rows = _swap_axes(dy.matmul(weight).view(-1, i, j, c, e), 2, 3).view(-1, i * c, j * e)
+            batch = math.prod(a.shape[:-3])
+            d_outer = dy.matmul(weight).reshape(batch, i, j, c, e)
+            d_rows = _swap_axes(d_outer, 2, 3).view(batch, i * c, j * e)
             if needs[0]:
-                grad_a = torch.bmm(b.reshape(-1, s, j * e), d_rows.transpose(1, 2)).view(a.shape)
+                grad_a = torch.bmm(b.reshape(batch, s, j * e), d_rows.transpose(1, 2)).view(a.shape)
             if needs[1]:
-                grad_b = torch.bmm(a.reshape(-1, s, i * c), d_rows).view(b.shape)
+                grad_b = torch.bmm(a.reshape(batch, s, i * c), d_rows).view(b.shape)
         return grad_a, grad_b, grad_w, grad_bias

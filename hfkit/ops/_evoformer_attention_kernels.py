@@ -1,0 +1,312 @@
+"""Triton kernels of `hfkit.ops.evoformer_attention`: the flash-style forward and the three backward passes.
+
+Layout shared by all of them: q, k, v, o and their gradients are [B, S, H, N, D] with strides of their
+own (unit along D); a program owns one (b, s, h) slice and one block of queries or keys, so the grid's
+second axis is B*S*H. The logits never reach memory: every pass recomputes its [BLOCK_M, BLOCK_N]
+tiles from q, k, the bias, the key bias and the saved float32 row statistics (max and log2 of the sum,
+[B*S*H, Q]), working in base 2 (natural logits times log2(e)). `EVEN` drops every bound mask when all
+tiles are full. The launchers, tile tables and autograd are in `hfkit.ops.evoformer_attention`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from hfkit.ops._triton import dot
+
+
+@triton.jit
+def _ld(ptrs, mask, EVEN: tl.constexpr):
+    # EVEN: every tile is full (no ragged rows, keys or head dims), so no load needs a mask.
+    if EVEN:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _st(ptrs, value, mask, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(ptrs, value)
+    else:
+        tl.store(ptrs, value, mask=mask)
+
+
+@triton.jit
+def _bias_tile(Bias, b_off, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN: tl.constexpr):
+    ok = (offs_m < n_q)[:, None] & (offs_n < n_k)[None, :]
+    return _ld(Bias + b_off + offs_m[:, None] * sbq + offs_n[None, :] * sbk, ok, EVEN).to(tl.float32)
+
+
+@triton.jit
+def _logits(
+    q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
+    k_ok_d, b_off, kb_off, sbq, sbk, skb_k, btile,
+    HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
+    BIAS_PRELOADED: tl.constexpr,
+):  # fmt: skip
+    # One [BLOCK_M, BLOCK_N] tile of logits in float32, in base-2 units (natural logits times
+    # log2(e): qk_scale includes it, so the softmax is a bare exp2); keys past n_k are -inf.
+    # BIAS_PRELOADED: `btile` holds this tile's bias already (float32), else it is loaded here.
+    k_ok = offs_n < n_k
+    kt = _ld(k_ptrs, k_ok[None, :] & k_ok_d, EVEN)
+    # (float32 explicitly: under torch.compile, Inductor may pass the scale as a float64 scalar.)
+    s = (dot(q, kt, DOT) * qk_scale).to(tl.float32)
+    if HAS_BIAS or HAS_KEY_BIAS:
+        t = tl.zeros_like(s)
+        if HAS_BIAS:
+            if BIAS_PRELOADED:  # noqa: SIM108  (a constexpr branch, resolved at compile time)
+                t = btile
+            else:
+                t = _bias_tile(Bias, b_off, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN)
+        if HAS_KEY_BIAS:
+            t += _ld(KeyBias + kb_off + offs_n * skb_k, k_ok, EVEN)[None, :]
+        s += t * 1.4426950408889634  # LOG2E
+    if not EVEN:
+        s = tl.where(k_ok[None, :], s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _evo_fwd_kernel(
+    Q, K, V, Bias, KeyBias, O, Mx, Lg,
+    S, H, n_q, n_k, d, qk_scale,
+    sqb, sqs, sqh, sqn, skb, sks, skh, skn, svb, svs, svh, svn, sob, sos, soh, son,
+    sbb, sbs, sbh, sbq, sbk, skb_b, skb_s, skb_k,
+    HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # Grid (query blocks, B*S*H). Traffic: q and o once; k, v (and the bias rows) once per query
+    # block. Registers hold the q tile, the [BLOCK_M, BLOCK_D] float32 accumulator and one logits
+    # tile; o has its own strides (the host lays it out like q), the statistics are [B*S*H, Q].
+    pid_m = tl.program_id(0)
+    bsh = tl.program_id(1)
+    h = bsh % H
+    s_ = (bsh // H) % S
+    b = bsh // (H * S)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < d
+    m_ok = offs_m < n_q
+    q_base = Q + b.to(tl.int64) * sqb + s_ * sqs + h * sqh
+    q = _ld(q_base + offs_m[:, None] * sqn + offs_d[None, :], m_ok[:, None] & d_ok[None, :], EVEN)
+    k_base = K + b.to(tl.int64) * skb + s_ * sks + h * skh
+    v_base = V + b.to(tl.int64) * svb + s_ * svs + h * svh
+    b_off = b.to(tl.int64) * sbb + s_ * sbs + h * sbh
+    kb_off = b.to(tl.int64) * skb_b + s_ * skb_s
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(0, n_k, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        k_ptrs = k_base + offs_n[None, :] * skn + offs_d[:, None]
+        s = _logits(
+            q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
+            d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, 0, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, False,
+        )  # fmt: skip
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vt = _ld(
+            v_base + offs_n[:, None] * svn + offs_d[None, :],
+            (offs_n < n_k)[:, None] & d_ok[None, :],
+            EVEN,
+        )
+        acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, DOT)
+        m_i = m_new
+    o = acc / l_i[:, None]
+    o_ptrs = O + b.to(tl.int64) * sob + s_ * sos + h * soh + offs_m[:, None] * son + offs_d[None, :]
+    _st(o_ptrs, o.to(O.dtype.element_ty), m_ok[:, None] & d_ok[None, :], EVEN)
+    # Max and log-sum apart, not their sum: with every key masked both are about -1e9 and log(l)
+    # would vanish in the float32 sum, turning p = 1/K into p = 1 in the backward.
+    tl.store(Mx + bsh.to(tl.int64) * n_q + offs_m, m_i, mask=m_ok)
+    tl.store(Lg + bsh.to(tl.int64) * n_q + offs_m, tl.log2(l_i), mask=m_ok)
+
+
+@triton.jit
+def _probs_and_dlogits(
+    q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
+    k_ok_d, b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta, btile,
+    HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
+    BIAS_PRELOADED: tl.constexpr,
+):  # fmt: skip
+    # p = softmax probabilities of one tile (0 outside the valid rows/keys) and ds = dL/dlogits
+    # (of the natural logits; mx and lg are base-2 like the logits `_logits` returns).
+    s = _logits(
+        q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
+        k_ok_d, b_off, kb_off, sbq, sbk, skb_k, btile, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, BIAS_PRELOADED,
+    )  # fmt: skip
+    p = tl.exp2((s - mx[:, None]) - lg[:, None])
+    if not EVEN:
+        p = tl.where((offs_m < n_q)[:, None] & (offs_n < n_k)[None, :], p, 0.0)
+    vt = _ld(vt_ptrs, (offs_n < n_k)[None, :] & k_ok_d, EVEN)
+    dp = dot(do, vt, DOT)
+    ds = p * (dp - delta[:, None])
+    return p, ds
+
+
+@triton.jit
+def _evo_bwd_kernel(
+    Q, K, V, Bias, KeyBias, O, DO, Mx, Lg, Delta, DQ, DK, DV, DB,
+    B, S, H, n_q, n_k, d, qk_scale, sm_scale, reps_per_split,
+    sqb, sqs, sqh, sqn, skb, sks, skh, skn, svb, svs, svh, svn,
+    sob, sos, soh, son, sdob, sdos, sdoh, sdon,
+    sdqb, sdqs, sdqh, sdqn, sdkb, sdks, sdkh, sdkn, sdvb, sdvs, sdvh, sdvn,
+    sbb, sbs, sbh, sbq, sbk, skb_b, skb_s, skb_k,
+    nb_b, nb_s, nb_h,
+    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr,
+    EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # MODE 1 (dq):     grid (query blocks, B*S*H); walks the key blocks. Runs first: it also writes
+    #                  delta = rowsum(do * o), which the other two passes read.
+    # MODE 0 (dk, dv): grid (key blocks, B*S*H); walks the query blocks.
+    # MODE 2 (dbias):  grid (query blocks * key blocks, bias B*S*H, splits); each program walks
+    #                  `reps_per_split` of the B, S, H rows the bias was broadcast over, sums their
+    #                  dlogits in float32 registers and writes one partial sum per split (the host
+    #                  adds the splits in a fixed order: deterministic). Its bias tile is loaded once.
+    # Traffic: dq reads q, do, o once and k, v once per query block; dk/dv reads k, v once and q, do
+    # once per key block; dbias reads q, k, v, do once per bias tile and writes float32 partials.
+    # Each tile recomputes its logits from q, k, bias, mask and the saved row statistics; o, do,
+    # dq, dk, dv have strides of their own (unit along D), the statistics and
+    # delta = rowsum(do * o) are [B*S*H, Q].
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < d
+    n_mb = tl.cdiv(n_q, BLOCK_M)
+    tile_a = tl.program_id(1)
+    btile = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if MODE == 2:
+        pid_m = tl.program_id(0) % n_mb
+        pid_n = tl.program_id(0) // n_mb
+        r_lo = tl.program_id(2) * reps_per_split
+        r_hi = tl.minimum(r_lo + reps_per_split, (B // nb_b) * (S // nb_s) * (H // nb_h))
+        if HAS_BIAS:
+            # Along its broadcast dims the bias strides are 0: one tile serves every row walked.
+            b0 = (tile_a // (nb_h * nb_s)).to(tl.int64) * sbb + ((tile_a // nb_h) % nb_s) * sbs
+            b0 += (tile_a % nb_h) * sbh
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            btile = _bias_tile(Bias, b0, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN)
+    else:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(0)
+        r_lo = 0
+        r_hi = 1
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for r in range(r_lo, r_hi):
+        if MODE == 2:
+            # Bias row (bb, sb, hb) covers every (b, s, h) equal to it where the bias is not
+            # broadcast; r counts through the broadcast ones.
+            hb = tile_a % nb_h
+            sb = (tile_a // nb_h) % nb_s
+            bb = tile_a // (nb_h * nb_s)
+            rh = H // nb_h
+            rs = S // nb_s
+            h = hb + r % rh
+            s_ = sb + (r // rh) % rs
+            b = bb + r // (rh * rs)
+            bsh = (b * S + s_) * H + h
+        else:
+            bsh = tile_a
+            h = bsh % H
+            s_ = (bsh // H) % S
+            b = bsh // (H * S)
+        q_base = Q + b.to(tl.int64) * sqb + s_ * sqs + h * sqh
+        k_base = K + b.to(tl.int64) * skb + s_ * sks + h * skh
+        v_base = V + b.to(tl.int64) * svb + s_ * svs + h * svh
+        do_base = DO + b.to(tl.int64) * sdob + s_ * sdos + h * sdoh
+        b_off = b.to(tl.int64) * sbb + s_ * sbs + h * sbh
+        kb_off = b.to(tl.int64) * skb_b + s_ * skb_s
+        row0 = bsh.to(tl.int64) * n_q
+        if MODE == 0:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < n_k
+            dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+            dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+            # Transposed tiles [keys, queries] throughout, so that pᵀ and dsᵀ come out of the
+            # softmax in the layout the dv and dk products take (no register transposes).
+            nd = n_ok[:, None] & d_ok[None, :]
+            k = _ld(k_base + offs_n[:, None] * skn + offs_d[None, :], nd, EVEN)
+            v = _ld(v_base + offs_n[:, None] * svn + offs_d[None, :], nd, EVEN)
+            kbias = tl.zeros([BLOCK_N], dtype=tl.float32)
+            if HAS_KEY_BIAS:
+                kbias = _ld(KeyBias + kb_off + offs_n * skb_k, n_ok, EVEN) * 1.4426950408889634
+            for start in range(0, n_q, BLOCK_M):
+                offs_m = start + tl.arange(0, BLOCK_M)
+                m_ok = offs_m < n_q
+                qt = _ld(
+                    q_base + offs_m[None, :] * sqn + offs_d[:, None], d_ok[:, None] & m_ok[None, :], EVEN
+                )
+                do = _ld(
+                    do_base + offs_m[:, None] * sdon + offs_d[None, :],
+                    m_ok[:, None] & d_ok[None, :],
+                    EVEN,
+                )
+                mx = _ld(Mx + row0 + offs_m, m_ok, EVEN)
+                lg = _ld(Lg + row0 + offs_m, m_ok, EVEN)
+                delta = _ld(Delta + row0 + offs_m, m_ok, EVEN)
+                st = (dot(k, qt, DOT) * qk_scale).to(tl.float32) + kbias[:, None]
+                if HAS_BIAS:
+                    ok = n_ok[:, None] & m_ok[None, :]
+                    b_ptrs = Bias + b_off + offs_n[:, None] * sbk + offs_m[None, :] * sbq
+                    st += _ld(b_ptrs, ok, EVEN).to(tl.float32) * 1.4426950408889634
+                pt = tl.exp2((st - mx[None, :]) - lg[None, :])
+                if not EVEN:
+                    pt = tl.where(n_ok[:, None] & m_ok[None, :], pt, 0.0)
+                dpt = dot(v, tl.trans(do), DOT)
+                dst = pt * (dpt - delta[None, :])
+                dv += dot(pt.to(do.dtype), do, DOT)
+                dk += dot(dst.to(do.dtype), tl.trans(qt), DOT)
+            dk_ptrs = DK + b.to(tl.int64) * sdkb + s_ * sdks + h * sdkh + offs_n[:, None] * sdkn
+            dv_ptrs = DV + b.to(tl.int64) * sdvb + s_ * sdvs + h * sdvh + offs_n[:, None] * sdvn
+            _st(dk_ptrs + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), nd, EVEN)
+            _st(dv_ptrs + offs_d[None, :], dv.to(DV.dtype.element_ty), nd, EVEN)
+        else:
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < n_q
+            md = m_ok[:, None] & d_ok[None, :]
+            q = _ld(q_base + offs_m[:, None] * sqn + offs_d[None, :], md, EVEN)
+            do = _ld(do_base + offs_m[:, None] * sdon + offs_d[None, :], md, EVEN)
+            mx = _ld(Mx + row0 + offs_m, m_ok, EVEN)
+            lg = _ld(Lg + row0 + offs_m, m_ok, EVEN)
+            if MODE == 1:
+                o_base = O + b.to(tl.int64) * sob + s_ * sos + h * soh
+                o = _ld(o_base + offs_m[:, None] * son + offs_d[None, :], md, EVEN)
+                delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+                _st(Delta + row0 + offs_m, delta, m_ok, EVEN)
+            else:
+                delta = _ld(Delta + row0 + offs_m, m_ok, EVEN)
+            if MODE == 1:
+                dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                for start in range(0, n_k, BLOCK_N):
+                    offs_n = start + tl.arange(0, BLOCK_N)
+                    k_ptrs = k_base + offs_n[None, :] * skn + offs_d[:, None]
+                    vt_ptrs = v_base + offs_n[None, :] * svn + offs_d[:, None]
+                    p, ds = _probs_and_dlogits(
+                        q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
+                        d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta, 0,
+                        HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, False,
+                    )  # fmt: skip
+                    kt = _ld(k_ptrs, (offs_n < n_k)[None, :] & d_ok[:, None], EVEN)
+                    dq += dot(ds.to(kt.dtype), tl.trans(kt), DOT)
+                dq_base = DQ + b.to(tl.int64) * sdqb + s_ * sdqs + h * sdqh
+                dq_ptrs = dq_base + offs_m[:, None] * sdqn + offs_d[None, :]
+                _st(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), md, EVEN)
+            else:
+                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                k_ptrs = k_base + offs_n[None, :] * skn + offs_d[:, None]
+                vt_ptrs = v_base + offs_n[None, :] * svn + offs_d[:, None]
+                p, ds = _probs_and_dlogits(
+                    q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
+                    d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta, btile,
+                    HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, True,
+                )  # fmt: skip
+                acc += ds
+    if MODE == 2:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = (offs_m < n_q)[:, None] & (offs_n < n_k)[None, :]
+        # dbias partials are contiguous [splits, nb_b * nb_s * nb_h, Q, K] in float32.
+        db_base = DB + (tl.program_id(2) * tl.num_programs(1) + tile_a).to(tl.int64) * n_q * n_k
+        _st(db_base + offs_m[:, None] * n_k + offs_n[None, :], acc, ok, EVEN)
