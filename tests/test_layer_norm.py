@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_close
 
 from hfkit.ops import layer_norm, layer_norm_reference
 from hfkit.ops.layer_norm import MAX_FUSED_SIZE, uses_triton
@@ -213,11 +214,14 @@ def test_opcheck_cuda():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_compile_cuda_fwd_bwd_matches_eager():
+def test_compile_cuda_fwd_bwd_matches_eager(seed):
     x = torch.randn(33, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(256, device="cuda", requires_grad=True)
-    f = torch.compile(lambda t, w: layer_norm(t, (256,), w, None).float().square().sum(), fullgraph=True)
-    gx, gw = torch.autograd.grad(f(x, w), (x, w))
-    ex, ew = torch.autograd.grad(layer_norm(x, (256,), w, None).float().square().sum(), (x, w))
-    torch.testing.assert_close(gx, ex)
-    torch.testing.assert_close(gw, ew)
+    # One upstream gradient for both: a loss computed inside the compiled graph may round its bf16
+    # gradient differently from eager autograd, which is not what this test is about.
+    dy = torch.randn(33, 256, device="cuda", dtype=torch.bfloat16)
+    f = torch.compile(lambda t, w: layer_norm(t, (256,), w, None), fullgraph=True)
+    gx, gw = torch.autograd.grad(f(x, w), (x, w), dy)
+    ex, ew = torch.autograd.grad(layer_norm(x, (256,), w, None), (x, w), dy)
+    assert_close(gx, ex)
+    assert_close(gw, ew)

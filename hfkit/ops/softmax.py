@@ -188,7 +188,9 @@ if HAS_TRITON:
         return block_m, max(1, min(16, block_m * block_k // (32 * per_thread)))
 
     def _block_k(k: int) -> int:
-        return max(16, triton.next_power_of_2(k))
+        # Tiles are compile-time constants: under dynamic shapes int() specialises on the row length
+        # (a guard), where a symbolic size would leave a SymInt in the traced kernel call.
+        return max(16, triton.next_power_of_2(int(k)))
 
     def launch_fwd(
         x: torch.Tensor,
