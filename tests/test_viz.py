@@ -458,3 +458,44 @@ def test_frames_of_rows_keep_the_schema():
     # The fake rows above go through the same frame as real ones.
     frame = rows_to_frame(_kernel_rows())
     assert len(frame) == 4 and set(frame["provider"]) == {"hfkit", "trifast"}
+
+
+# --- make report's notebook runner ---------------------------------------------------------------------
+
+
+def _write_notebook(path: Path, *sources: str) -> Path:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# t")])
+    nb.cells += [nbformat.v4.new_code_cell(s) for s in sources]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+    return path
+
+
+def test_execute_notebook_writes_outputs_and_names_the_failing_cell(tmp_path, capsys):
+    import nbformat
+
+    from hfkit.viz.execute import execute_notebook, main
+
+    good = _write_notebook(tmp_path / "good.ipynb", "x = 20 + 1", "print(x * 2)")
+    run = execute_notebook(good, tmp_path / "out", cell_timeout=60)
+    assert run.ok and nbformat.read(run.output, 4).cells[2].outputs[0]["text"] == "42\n"
+    bad = _write_notebook(tmp_path / "bad.ipynb", "x = 1", "raise RuntimeError('boom')", "y = 2")
+    assert main([str(bad), "--output-dir", str(tmp_path / "out"), "--cell-timeout", "60"]) == 1
+    err = capsys.readouterr().err
+    assert "RuntimeError" in err and "boom" in err
+    assert f"make report: {bad} failed at cell 2 (raised; it starts \"raise RuntimeError('boom')\")" in err
+    written = nbformat.read(tmp_path / "out" / "bad.ipynb", 4)  # kept, so the report shows how far it got
+    assert written.cells[2].outputs[0]["ename"] == "RuntimeError" and written.cells[3].outputs == []
+
+
+def test_execute_notebook_turns_a_stall_into_a_named_timeout(tmp_path):
+    from hfkit.viz.execute import execute_notebook
+
+    slow = _write_notebook(tmp_path / "slow.ipynb", "import time", "time.sleep(60)")
+    run = execute_notebook(slow, tmp_path / "out", cell_timeout=2)
+    assert run.timed_out and run.failed_cell == 2 and "2 seconds" in run.error
+    assert run.failure_line("slow.ipynb").startswith("make report: slow.ipynb failed at cell 2 (timed out")
+    with pytest.raises(ValueError, match="cell_timeout: expected a positive number of seconds, got 0"):
+        execute_notebook(slow, tmp_path / "out", cell_timeout=0)
