@@ -287,14 +287,15 @@ def test_goal_sentences_say_how_many_cases_reach_each_target():
         {
             "goal": ["speed-up", "speed-up", "speed-up", "softmax %", "memory"],
             "case": ["N=256", "N=512", "N=1024", "S=1", "N=256"],
-            "measured": [2.5, 1.5, 3.5, 85.0, math.nan],
+            "measured": [2.5, 1.5, 3.5, 1234.5, math.nan],
             "target": [2.0, 2.0, 3.0, 80.0, 1.0],
             "met": [True, False, True, True, None],
         }
     )
     assert goal_sentences_of(goals) == [
-        "speed-up: target 2 or 3 reached in 2 of 3 cases (measured 1.5 to 3.5).",
-        "softmax %: target 80 reached in 1 of 1 case (measured 85).",
+        "speed-up: reached in 2 of 3 cases "
+        "(N=256: 2.5 against 2; N=512: 1.5 against 2; N=1024: 3.5 against 3).",
+        "softmax %: reached in 1 of 1 case (S=1: 1,234 against 80).",
         "memory: not measured in these results.",
     ]
 
@@ -427,14 +428,13 @@ def test_missing_real_inputs_note_names_the_variable_and_the_source():
 
 
 def test_real_sample_times_both_paths(tmp_path, one_thread):
-    from hfkit.data import openfold_test_data_dir
+    from conftest import real_data
+
     from hfkit.data.msa_sampling import FeatureConfig
     from hfkit.viz.data_cost import real_sample_times
 
-    real = openfold_test_data_dir()
-    if real is None:
-        pytest.skip("OpenFold test data not found (set HFKIT_OPENFOLD_TEST_DATA)")
-    times, shapes = real_sample_times(real, tmp_path, FeatureConfig.tiny(), repeats=1)
+    real = real_data("alignments")
+    times, shapes = real_sample_times(real.parent, tmp_path, FeatureConfig.tiny(), repeats=1)
     assert set(times["path"]) == {"on the fly", "preprocessed"} and (times["total"] > 0).all()
     assert set(shapes) == {"msa_feat", "extra_msa", "target_feat", "seq_mask"}
 

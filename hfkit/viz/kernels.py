@@ -290,9 +290,13 @@ def kernel_results(device: torch.device, smoke: bool, source: str | None = None)
     return committed_kernels(source)
 
 
+def _number(x: float) -> str:
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
 def goal_sentences(goals: pd.DataFrame) -> list[str]:
-    """One sentence per target of `kernel_goals`' table: in how many of the sizes measured the target
-    was reached, the target, and the range measured (targets with no measurement say so)."""
+    """One sentence per target of `kernel_goals`' table: in how many of the measured cases it is
+    reached, then each case's measurement against its target (targets with no measurement say so)."""
     sentences = []
     for goal, group in goals.groupby("goal", sort=False):
         measured = group[group["measured"].notna()]
@@ -300,12 +304,10 @@ def goal_sentences(goals: pd.DataFrame) -> list[str]:
             sentences.append(f"{goal}: not measured in these results.")
             continue
         reached = int((measured["met"] == True).sum())  # noqa: E712 (met holds True/False/None)
-        targets = sorted(set(measured["target"]))
-        target = " or ".join(f"{t:g}" for t in targets)
-        lo, hi = measured["measured"].min(), measured["measured"].max()
-        span = f"{lo:.3g}" if lo == hi else f"{lo:.3g} to {hi:.3g}"
-        cases = "case" if len(measured) == 1 else "cases"
-        sentences.append(
-            f"{goal}: target {target} reached in {reached} of {len(measured)} {cases} (measured {span})."
+        cases = "; ".join(
+            f"{r.case}: {_number(r.measured)} against {_number(r.target)}"
+            for r in measured.itertuples(index=False)
         )
+        noun = "case" if len(measured) == 1 else "cases"
+        sentences.append(f"{goal}: reached in {reached} of {len(measured)} {noun} ({cases}).")
     return sentences
