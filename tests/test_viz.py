@@ -499,3 +499,28 @@ def test_execute_notebook_turns_a_stall_into_a_named_timeout(tmp_path):
     assert run.failure_line("slow.ipynb").startswith("make report: slow.ipynb failed at cell 2 (timed out")
     with pytest.raises(ValueError, match="cell_timeout: expected a positive number of seconds, got 0"):
         execute_notebook(slow, tmp_path / "out", cell_timeout=0)
+
+
+def test_panels_send_nothing_back_on_the_shell_channel_of_a_headless_run(tmp_path, monkeypatch):
+    # nbclient mirrors output captured by an Output widget back to the kernel on the shell channel it
+    # waits on for the cell's reply; the panels set their Output's state instead, so it sends nothing.
+    from nbclient.output_widget import OutputWidget
+
+    from hfkit.viz.execute import execute_notebook
+
+    sent = []
+    monkeypatch.setattr(OutputWidget, "send", lambda self, *args, **kwargs: sent.append(args))
+    capture = _write_notebook(
+        tmp_path / "capture.ipynb",
+        "import ipywidgets as w\nout = w.Output()\ndisplay(out)\nwith out:\n    print(1)",
+    )
+    assert execute_notebook(capture, tmp_path / "out", cell_timeout=120).ok and sent  # the check can fail
+    sent.clear()
+    panels = _write_notebook(
+        tmp_path / "panels.ipynb",
+        "from hfkit.viz.comms import CostModelPanel\nCostModelPanel().show()",
+        "from hfkit.viz.model import ProfileExplorer\nProfileExplorer('cpu').show()",
+    )
+    run = execute_notebook(panels, tmp_path / "out", cell_timeout=120)
+    assert run.ok, run.error
+    assert sent == []
