@@ -88,27 +88,28 @@ class NotebookSettings:
 
     @property
     def where(self) -> str:
-        """A label for figure titles: the GPU's name, or on a CPU a reminder that times are CPU times."""
+        """A label for figure titles: the GPU's name, or on a CPU a reminder that times are CPU times
+        (and, in the smoke profile, of small sizes)."""
         if self.has_gpu:
             return self.device_name
-        return f"{self.device_name}, a smoke run: CPU times, small sizes"
+        return f"{self.device_name}: CPU times" + (", small sizes (smoke profile)" if self.smoke else "")
+
+    @property
+    def kernels(self) -> str:
+        """How hfkit's fused ops run here: compiled Triton kernels, interpreted ones, or plain torch."""
+        if self.has_gpu:
+            return "Triton kernels compiled for the GPU"
+        if self.triton_interpret:
+            return "Triton kernels interpreted on the CPU (TRITON_INTERPRET=1)"
+        return "ops run their plain-torch references (no GPU, TRITON_INTERPRET is not 1)"
 
     def summary(self) -> str:
-        """One line: profile, device, GPU count, interpreter, versions."""
+        """Two lines: profile, device (with GPU and CPU counts) and how the ops run; then the versions."""
         gpus = f" ×{self.gpu_count}" if self.gpu_count > 1 else ""
-        kernels = (
-            "Triton kernels compiled"
-            if self.has_gpu
-            else (
-                "Triton kernels interpreted (TRITON_INTERPRET=1)"
-                if self.triton_interpret
-                else "ops run their plain-torch references (no GPU, TRITON_INTERPRET unset)"
-            )
-        )
         versions = "   ".join(f"{k} {v}" for k, v in self.versions.items())
         return (
             f"profile: {self.profile}   device: {self.device} ({self.device_name}{gpus}, "
-            f"{os.cpu_count()} CPU cores)   {kernels}\n{versions}"
+            f"{os.cpu_count()} CPU cores)   {self.kernels}\n{versions}"
         )
 
 
@@ -154,9 +155,7 @@ def plotly_loader_html() -> str:
     figures rendered by `report_renderer()` draw with it."""
     return (
         "<script>window.PlotlyConfig = {MathJaxConfig: 'local'};</script>\n"
-        f'<script charset="utf-8" src="{PLOTLY_JS}"></script>\n'
-        "<small>figures: plotly (interactive in JupyterLab; in an HTML report loaded from "
-        f"{PLOTLY_JS} beside it)</small>"
+        f'<script charset="utf-8" src="{PLOTLY_JS}"></script>'
     )
 
 
