@@ -526,3 +526,22 @@ def test_panels_send_nothing_back_on_the_shell_channel_of_a_headless_run(tmp_pat
     run = execute_notebook(panels, tmp_path / "out", cell_timeout=120)
     assert run.ok, run.error
     assert sent == []
+
+
+def test_html_report_loads_plotly_js_once_from_beside_it(tmp_path):
+    from nbconvert import HTMLExporter
+
+    from hfkit.viz.execute import execute_notebook
+
+    source = _write_notebook(
+        tmp_path / "report.ipynb",
+        "from hfkit.viz import setup_notebook\nsettings = setup_notebook(profile='smoke')",
+        "import plotly.graph_objects as go\ngo.Figure(go.Bar(y=[1, 2])).show()",
+        "go.Figure(go.Bar(y=[3])).show()",
+    )
+    run = execute_notebook(source, tmp_path / "out", cell_timeout=120)
+    assert run.ok, run.error
+    html, _ = HTMLExporter().from_filename(str(run.output))
+    assert html.count('src="plotly.min.js"') == 1 and html.count("Plotly.newPlot") == 2
+    assert html.index('src="plotly.min.js"') < html.index("Plotly.newPlot")  # loaded before the figures draw
+    assert "window.Plotly = Plotly" not in html and len(html) < 1_000_000  # plotly.js (4.8 MB) not embedded
