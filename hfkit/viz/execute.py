@@ -44,11 +44,11 @@ class NotebookRun:
 
 
 def execute_notebook(
-    path: str | Path, output_dir: str | Path, cell_timeout: int, kernel_name: str = "python3"
+    path: str | Path, output_dir: str | Path, cell_timeout: int, kernel_name: str = ""
 ) -> NotebookRun:
-    """Execute the notebook at `path` in its own folder with `cell_timeout` seconds per cell; write it,
-    executed, to `output_dir` under the same name. Returns the `NotebookRun` (a failure is returned,
-    not raised)."""
+    """Execute the notebook at `path` in its own folder with `cell_timeout` seconds per cell, in the
+    kernel `kernel_name` (default: the notebook's own kernelspec); write it, executed, to `output_dir`
+    under the same name. Returns the `NotebookRun` (a failure is returned, not raised)."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
