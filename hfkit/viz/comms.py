@@ -4,7 +4,9 @@
 rows from several result files are combined); `ddp_table`/`ddp_figure` show the seed's DDP step
 decomposition (backward alone, concurrent, + synchronization with overlap on and off); `CostModelPanel`
 is an ipywidgets panel over `hfkit.parallel.cost_model` (GPUs per node, nodes, bandwidths, parameters),
-with a preset fitted to each committed H200 result (`fitted_presets`).
+with a preset fitted to each committed H200 result (`fitted_presets`). What the notebook runs:
+`run_comms_here` (the measurement for its profile), `committed_comms`, `calibration_table` and
+`fit_committed_h200` (the cost model against the committed H200 runs, `model_fit_figure`).
 plotly and ipywidgets are imported inside the functions (they are the `notebooks` extra).
 """
 

@@ -1,5 +1,7 @@
 """Figures and the interactive panel of notebook 01 (data cost): stage costs, per-sample time
-distributions, synchronous-DDP waiting, and an explorer for crop size, MSA depth, workers and ranks.
+distributions, synchronous-DDP waiting, and an explorer for crop size, MSA depth, workers and ranks;
+and what the notebook runs for its profile (`real_sample_times`, `run_data_cost_here`,
+`committed_data_cost`, `sample_time_mix`, `sync_wait_here`).
 
 plotly and ipywidgets are imported inside the functions (they are the `notebooks` extra).
 """

@@ -1,4 +1,5 @@
-"""Plotly figures of benchmark results, and the ipywidgets LayerNorm explorer used by the notebooks.
+"""Plotly figures of benchmark results, the ipywidgets LayerNorm explorer used by the notebooks, and
+`layernorm_results` (notebook 00's speed results: measured now on a GPU, committed elsewhere).
 
 Figures take the DataFrame of `hfkit.bench.load_results` / `rows_to_frame` (one row per op, provider,
 mode, shape and dtype). plotly and ipywidgets are optional extras (`pip install hfkit[notebooks]`), so

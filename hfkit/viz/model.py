@@ -1,6 +1,8 @@
 """Figures and widgets of notebooks 03 (op profiling) and 05 (end to end): the operator-share bars,
 the LayerNorm shape census, model-benchmark bars, the swap waterfall, and two explorers that rerun a
-profile or a training step for the settings chosen.
+profile or a training step for the settings chosen; and what the notebooks run for their profile
+(`profile_step`, `reference_ops`/`reference_census` of the committed profile, `run_waterfall`,
+`saved_activation_table`).
 
 Inputs are the DataFrames of `hfkit.bench.profile` (`op_table`, `layer_norm_census`, `census_speed`)
 and of `hfkit.bench.load_results` / `rows_to_frame` for `hfkit bench model` rows. plotly and
