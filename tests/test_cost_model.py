@@ -16,9 +16,11 @@ from hfkit.parallel.cost_model import (
     a100_pcie_fireflyer,
     busbw,
     calibrate,
+    calibrate_backends,
     fit_cluster,
     h200_nvlink,
     hfreduce_stages,
+    model_comparison,
     predict,
     ring_allreduce_time,
     seed_comparison,
@@ -216,3 +218,42 @@ def test_fit_cluster_predicts_committed_h200_results():
     assert (table["gpus"] == 128).all() and table.loc["nccl", "allreduce_ms"] < table.loc[
         "hfreduce", "allreduce_ms"
     ]
+
+
+def test_calibrate_backends_recovers_each_backends_ring_parameters():
+    sizes = SIZES[:6]
+    frame = pd.DataFrame(
+        [
+            {
+                "provider": b,
+                "nbytes": s,
+                "p50_ms": ring_allreduce_time(s, 4, alpha, bw) * 1e3,
+                "world_size": 4,
+            }
+            for b, alpha, bw in (("gloo", 50.0, 2.0), ("nccl", 5.0, 100.0))
+            for s in sizes
+        ]
+        + [{"provider": "hfreduce", "nbytes": 4096, "p50_ms": 1.0, "world_size": 4}]  # one size: left out
+    )
+    table = calibrate_backends(frame).set_index("backend")
+    assert list(table.index) == ["gloo", "nccl"] and (table["ranks"] == 4).all()
+    assert table.loc["gloo", "alpha_us"] == pytest.approx(50.0, rel=1e-6)
+    assert table.loc["nccl", "bw_gbps"] == pytest.approx(100.0, rel=1e-6)
+    assert (table["rel_rms"] < 1e-9).all()
+    with pytest.raises(
+        ValueError, match="frame: expected allreduce_frame columns, missing \\['world_size'\\]"
+    ):
+        calibrate_backends(frame.drop(columns="world_size"))
+
+
+def test_model_comparison_sets_each_models_prediction_beside_the_measurement():
+    spec = h200_nvlink(1).with_(gpus_per_node=2)
+    frame = synthetic_frame(spec)
+    slower = spec.with_(nvlink_gbps=spec.nvlink_gbps / 2)
+    table = model_comparison(frame, {"same": spec, "slower": slower})
+    assert list(table.columns) == ["backend", "nbytes", "measured_ms", "same_ms", "slower_ms"]
+    assert np.allclose(table["same_ms"], table["measured_ms"])  # the spec that made the rows predicts them
+    nccl = table[table["backend"] == "nccl"]
+    assert (nccl["slower_ms"] > nccl["same_ms"]).all()
+    with pytest.raises(ValueError, match="frame: expected allreduce_frame columns"):
+        model_comparison(frame.drop(columns="p50_ms"), {"same": spec})

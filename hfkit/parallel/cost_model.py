@@ -33,8 +33,10 @@ __all__ = [
     "a100_pcie_fireflyer",
     "h200_nvlink",
     "calibrate",
+    "calibrate_backends",
     "fit_cluster",
     "hfreduce_stages",
+    "model_comparison",
     "predict",
     "ring_allreduce_time",
     "seed_comparison",
@@ -260,6 +262,56 @@ def calibrate(sizes: Sequence[float], times_s: Sequence[float], n: int) -> Calib
     bw_gbps = 2 * (n - 1) / (n * b) / GB
     rel = (a + b * s - t) / t
     return Calibration(alpha_us, bw_gbps, n, float(np.sqrt(np.mean(rel**2))))
+
+
+def calibrate_backends(frame: pd.DataFrame) -> pd.DataFrame:
+    """`calibrate` per backend of allreduce rows (columns provider, nbytes, p50_ms, world_size; one run
+    per backend): one line each with backend, ranks, alpha_us, bw_gbps and rel_rms. Backends with
+    fewer than 2 sizes are left out (a line cannot be fitted to one point)."""
+    import pandas as pd
+
+    missing = {"provider", "nbytes", "p50_ms", "world_size"} - set(frame.columns)
+    if missing:
+        raise ValueError(f"frame: expected allreduce_frame columns, missing {sorted(missing)}")
+    lines = []
+    for backend, rows in frame.groupby("provider"):
+        if len(rows) < 2:
+            continue
+        n = int(rows["world_size"].iloc[0])
+        fit = calibrate(rows["nbytes"], rows["p50_ms"] / 1e3, n=n)
+        lines.append(
+            {
+                "backend": backend,
+                "ranks": n,
+                "alpha_us": fit.alpha_us,
+                "bw_gbps": fit.bw_gbps,
+                "rel_rms": fit.rel_rms,
+            }
+        )
+    return pd.DataFrame(lines, columns=["backend", "ranks", "alpha_us", "bw_gbps", "rel_rms"])
+
+
+def model_comparison(frame: pd.DataFrame, models: dict[str, ClusterSpec]) -> pd.DataFrame:
+    """Measured allreduce times next to each model's prediction: one line per row of `frame` (columns
+    provider, nbytes, p50_ms) with backend, nbytes, measured_ms and one `<label>_ms` column per entry
+    of `models` (`predict` of that spec for the row's backend and size)."""
+    import pandas as pd
+
+    missing = {"provider", "nbytes", "p50_ms"} - set(frame.columns)
+    if missing:
+        raise ValueError(f"frame: expected allreduce_frame columns, missing {sorted(missing)}")
+    table = pd.DataFrame(
+        {
+            "backend": frame["provider"].to_numpy(),
+            "nbytes": frame["nbytes"].to_numpy(dtype=np.int64),
+            "measured_ms": frame["p50_ms"].to_numpy(dtype=float),
+        }
+    )
+    for label, spec in models.items():
+        table[f"{label}_ms"] = [
+            predict(spec, s, b) * 1e3 for s, b in zip(table["nbytes"], table["backend"], strict=True)
+        ]
+    return table
 
 
 def _nonneg_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:

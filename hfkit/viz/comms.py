@@ -4,7 +4,9 @@
 rows from several result files are combined); `ddp_table`/`ddp_figure` show the seed's DDP step
 decomposition (backward alone, concurrent, + synchronization with overlap on and off); `CostModelPanel`
 is an ipywidgets panel over `hfkit.parallel.cost_model` (GPUs per node, nodes, bandwidths, parameters),
-with a preset fitted to each committed H200 result (`fitted_presets`).
+with a preset fitted to each committed H200 result (`fitted_presets`). What the notebook runs:
+`run_comms_here` (the measurement for its profile), `committed_comms`, `calibration_table` and
+`fit_committed_h200` (the cost model against the committed H200 runs, `model_fit_figure`).
 plotly and ipywidgets are imported inside the functions (they are the `notebooks` extra).
 """
 
@@ -19,17 +21,28 @@ from hfkit.parallel.cost_model import (
     ClusterSpec,
     a100_pcie_fireflyer,
     busbw,
+    calibrate_backends,
     fit_cluster,
     h200_nvlink,
+    model_comparison,
     predict,
 )
+from hfkit.viz.notebook import render_into, show_static_then_widget
 
 if TYPE_CHECKING:
     import pandas as pd
     import plotly.graph_objects as go
 
 __all__ = [
+    "FITTED_KEYS",
+    "ClusterFit",
     "allreduce_frame",
+    "calibration_table",
+    "committed_comms",
+    "fit_committed_h200",
+    "model_fit_figure",
+    "panel_figure",
+    "run_comms_here",
     "busbw_figure",
     "ddp_table",
     "ddp_figure",
@@ -170,14 +183,32 @@ def default_presets() -> dict[str, ClusterSpec]:
     return {"A100 PCIe (seed)": a100_pcie_fireflyer(), "H200 NVLink": h200_nvlink(), **fitted_presets()}
 
 
+def panel_figure(table: pd.DataFrame) -> go.Figure:
+    """Bars of the predicted allreduce time per backend of a `model_table`."""
+    import plotly.express as px
+
+    gpus, grad_mb = int(table["gpus"].iloc[0]), float(table["grad_MB"].iloc[0])
+    title = f"allreduce of {grad_mb:,.1f} MB of fp32 gradients on {gpus} GPUs (model)"
+    return px.bar(
+        table,
+        x="backend",
+        y="allreduce_ms",
+        color="backend",
+        height=300,
+        labels={"allreduce_ms": "allreduce (ms)"},
+        title=title,
+    )
+
+
 @dataclass
 class CostModelPanel:
     """Sliders over a `ClusterSpec` (GPUs per node, nodes, NVLink/PCIe peer, PCIe, NIC, parameters)
     that show the predicted allreduce time per backend as a table and a bar chart.
 
     `update(**values)` recomputes from explicit values (what the widget calls; tests call it too) and
-    returns the table. Presets (`default_presets`): the seed's A100 PCIe cluster, an H200 NVLink
-    cluster from link specs, and one H200 cluster fitted to each committed H200 result.
+    returns the table; `show()` displays the first preset's result, then the widget. Presets
+    (`default_presets`): the seed's A100 PCIe cluster, an H200 NVLink cluster from link specs, and one
+    H200 cluster fitted to each committed H200 result.
     """
 
     presets: dict[str, ClusterSpec] = field(default_factory=default_presets)
@@ -193,11 +224,15 @@ class CostModelPanel:
     def update(self, preset: str, params: int = AF2_PARAMS, **values: Any) -> pd.DataFrame:
         return model_table(self.spec_for(preset, **values), params)
 
+    def show(self, preset: str | None = None) -> None:
+        """Display the prediction for `preset` (default: the first) as a static table and chart, which
+        an HTML report shows without the widget's JavaScript, then the interactive panel."""
+        table = self.update(preset or next(iter(self.presets)))
+        show_static_then_widget(self.widget(), table.round(3), panel_figure(table))
+
     def widget(self) -> Any:
         """The ipywidgets panel: preset, sliders, and an Output area with the table and the chart."""
         import ipywidgets as w
-        import plotly.express as px
-        from IPython.display import display
 
         names = list(self.presets)
         preset = w.Dropdown(options=names, value=names[0], description="cluster")
@@ -225,15 +260,133 @@ class CostModelPanel:
                 pcie_gbps=pcie.value,
                 nic_gbps=nic.value,
             )
-            with out:
-                out.clear_output(wait=True)
-                display(table.round(3))
-                title = f"{int(params.value):,} fp32 params on {gpn.value}×{nodes.value} GPUs"
-                fig = px.bar(table, x="backend", y="allreduce_ms", color="backend", height=300, title=title)
-                fig.show()
+            render_into(out, table.round(3), panel_figure(table))
 
         preset.observe(load_preset, names="value")
         for s in (gpn, nodes, link, pcie, nic, params):
             s.observe(refresh, names="value")
         load_preset()
         return w.VBox([w.HBox([preset, gpn, nodes]), w.HBox([link, pcie, nic]), params, out])
+
+
+def run_comms_here(smoke: bool, gpu_count: int) -> pd.DataFrame:
+    """Run notebook 02's allreduce and DDP measurements on this machine (`run_comms_benchmark`, as
+    `torchrun` subprocesses) and return the rows as a frame. `smoke`: 2 ranks, 4 KB to 1 MB, a
+    2M-parameter DDP model, few repetitions; otherwise every GPU (at least 2 ranks) and the full sizes.
+    Without GPUs (`gpu_count` 0) the ranks are CPU processes on gloo and hfreduce."""
+    from hfkit.bench.comms import default_backends, run_comms_benchmark
+    from hfkit.bench.results import rows_to_frame
+
+    backends = default_backends()
+    if smoke:
+        rows = run_comms_benchmark(
+            nproc=2,
+            backends=backends,
+            max_bytes="1M",
+            params=2_000_000,
+            ddp_reps=3,
+            reps=10,
+            budget_s=0.2,
+            timeout_s=300,
+            cpu=gpu_count == 0,
+            log=None,
+        )
+    else:
+        rows = run_comms_benchmark(nproc=max(2, gpu_count), backends=backends, timeout_s=1800, log=None)
+    return rows_to_frame(rows)
+
+
+def committed_comms(root: str | Path | None = None) -> dict[str, pd.DataFrame]:
+    """The committed comms results under `root` (default `results_dir()`), by label: "CPU, committed"
+    for `cpu/`, "<folder>, reference" for each `h200x*/`. Empty when none are committed."""
+    from hfkit.bench.comms import load_comms_results
+    from hfkit.bench.results import results_dir
+
+    root = Path(root or results_dir())
+    sources = {}
+    if (root / "cpu" / "comms.json").exists():
+        sources["CPU, committed"] = load_comms_results(root / "cpu")
+    for path in sorted(root.glob("h200x*/comms.json")):
+        sources[f"{path.parent.name}, reference"] = load_comms_results(path.parent)
+    return sources
+
+
+def calibration_table(sources: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """The ring formula's α and B fitted per source and backend (`calibrate_backends` of each frame's
+    allreduce rows): columns source, backend, ranks, alpha_us, bw_gbps, rel_rms."""
+    import pandas as pd
+
+    tables = [calibrate_backends(allreduce_frame(f)).assign(source=name) for name, f in sources.items()]
+    columns = ["source", "backend", "ranks", "alpha_us", "bw_gbps", "rel_rms"]
+    if not tables:
+        return pd.DataFrame(columns=columns)
+    return pd.concat(tables, ignore_index=True)[columns]
+
+
+FITTED_KEYS = ("gpus_per_node", "alpha_us", "nvlink_gbps", "pcie_gbps", "chunk_overhead_us", "host_mem_gbps")
+
+
+@dataclass
+class ClusterFit:
+    """The H200 cost model fitted to one committed run: `name` (its folder), `fitted` (`fit_cluster`),
+    `comparison` (measured against the spec and fitted models, `model_comparison`) and `at_scale`
+    (`model_table` of the link spec and of the fitted values on 16 nodes × 8 GPUs)."""
+
+    name: str
+    fitted: ClusterSpec
+    comparison: pd.DataFrame
+    at_scale: pd.DataFrame
+
+    def fitted_values(self) -> dict[str, float]:
+        """The fitted spec's shape, latency and rates (`FITTED_KEYS`), rounded for printing."""
+        return {k: round(float(getattr(self.fitted, k)), 3) for k in FITTED_KEYS}
+
+
+def fit_committed_h200(root: str | Path | None = None) -> list[ClusterFit]:
+    """One `ClusterFit` per committed `h200x*/comms.json` under `root` (default `results_dir()`): the
+    nccl and hfreduce rows fitted with `fit_cluster(h200_nvlink(nodes=1), ...)`. Empty without them."""
+    import pandas as pd
+
+    from hfkit.bench.comms import load_comms_results
+    from hfkit.bench.results import results_dir
+
+    fits = []
+    for path in sorted(Path(root or results_dir()).glob("h200x*/comms.json")):
+        measured = allreduce_frame(load_comms_results(path.parent))
+        measured = measured[measured["provider"].isin(["nccl", "hfreduce"])]
+        fitted = fit_cluster(h200_nvlink(nodes=1), measured)
+        spec = h200_nvlink(nodes=1).with_(gpus_per_node=fitted.gpus_per_node)
+        comparison = model_comparison(measured, {"spec_model": spec, "fitted_model": fitted})
+        at_scale = pd.concat(
+            [
+                model_table(h200_nvlink(16)).assign(model="H200 link spec"),
+                model_table(fitted.with_(gpus_per_node=8, nodes=16)).assign(
+                    model=f"fitted to {path.parent.name}"
+                ),
+            ],
+            ignore_index=True,
+        )
+        fits.append(ClusterFit(path.parent.name, fitted, comparison, at_scale))
+    return fits
+
+
+def model_fit_figure(comparison: pd.DataFrame, title: str | None = None) -> go.Figure:
+    """Lines of allreduce time against message size (log-log) per backend, solid for the measurement
+    and dashed/dotted for each model column of a `model_comparison` table."""
+    import plotly.express as px
+
+    long = comparison.melt(id_vars=["backend", "nbytes"], var_name="series", value_name="ms")
+    fig = px.line(
+        long,
+        x="nbytes",
+        y="ms",
+        color="backend",
+        line_dash="series",
+        markers=True,
+        log_x=True,
+        log_y=True,
+        labels={"nbytes": "message size (bytes)", "ms": "allreduce (ms)"},
+        title=title or "measured allreduce against the cost models",
+    )
+    fig.update_layout(height=420)
+    return fig

@@ -1,5 +1,7 @@
 """Figures and the interactive panel of notebook 01 (data cost): stage costs, per-sample time
-distributions, synchronous-DDP waiting, and an explorer for crop size, MSA depth, workers and ranks.
+distributions, synchronous-DDP waiting, and an explorer for crop size, MSA depth, workers and ranks;
+and what the notebook runs for its profile (`real_sample_times`, `run_data_cost_here`,
+`committed_data_cost`, `sample_time_mix`, `sync_wait_here`).
 
 plotly and ipywidgets are imported inside the functions (they are the `notebooks` extra).
 """
@@ -13,11 +15,28 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hfkit.bench.data_cost import data_cost_table
+from hfkit.viz.notebook import render_into, show_static_then_widget
+
 if TYPE_CHECKING:
     import pandas as pd
     import plotly.graph_objects as go
 
-__all__ = ["stage_bars", "time_histogram", "sync_wait_figure", "DataCostExplorer", "data_cost_explorer"]
+# `data_cost_table` is re-exported for notebook 01, which imports from viz only.
+__all__ = [
+    "DataCostExplorer",
+    "committed_data_cost",
+    "data_cost_explorer",
+    "data_cost_table",
+    "run_data_cost_here",
+    "sample_time_mix",
+    "sync_wait_here",
+    "missing_real_inputs_note",
+    "real_sample_times",
+    "stage_bars",
+    "sync_wait_figure",
+    "time_histogram",
+]
 
 STAGE_ORDER = ("parse_mmcif", "read_msas", "features", "read", "decode", "process_features")
 
@@ -94,7 +113,7 @@ class DataCostExplorer:
     with a `depth`-row MSA, preprocesses it into a record, times `process_features` at that crop size
     from the record, measures DataLoader throughput with `workers` processes, and evaluates the
     synchronous-DDP waste at `ranks` ranks; it returns a one-row DataFrame (and shows it, with the
-    widget). Inputs are synthetic and labelled so.
+    widget); `show(...)` displays one run's table, then the widget. Inputs are synthetic and labelled so.
     """
 
     length: int = 384
@@ -150,10 +169,16 @@ class DataCostExplorer:
             ]
         )
 
+    def show(self, crop: int, depth: int, workers: int, ranks: int) -> pd.DataFrame:
+        """Run once for these settings and display the result as a static table (readable in an HTML
+        report), then the interactive panel; returns the table."""
+        table = self.run(crop, depth, workers, ranks)
+        show_static_then_widget(self.widget(), table)
+        return table
+
     def widget(self) -> Any:
         """The ipywidgets panel: sliders/dropdowns and a run button writing into an Output area."""
         import ipywidgets as w
-        from IPython.display import display
 
         crop = w.SelectionSlider(
             options=list(self.crops), value=self.crops[min(2, len(self.crops) - 1)], description="crop"
@@ -165,12 +190,8 @@ class DataCostExplorer:
         out = w.Output()
 
         def on_click(_: Any) -> None:
-            out.clear_output()
-            with out:
-                print("measuring (synthetic inputs) ...")
-                table = self.run(crop.value, depth.value, workers.value, ranks.value)
-                out.clear_output()
-                display(table)
+            render_into(out, "measuring (synthetic inputs) ...")
+            render_into(out, self.run(crop.value, depth.value, workers.value, ranks.value))
 
         button.on_click(on_click)
         self._run_button = on_click
@@ -182,3 +203,84 @@ def data_cost_explorer(smoke: bool = False) -> DataCostExplorer:
     if smoke:
         return DataCostExplorer(length=64, depths=(100, 400), crops=(32, 64), max_workers=2, loader_samples=3)
     return DataCostExplorer()
+
+
+def missing_real_inputs_note() -> str:
+    """What to do where the real inputs are absent: where `openfold_test_data_dir` looks, and where
+    the files come from."""
+    return (
+        "The real inputs were not found, so this section is skipped. They are OpenFold's test data "
+        "(the folder tests/test_data/ of github.com/aqlaboratory/openfold: 2q2k's mmCIF under mmcifs/ "
+        "and its chains' MSAs under alignments/) and are not part of this repository. Point "
+        "HFKIT_OPENFOLD_TEST_DATA at a copy of that folder before starting Jupyter, or place it at "
+        "shared/data/openfold_test_data beside the repository."
+    )
+
+
+def real_sample_times(
+    real_dir: str | Path, work_dir: str | Path, config: Any, repeats: int = 3
+) -> tuple[pd.DataFrame, dict[str, tuple[int, ...]]]:
+    """Per-sample stage times (ms) of the real inputs under `real_dir` made both ways, on the fly and
+    from preprocessed records (written under `work_dir`) with `config` (a `FeatureConfig`): one row per
+    sample and path ("on the fly", "preprocessed"). Also the shapes of the main features of the first
+    preprocessed sample (msa_feat, extra_msa, target_feat, seq_mask)."""
+    import pandas as pd
+
+    from hfkit.bench.data_cost import real_inputs, sample_times
+
+    fly, pre = real_inputs(real_dir, Path(work_dir) / "real").datasets(config)
+    times = []
+    for path, dataset in (("on the fly", fly), ("preprocessed", pre)):
+        table = sample_times(dataset, repeats=repeats)
+        table.insert(0, "path", path)
+        times.append(table)
+    shown = ("msa_feat", "extra_msa", "target_feat", "seq_mask")
+    shapes = {k: tuple(v.shape) for k, v in pre[0].items() if k in shown}
+    return pd.concat(times, ignore_index=True), shapes
+
+
+def run_data_cost_here(smoke: bool) -> pd.DataFrame:
+    """Per-stage data cost on synthetic inputs, measured now (`run_data_cost_benchmark`): `smoke`: one
+    96-residue chain at MSA depths 200 and 1000, 2 repeats; otherwise 2 chains of 384 residues at
+    the benchmark's depths (1k, 5k, 20k), 3 repeats. Rows as a frame."""
+    from hfkit.bench.data_cost import run_data_cost_benchmark
+    from hfkit.bench.results import rows_to_frame
+
+    if smoke:
+        rows = run_data_cost_benchmark(depths=(200, 1000), length=96, n_chains=1, repeats=2, progress=False)
+    else:
+        rows = run_data_cost_benchmark(length=384, n_chains=2, repeats=3, progress=False)
+    return rows_to_frame(rows)
+
+
+def committed_data_cost(root: str | Path | None = None) -> pd.DataFrame | None:
+    """The committed CPU data-cost results (`cpu/data_cost.json` under `root`, default `results_dir()`),
+    or None when there are none."""
+    from hfkit.bench.results import load_results, results_dir
+
+    path = Path(root or results_dir()) / "cpu" / "data_cost.json"
+    return load_results(path) if path.exists() else None
+
+
+def sample_time_mix(work_dir: str | Path, smoke: bool, config: Any) -> dict[str, pd.DataFrame]:
+    """Per-sample times of a small synthetic set with lengths drawn uniformly, made on the fly and
+    from preprocessed records (under `work_dir`), by path name. `smoke`: 6 chains of 48-128 residues,
+    MSA depth 300, `FeatureConfig.tiny()`; otherwise 24 chains of 64-512 residues, depth 3000, `config`."""
+    from hfkit.bench.data_cost import sample_times, synthetic_inputs
+    from hfkit.data.msa_sampling import FeatureConfig
+
+    n, lengths, depth = (6, (48, 128), 300) if smoke else (24, (64, 512), 3000)
+    inputs = synthetic_inputs(Path(work_dir) / "mix", n, lengths, depth, seed=1)
+    fly, pre = inputs.datasets(FeatureConfig.tiny() if smoke else config)
+    return {"on the fly": sample_times(fly), "preprocessed": sample_times(pre)}
+
+
+def sync_wait_here(crops: tuple[int, ...] = (256, 384), smoke: bool = False) -> pd.DataFrame:
+    """`sync_wait_table` for 20000 chain lengths from the log-normal model (seed 0) at 1 to 256 ranks
+    and the given crop sizes; `smoke` simulates 500 steps instead of 4000."""
+    from hfkit.bench.data_cost import sync_wait_table
+    from hfkit.bench.sync_wait import lognormal_lengths
+
+    lengths = lognormal_lengths(20000, np.random.default_rng(0))
+    ranks = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    return sync_wait_table(lengths, list(crops), ranks, steps=500 if smoke else 4000)

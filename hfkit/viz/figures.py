@@ -1,4 +1,5 @@
-"""Plotly figures of benchmark results, and the ipywidgets LayerNorm explorer used by the notebooks.
+"""Plotly figures of benchmark results, the ipywidgets LayerNorm explorer used by the notebooks, and
+`layernorm_results` (notebook 00's speed results: measured now on a GPU, committed elsewhere).
 
 Figures take the DataFrame of `hfkit.bench.load_results` / `rows_to_frame` (one row per op, provider,
 mode, shape and dtype). plotly and ipywidgets are optional extras (`pip install hfkit[notebooks]`), so
@@ -10,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from hfkit.bench import bench_ceilings, layernorm_errors, summary_table
 from hfkit.bench.results import rows_to_frame, with_speedup
+from hfkit.viz.notebook import NotebookResults, render_into, show_static_then_widget
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -19,11 +22,18 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LayerNormExplorer",
+    "bench_ceilings",
+    "layernorm_errors",
+    "layernorm_results",
+    "summary_table",
     "layernorm_explorer",
     "pct_copy_bars",
     "speedup_bars",
     "time_bars",
 ]
+
+# `bench_ceilings`, `layernorm_errors` and `summary_table` (of LayerNorm rows) are re-exported for
+# notebook 00, which imports from viz only.
 
 PROVIDER_ORDER = ["torch", "compile", "hfkit"]
 PROVIDER_COLORS = {"torch": "#7f7f7f", "compile": "#1f77b4", "hfkit": "#d62728"}
@@ -102,7 +112,8 @@ class LayerNormExplorer:
     Runs `run_layernorm_benchmark` on `device` (default: the GPU if any) for the chosen shape and
     dtype, in both modes and for every provider in `providers`, then shows the summary table and a
     time figure. On a CPU the shape is scaled down with `smoke_shape` so a click takes seconds.
-    `run()` does what the button does, so code (and tests) can drive it without a browser.
+    `run()` measures the current selection (what the button does, so code and tests can drive it
+    without a browser); `show()` displays the last result as a static table and figure, then the widget.
     """
 
     def __init__(
@@ -123,7 +134,7 @@ class LayerNormExplorer:
         self.dtype = widgets.Dropdown(options=["bf16", "fp32"], value="bf16", description="dtype")
         self.button = widgets.Button(description="run", button_style="primary", icon="play")
         self.output = widgets.Output()
-        self.button.on_click(lambda _: self.run())
+        self.button.on_click(self._on_click)
         where = (
             "GPU"
             if self.device.type == "cuda"
@@ -137,13 +148,13 @@ class LayerNormExplorer:
             ]
         )
         self.last_table: pd.DataFrame | None = None
+        self.last_figure: go.Figure | None = None
 
     def run(self) -> pd.DataFrame:
-        """Benchmark the selected shape and dtype now; show and return the summary table."""
-        from IPython.display import display
-
+        """Benchmark the selected shape and dtype now; return the summary table (kept as `last_table`,
+        its time figure as `last_figure`)."""
         from hfkit.bench.ceilings import bench_ceilings
-        from hfkit.bench.layernorm import run_layernorm_benchmark, smoke_shape, summary_table
+        from hfkit.bench.layernorm import run_layernorm_benchmark, smoke_shape
 
         shape = tuple(self.shape.value)
         on_cuda = self.device.type == "cuda"
@@ -161,11 +172,16 @@ class LayerNormExplorer:
         )
         frame = rows_to_frame(rows)
         self.last_table = summary_table(frame)
-        self.output.clear_output(wait=True)
-        with self.output:
-            display(self.last_table)
-            display(time_bars(frame, title=f"LayerNorm {'x'.join(map(str, shape))} {self.dtype.value}"))
+        self.last_figure = time_bars(frame, title=f"LayerNorm {'x'.join(map(str, shape))} {self.dtype.value}")
         return self.last_table
+
+    def _on_click(self, _: Any = None) -> None:
+        self.run()
+        render_into(self.output, self.last_table, self.last_figure)
+
+    def show(self) -> None:
+        """Display the last result (table and figure, static: readable in an HTML report), then the widget."""
+        show_static_then_widget(self.widget, self.last_table, self.last_figure)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         return self.widget._repr_mimebundle_(**kwargs)
@@ -176,3 +192,29 @@ def layernorm_explorer(
 ) -> LayerNormExplorer:
     """Build the LayerNorm explorer (see `LayerNormExplorer`); display it in a notebook cell."""
     return LayerNormExplorer(device, providers)
+
+
+def layernorm_results(device: torch.device, smoke: bool, ceilings: Any = None) -> NotebookResults:
+    """The LayerNorm speed results notebook 00 shows: on a GPU, `run_layernorm_benchmark` now (`smoke`:
+    its quick subset; `ceilings` measured once by the caller); elsewhere the committed H200 results
+    (`data/results/h200/layernorm.json`), labelled with the command, commit and time that made them,
+    or a note on how to make them."""
+    from hfkit.bench import load_results, run_layernorm_benchmark
+
+    if device.type == "cuda":
+        rows, _ = run_layernorm_benchmark(device, quick=smoke, ceilings=ceilings)
+        name = ceilings.device_name if ceilings is not None else str(device)
+        return NotebookResults(rows_to_frame(rows), f"LayerNorm on {name} (measured now)")
+    try:
+        frame = load_results("h200", op="layer_norm")
+    except FileNotFoundError as err:
+        note = (
+            f"No committed H200 results to show ({err}).\n"
+            "Run `hfkit bench layernorm` on an H200 to create data/results/h200/layernorm.json."
+        )
+        return NotebookResults(None, None, [note])
+    first = frame.iloc[0]
+    label = "reference results: NVIDIA H200 (committed)"
+    return NotebookResults(
+        frame, label, [f"{label}: {first['command']!r} at commit {first['commit']}, {first['timestamp']}"]
+    )

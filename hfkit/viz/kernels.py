@@ -5,18 +5,34 @@ of attention, softmax and triangle multiplication results, one per op, case, dty
 and draws one op in one dtype: lines over the problem size (the `case` column: "N=512",
 "S=132 N=256", ...), one colour per provider, fwd and fwd+bwd side by side. Failed rows (an error such
 as running out of memory) are left out of the charts and listed in the explorer's table.
+`kernel_results` gives the rows notebook 04 shows (measured now on a GPU, committed elsewhere) and
+`goal_sentences` says, per target, in how many cases it is reached.
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
+
+from hfkit.bench.kernels import best_peer_table, kernel_errors, kernel_goals
+from hfkit.viz.notebook import NotebookResults, render_into, show_static_then_widget
 
 if TYPE_CHECKING:
     import pandas as pd
     import plotly.graph_objects as go
+    import torch
 
+# `best_peer_table`, `kernel_errors` and `kernel_goals` are re-exported for notebook 04, which imports
+# from viz only.
 __all__ = [
     "KernelExplorer",
+    "best_peer_table",
+    "kernel_errors",
+    "kernel_goals",
+    "committed_kernels",
+    "goal_sentences",
+    "kernel_results",
+    "measure_kernels",
     "kernel_explorer",
     "kernel_memory_figure",
     "kernel_rate_figure",
@@ -119,7 +135,8 @@ class KernelExplorer:
     """Dropdowns for op, dtype and size over a kernel results frame: shows that case's table (every
     provider and mode: time, rate, peak memory, check, failure) and a bar chart of the times.
 
-    `update()` does what changing a dropdown does, so code and tests can drive it without a browser.
+    `update()` does what changing a dropdown does, so code and tests can drive it without a browser;
+    `show()` displays the current selection's table and chart as static outputs, then the widget.
     """
 
     def __init__(self, frame: pd.DataFrame, title: str = "") -> None:
@@ -134,6 +151,7 @@ class KernelExplorer:
         self.case = widgets.Dropdown(description="size")
         self.output = widgets.Output()
         self.last_table: pd.DataFrame | None = None
+        self.last_figure: go.Figure | None = None
         self._refresh_options()
         self.op.observe(lambda _: (self._refresh_options(), self.update()), names="value")
         self.dtype.observe(lambda _: (self._refresh_cases(), self.update()), names="value")
@@ -179,9 +197,9 @@ class KernelExplorer:
         )
 
     def update(self) -> pd.DataFrame:
-        """Redraw for the current selection; return its table."""
+        """Redraw for the current selection; return its table (kept as `last_table`, the chart as
+        `last_figure`)."""
         import plotly.express as px
-        from IPython.display import display
 
         self.last_table = self.table()
         timed = self.last_table[self.last_table["p50_ms"].notna()]
@@ -196,11 +214,14 @@ class KernelExplorer:
             title=f"{self.op.value} {self.dtype.value} {self.case.value}: p50 time (ms)",
         )
         fig.update_layout(height=360, showlegend=False)
-        self.output.clear_output(wait=True)
-        with self.output:
-            display(self.last_table)
-            display(fig)
+        self.last_figure = fig
+        render_into(self.output, self.last_table, fig)
         return self.last_table
+
+    def show(self) -> None:
+        """Display the current selection (table and chart, static: readable in an HTML report), then
+        the widget."""
+        show_static_then_widget(self.widget, self.last_table, self.last_figure)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         return self.widget._repr_mimebundle_(**kwargs)
@@ -211,3 +232,84 @@ def kernel_explorer(frame: pd.DataFrame, title: str = "") -> KernelExplorer:
     explorer = KernelExplorer(frame, title)
     explorer.update()
     return explorer
+
+
+def measure_kernels(device: torch.device, smoke: bool) -> NotebookResults:
+    """Run a quick subset of the attention, softmax and triangle-multiplication benchmarks on `device`
+    (a GPU) now: the smaller sizes, every installed provider, one ceiling measurement shared by the
+    three; `smoke` keeps triangle multiplication to amp-bf16."""
+    from hfkit.bench import device_name
+    from hfkit.bench.attention import run_attention_benchmark
+    from hfkit.bench.ceilings import bench_ceilings
+    from hfkit.bench.kernels import kernel_frame
+    from hfkit.bench.softmax_bench import run_softmax_benchmark
+    from hfkit.bench.trimul import run_trimul_benchmark
+
+    ceilings = bench_ceilings(device)
+    precisions = ("amp-bf16",) if smoke else ("amp-bf16", "bf16")
+    runs = [
+        run_attention_benchmark(device, quick=True, ceilings=ceilings),
+        run_softmax_benchmark(device, quick=True, ceilings=ceilings),
+        run_trimul_benchmark(device, quick=True, ceilings=ceilings, precisions=precisions),
+    ]
+    frame = kernel_frame([row for run in runs for row in run.rows])
+    frame["ceiling_copy_gbps"] = ceilings.copy_gbps
+    frame["ceiling_matmul_tflops"] = ceilings.matmul_tflops
+    notes = [f"skipped: {line}" for run in runs for line in run.skipped]
+    return NotebookResults(frame, f"measured now on {device_name(device)} (quick subset)", notes)
+
+
+def committed_kernels(source: str | os.PathLike[str] | None = None) -> NotebookResults:
+    """The committed kernel results of `source` (a folder under data/results/, or a path; default:
+    `HFKIT_KERNEL_RESULTS`, else "h200"), labelled with the GPU and commits that made them; an empty
+    `NotebookResults` whose note says how to make them when there are none."""
+    from hfkit.bench.kernels import load_kernel_results
+
+    source = source if source is not None else os.environ.get("HFKIT_KERNEL_RESULTS", "h200")
+    frame = load_kernel_results(source)
+    if frame is None:
+        return NotebookResults(
+            None,
+            None,
+            [
+                f"No kernel results yet in {str(source)!r}: run `hfkit bench attention`, `hfkit bench "
+                "softmax` and `hfkit bench trimul` on an H200 to create data/results/h200/{attention,"
+                "softmax,triangle_multiplication}.json. The sections below are skipped."
+            ],
+        )
+    commits = ", ".join(sorted({str(c)[:12] for c in frame["commit"]}))
+    notes = [
+        f"{file}: {group['command'].iloc[0]!r} at {group['timestamp'].iloc[0]} ({len(group)} rows)"
+        for file, group in frame.groupby("file")
+    ]
+    return NotebookResults(frame, f"measured on {frame['gpu'].iloc[0]}, commit {commits}", notes)
+
+
+def kernel_results(device: torch.device, smoke: bool, source: str | None = None) -> NotebookResults:
+    """What notebook 04 shows: `measure_kernels` on a GPU, `committed_kernels(source)` elsewhere."""
+    if device.type == "cuda":
+        return measure_kernels(device, smoke)
+    return committed_kernels(source)
+
+
+def _number(x: float) -> str:
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def goal_sentences(goals: pd.DataFrame) -> list[str]:
+    """One sentence per target of `kernel_goals`' table: in how many of the measured cases it is
+    reached, then each case's measurement against its target (targets with no measurement say so)."""
+    sentences = []
+    for goal, group in goals.groupby("goal", sort=False):
+        measured = group[group["measured"].notna()]
+        if measured.empty:
+            sentences.append(f"{goal}: not measured in these results.")
+            continue
+        reached = int((measured["met"] == True).sum())  # noqa: E712 (met holds True/False/None)
+        cases = "; ".join(
+            f"{r.case}: {_number(r.measured)} against {_number(r.target)}"
+            for r in measured.itertuples(index=False)
+        )
+        noun = "case" if len(measured) == 1 else "cases"
+        sentences.append(f"{goal}: reached in {reached} of {len(measured)} {noun} ({cases}).")
+    return sentences

@@ -1,6 +1,8 @@
 """Figures and widgets of notebooks 03 (op profiling) and 05 (end to end): the operator-share bars,
 the LayerNorm shape census, model-benchmark bars, the swap waterfall, and two explorers that rerun a
-profile or a training step for the settings chosen.
+profile or a training step for the settings chosen; and what the notebooks run for their profile
+(`profile_step`, `reference_ops`/`reference_census` of the committed profile, `run_waterfall`,
+`saved_activation_table`).
 
 Inputs are the DataFrames of `hfkit.bench.profile` (`op_table`, `layer_norm_census`, `census_speed`)
 and of `hfkit.bench.load_results` / `rows_to_frame` for `hfkit bench model` rows. plotly and
@@ -11,11 +13,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from hfkit.bench.layernorm import CENSUS_SHAPES
+from hfkit.bench.model import summary_table
+from hfkit.viz.notebook import render_into, show_static_then_widget
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -23,17 +28,27 @@ if TYPE_CHECKING:
 
     from hfkit.model import ModelConfig
 
+# `summary_table` (of model benchmark rows) is re-exported for notebook 05, which imports from viz only.
 __all__ = [
+    "CENSUS_COLUMNS",
     "PRESETS",
     "SEED_LN_CENSUS",
     "SEED_OP_TABLE",
     "ProfileExplorer",
     "SwapExplorer",
     "census_figure",
+    "census_timings",
     "load_reference",
     "model_time_bars",
     "op_share_bars",
     "preset_config",
+    "profile_step",
+    "reference_census",
+    "reference_ops",
+    "run_waterfall",
+    "saved_activation_figure",
+    "saved_activation_table",
+    "summary_table",
     "waterfall_figure",
     "waterfall_frame",
 ]
@@ -244,6 +259,10 @@ def waterfall_figure(table: pd.DataFrame, title: str | None = None) -> go.Figure
     return fig
 
 
+def _gib(nbytes: float | None) -> float | None:
+    return None if nbytes is None else nbytes / 2**30
+
+
 def _device(device: torch.device | str | None) -> torch.device:
     from hfkit.bench.ceilings import resolve_device
 
@@ -254,9 +273,16 @@ class ProfileExplorer:
     """Dropdowns for preset and precision, a crop box, and a button that profiles one training step
     (`hfkit.bench.model.profile_train_step`) and shows the operator table, the LayerNorm census and
     their figures. On a CPU the AlphaFold presets are scaled down (`preset_config(on_cpu=True)`).
-    `run()` does what the button does."""
+    `run()` does what the button does; `result` is a first result to show (e.g. the notebook's own
+    profile of the same step); `show()` displays the last result as static figures, then the widget."""
 
-    def __init__(self, device: torch.device | str | None = None, preset: str = "tiny") -> None:
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        preset: str = "tiny",
+        result: dict[str, Any] | None = None,
+        label: str = "",
+    ) -> None:
         import ipywidgets as widgets
 
         self.device = _device(device)
@@ -268,7 +294,7 @@ class ProfileExplorer:
         self.dtype.description = "precision"
         self.button = widgets.Button(description="profile", button_style="primary", icon="play")
         self.output = widgets.Output()
-        self.button.on_click(lambda _: self.run())
+        self.button.on_click(self._on_click)
         where = "GPU" if self.device.type == "cuda" else "CPU: AlphaFold presets scaled down, CPU time"
         self.widget = widgets.VBox(
             [
@@ -277,12 +303,11 @@ class ProfileExplorer:
                 self.output,
             ]
         )
-        self.last: dict[str, Any] | None = None
+        self.last: dict[str, Any] | None = result
+        self.last_label = label
 
     def run(self) -> dict[str, Any]:
-        """Profile now; show and return `profile_train_step`'s tables (plus "config")."""
-        from IPython.display import display
-
+        """Profile now; return `profile_train_step`'s tables (plus "config"), kept as `last`."""
         from hfkit.bench.model import profile_train_step
 
         on_cpu = self.device.type != "cuda"
@@ -290,18 +315,33 @@ class ProfileExplorer:
         out = profile_train_step(config, self.device, self.dtype.value, census_reps=3 if on_cpu else 20)
         out["config"] = config
         self.last = out
-        label = (
+        self.last_label = (
             f"{self.preset.value} crop {config.crop_size}, {config.no_blocks} blocks, {self.dtype.value}, "
             f"{out['ops'].attrs['device_time'].upper()} time"
         )
-        self.output.clear_output(wait=True)
-        with self.output:
-            print(f"{label}: {out['step_ms']:.1f} ms of operator time per step")
-            display(out["ops"].round(2))
-            op_share_bars(out["ops"], title=f"top operators: {label}").show()
-            display(out["census"].round(2))
-            census_figure(out["census"], out["speed"], title=f"LayerNorm census: {label}").show()
         return out
+
+    def result_outputs(self) -> list[Any]:
+        """The last result as outputs to display: a line, the operator table and bars, the census table
+        and figure; empty before the first result."""
+        if self.last is None:
+            return []
+        out, label = self.last, self.last_label
+        return [
+            f"{label}: {out['step_ms']:.1f} ms of operator time per step",
+            out["ops"].round(2),
+            op_share_bars(out["ops"], title=f"top operators: {label}"),
+            out["census"].round(2),
+            census_figure(out["census"], out["speed"], title=f"LayerNorm census: {label}"),
+        ]
+
+    def _on_click(self, _: Any = None) -> None:
+        self.run()
+        render_into(self.output, *self.result_outputs())
+
+    def show(self) -> None:
+        """Display the last result (static: readable in an HTML report), then the widget."""
+        show_static_then_widget(self.widget, *self.result_outputs())
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         return self.widget._repr_mimebundle_(**kwargs)
@@ -310,7 +350,8 @@ class ProfileExplorer:
 class SwapExplorer:
     """A checkbox per registered op (`swappable_ops()`) and one for compile, and a button that
     reruns the training step with exactly those ops swapped (`measure_train_step`) and compares it
-    with the eager step (measured once). `run()` does what the button does."""
+    with the eager step (measured once). `run()` does what the button does; `show()` displays the runs
+    so far as a static table and chart, then the widget."""
 
     def __init__(
         self,
@@ -335,7 +376,7 @@ class SwapExplorer:
         self.compile = widgets.Checkbox(value=False, description="torch.compile", indent=False)
         self.button = widgets.Button(description="run step", button_style="primary", icon="play")
         self.output = widgets.Output()
-        self.button.on_click(lambda _: self.run())
+        self.button.on_click(self._on_click)
         self.widget = widgets.VBox(
             [
                 widgets.HBox([*self.boxes.values(), self.compile]),
@@ -358,9 +399,7 @@ class SwapExplorer:
         )
 
     def run(self) -> pd.DataFrame:
-        """Measure the step with the ticked ops (and compile); show and return the comparison."""
-        from IPython.display import display
-
+        """Measure the step with the ticked ops (and compile); return the comparison, one row per run."""
         if self._eager is None:
             self._eager = self._step("eager", None)
         ops = [op for op, box in self.boxes.items() if box.value]
@@ -368,7 +407,6 @@ class SwapExplorer:
             ("compile_hfkit" if ops else "compile") if self.compile.value else ("hfkit" if ops else "eager")
         )
         now = self._step(variant, ops)
-        gib = lambda b: None if b is None else b / 2**30
         eager_ms, now_ms = self._eager["timing"].p50, now["timing"].p50
         row = {
             "swapped": ", ".join(ops) or "(none)",
@@ -376,16 +414,176 @@ class SwapExplorer:
             "step_ms": now_ms,
             "eager_ms": eager_ms,
             "speedup": eager_ms / now_ms,
-            "peak_GiB": gib(now["peak_mem_bytes"]),
-            "eager_peak_GiB": gib(self._eager["peak_mem_bytes"]),
+            "peak_GiB": _gib(now["peak_mem_bytes"]),
+            "eager_peak_GiB": _gib(self._eager["peak_mem_bytes"]),
             "first_call_s": now["first_call_s"],
         }
         self.history.append(row)
+        return pd.DataFrame(self.history)
+
+    def figure(self) -> go.Figure:
+        """Bars of the step time of every run so far, with the eager step as a dashed line."""
+        import plotly.express as px
+
         table = pd.DataFrame(self.history)
-        self.output.clear_output(wait=True)
-        with self.output:
-            display(table.round(3))
-        return table
+        table["run"] = [
+            f"{i + 1}: {r['swapped']}{' + compile' if r['compile'] else ''}" for i, r in table.iterrows()
+        ]
+        fig = px.bar(
+            table,
+            x="run",
+            y="step_ms",
+            labels={"step_ms": "step time (ms)", "run": ""},
+            title="step time per run",
+        )
+        fig.add_hline(y=float(table["eager_ms"].iloc[0]), line_dash="dash", annotation_text="eager step")
+        fig.update_layout(height=380)
+        return fig
+
+    def result_outputs(self) -> list[Any]:
+        """The runs so far as outputs to display (table and chart); empty before the first run."""
+        if not self.history:
+            return []
+        return [pd.DataFrame(self.history).round(3), self.figure()]
+
+    def _on_click(self, _: Any = None) -> None:
+        self.run()
+        render_into(self.output, *self.result_outputs())
+
+    def show(self) -> None:
+        """Display the runs so far (static: readable in an HTML report), then the widget."""
+        show_static_then_widget(self.widget, *self.result_outputs())
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         return self.widget._repr_mimebundle_(**kwargs)
+
+
+def profile_step(device: torch.device, full: bool, where: str) -> dict[str, Any]:
+    """Profile one training step for notebook 03: on a GPU with `full`, `af2_initial` with per-block
+    checkpointing under bf16 autocast; otherwise the `tiny` preset in fp32. Returns
+    `profile_train_step`'s tables plus "config", "precision" and "label" (what ran, on `where`)."""
+    from hfkit.bench.model import profile_train_step
+    from hfkit.model import ModelConfig
+
+    if full and device.type == "cuda":
+        config, precision = ModelConfig.af2_initial().replace(checkpoint=True), "bf16_autocast"
+    else:
+        config, precision = ModelConfig.tiny(), "fp32"
+    out = profile_train_step(config, device, precision, census_reps=20 if device.type == "cuda" else 3)
+    out["config"], out["precision"] = config, precision
+    out["label"] = f"crop {config.crop_size}, {config.no_blocks} blocks, {precision} on {where}"
+    return out
+
+
+def _reference_label(frame: pd.DataFrame) -> str:
+    return (
+        f"reference results: {frame['gpu'].iloc[0]} (committed): {frame['command'].iloc[0]!r}, "
+        f"commit {frame['commit'].iloc[0]}"
+    )
+
+
+def reference_ops(frame: pd.DataFrame | None) -> pd.DataFrame | None:
+    """Committed `step_profile` rows (`load_reference(op="step_profile")`) as an operator table like
+    `op_table`'s: name, calls, time_ms, share_pct; failed rows left out. `attrs["label"]` names the
+    GPU, command and commit. None when `frame` is None or holds no measured row."""
+    if frame is None:
+        return None
+    ok = frame[frame["method"] != "failed"]
+    if ok.empty:
+        return None
+    table = pd.DataFrame(
+        {
+            "name": ok["provider"].to_numpy(),
+            "calls": [e["calls"] for e in ok["extra"]],
+            "time_ms": ok["p50_ms"].to_numpy(),
+            "share_pct": [e["share_pct"] for e in ok["extra"]],
+        }
+    )
+    table.attrs["label"] = _reference_label(ok)
+    return table
+
+
+CENSUS_COLUMNS = ("calls", "calls_pct", "time_pct", "torch_ms", "hfkit_ms", "speedup")
+
+
+def reference_census(frame: pd.DataFrame | None) -> pd.DataFrame | None:
+    """Committed `layer_norm_census` rows as the census table: shape, then `CENSUS_COLUMNS` from each
+    row's `extra` (None where a row lacks one). None when `frame` is None."""
+    if frame is None:
+        return None
+    table = pd.DataFrame({"shape": [tuple(s) for s in frame["shape"]]})
+    for key in CENSUS_COLUMNS:
+        table[key] = [(e or {}).get(key) for e in frame["extra"]]
+    return table
+
+
+def census_timings(table: pd.DataFrame) -> pd.DataFrame | None:
+    """The shapes of a census table with both torch and hfkit timed (`census_figure`'s `speed`), or
+    None when no shape was timed."""
+    speed = table[["shape", "torch_ms", "hfkit_ms"]].dropna()
+    return speed if len(speed) else None
+
+
+def run_waterfall(device: torch.device, quick: bool) -> pd.DataFrame:
+    """Run the waterfall of notebook 05 now (`run_model_benchmark(parts=("waterfall",))`): bf16
+    autocast and Inductor on a GPU, fp32 and Dynamo's "eager" backend on a CPU; `quick` takes the
+    `tiny` preset. Returns `waterfall_frame`'s table with each stage's first-call seconds."""
+    from hfkit.bench import rows_to_frame
+    from hfkit.bench.model import run_model_benchmark
+
+    on_cuda = device.type == "cuda"
+    rows = run_model_benchmark(
+        device,
+        parts=("waterfall",),
+        quick=quick,
+        step_dtype="bf16_autocast" if on_cuda else "fp32",
+        compile_backend="inductor" if on_cuda else "eager",
+        progress=False,
+    )
+    steps = waterfall_frame(rows_to_frame(rows))
+    steps["first call s"] = [r.extra.get("first_call_s") for r in rows]
+    return steps
+
+
+def saved_activation_table(device: torch.device, quick: bool) -> pd.DataFrame:
+    """MiB each submodule of one Evoformer block saves for the backward (`saved_activations`, depth 2),
+    plain ("eager") and after `to_hfkit` ("hfkit"), one column each, largest first. `quick`: the
+    `bench_config(quick=True)` block on (S, N) = (4, 8); else (128, 256). bfloat16 on a GPU, float32
+    elsewhere. `attrs["inputs"]` says the sizes and dtype."""
+    import torch
+
+    from hfkit.bench.model import bench_config, make_block, make_variant
+    from hfkit.bench.profile import saved_activations
+
+    config = bench_config(quick)
+    s, n = (4, 8) if quick else (128, 256)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    base = make_block(config).to(device, dtype)
+    m = torch.randn(1, s, n, config.c_m, device=device, dtype=dtype, requires_grad=True)
+    z = torch.randn(1, n, n, config.c_z, device=device, dtype=dtype, requires_grad=True)
+    masks = (torch.ones(1, s, n, device=device, dtype=dtype), torch.ones(1, n, n, device=device, dtype=dtype))
+    columns = {}
+    for variant in ("eager", "hfkit"):
+        block, _ = make_variant(base, variant)
+        census = saved_activations(block, partial(block, m, z, *masks), depth=2)
+        columns[variant] = census.set_index("module")["MiB"]
+    memory = pd.DataFrame(columns).fillna(0.0).sort_values("eager", ascending=False)
+    memory.attrs["inputs"] = f"{s}x{n}, {str(dtype).removeprefix('torch.')}"
+    return memory
+
+
+def saved_activation_figure(memory: pd.DataFrame, title: str | None = None) -> go.Figure:
+    """Grouped bars of `saved_activation_table`: MiB saved per module, one colour per variant."""
+    import plotly.express as px
+
+    long = memory.reset_index(names="module").melt(id_vars="module", var_name="variant", value_name="MiB")
+    return px.bar(
+        long,
+        x="module",
+        y="MiB",
+        color="variant",
+        barmode="group",
+        color_discrete_map=VARIANT_COLORS,
+        title=title or "Activations saved for the backward, one Evoformer block",
+    )

@@ -1,0 +1,547 @@
+"""Tests of `hfkit.viz`'s notebook support: `setup_notebook` (profile, device, renderer, no environment
+writes), the report renderer and plotly.js loader, the static-then-widget display of every panel,
+and the functions the notebooks call instead of holding logic in their cells."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+pytest.importorskip("plotly")
+pytest.importorskip("ipywidgets")
+
+import plotly.graph_objects as go  # noqa: E402
+import plotly.io as pio  # noqa: E402
+
+from hfkit.bench.results import ResultRow, rows_to_frame  # noqa: E402
+from hfkit.viz import notebook  # noqa: E402
+from hfkit.viz.notebook import (  # noqa: E402
+    REPORT_RENDERER,
+    NotebookResults,
+    plotly_js_path,
+    plotly_loader_html,
+    render_into,
+    resolve_profile,
+    setup_notebook,
+    show_static_then_widget,
+)
+
+RESULTS = Path(__file__).resolve().parents[1] / "data" / "results"
+CPU = torch.device("cpu")
+ENV = {
+    "gpu": "test",
+    "torch": "x",
+    "triton": None,
+    "python": "3",
+    "commit": None,
+    "command": "t",
+    "timestamp": "t",
+}
+
+
+def result_row(
+    op: str, provider: str, shape: list[int], p50: float, peak: int | None = None, **extra
+) -> ResultRow:
+    """A measured fwd+bwd row of `op` in bf16."""
+    return ResultRow(
+        **ENV, op=op, provider=provider, mode="fwd+bwd", shape=shape, dtype="bf16", p20_ms=p50, p50_ms=p50,
+        p80_ms=p50, method="cuda_graph", n_reps=1, bytes=1, gbps=1.0, pct_copy=90.0, peak_mem_bytes=peak,
+        extra=extra,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def displayed(monkeypatch):
+    """What `IPython.display.display` was given, in order (nothing is drawn)."""
+    import IPython.display
+
+    shown: list = []
+    monkeypatch.setattr(IPython.display, "display", lambda *objs, **_: shown.extend(objs))
+    return shown
+
+
+@pytest.fixture
+def keep_renderer():
+    default = pio.renderers.default
+    yield
+    pio.renderers.default = default
+
+
+# --- setup_notebook ---------------------------------------------------------------------------------
+
+
+def test_resolve_profile_defaults_env_and_errors(monkeypatch):
+    monkeypatch.delenv("HFKIT_PROFILE", raising=False)
+    assert resolve_profile(None, has_gpu=False) == "smoke"
+    assert resolve_profile(None, has_gpu=True) == "full"
+    monkeypatch.setenv("HFKIT_PROFILE", "full")
+    assert resolve_profile(None, has_gpu=False) == "full"
+    assert resolve_profile("smoke", has_gpu=True) == "smoke"  # an argument beats the environment
+    monkeypatch.setenv("HFKIT_PROFILE", "fast")
+    with pytest.raises(ValueError, match=r"HFKIT_PROFILE: expected one of \('smoke', 'full'\), got 'fast'"):
+        resolve_profile(None, has_gpu=False)
+    with pytest.raises(ValueError, match="profile: expected"):
+        resolve_profile("big", has_gpu=False)
+
+
+def test_setup_notebook_reads_but_never_writes_the_environment(monkeypatch, capsys, displayed, keep_renderer):
+    monkeypatch.setenv("HFKIT_PROFILE", "smoke")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    before = dict(os.environ)
+    settings = setup_notebook()
+    assert dict(os.environ) == before
+    assert settings.profile == "smoke" and settings.smoke
+    expected = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else CPU
+    assert settings.device == expected and settings.has_gpu == (expected.type == "cuda")
+    assert settings.triton_interpret is False
+    assert {"hfkit", "torch", "plotly", "python"} <= set(settings.versions)
+    out = capsys.readouterr().out
+    assert "profile: smoke" in out and f"torch {torch.__version__}" in out
+    if not settings.has_gpu:
+        assert "plain-torch references" in out and settings.where.endswith(
+            "CPU times, small sizes (smoke profile)"
+        )
+    assert pio.renderers.default == REPORT_RENDERER
+    assert len(displayed) == 1 and 'src="plotly.min.js"' in displayed[0].data  # the loader, once
+
+
+def test_setup_notebook_reports_the_interpreter_from_the_environment(monkeypatch, keep_renderer):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    settings = setup_notebook(profile="full", show=False)
+    assert settings.profile == "full" and settings.triton_interpret
+    if not settings.has_gpu:
+        assert "TRITON_INTERPRET=1" in settings.summary()
+
+
+# --- the report renderer -------------------------------------------------------------------------------
+
+
+def test_report_renderer_emits_the_plotly_mime_and_html_without_plotly_js(keep_renderer):
+    notebook.use_report_renderer()
+    fig = go.Figure(go.Bar(x=["a", "b"], y=[1, 2]))
+    bundle = pio.renderers._build_mime_bundle(fig.to_dict())
+    assert set(bundle) == {"application/vnd.plotly.v1+json", "text/html"}
+    assert bundle["application/vnd.plotly.v1+json"]["data"][0]["y"] == [1, 2]
+    html = bundle["text/html"]
+    assert "Plotly.newPlot" in html and len(html) < 50_000  # the figure only: plotly.js is 4.8 MB
+    assert "<script" in plotly_loader_html() and 'src="plotly.min.js"' in plotly_loader_html()
+
+
+def test_plotly_js_is_the_bundle_shipped_with_plotly():
+    path = plotly_js_path()
+    assert path.name == "plotly.min.js" and path.stat().st_size > 1_000_000
+
+
+# --- panels: static outputs first, widget last; outputs set without capture --------------------------
+
+
+def test_render_into_sets_outputs_without_capturing():
+    import ipywidgets as widgets
+
+    out = widgets.Output()
+    fig = go.Figure(go.Bar(y=[3]))
+    render_into(out, "hello", pd.DataFrame({"a": [1]}), fig)
+    kinds = [o["output_type"] for o in out.outputs]
+    assert kinds == ["stream", "display_data", "display_data"]
+    assert out.outputs[0]["text"] == "hello\n" and "text/html" in out.outputs[1]["data"]
+    assert out.msg_id == ""  # never captured: a headless executor gets nothing to send back
+    render_into(out, "again")
+    assert len(out.outputs) == 1
+
+
+def test_show_static_then_widget_orders_and_skips_none(displayed, capsys):
+    table, widget = pd.DataFrame({"a": [1]}), object()
+    show_static_then_widget(widget, table, None, "a line")
+    assert displayed == [table, widget] and capsys.readouterr().out == "a line\n"
+
+
+def test_notebook_results_failed_rows():
+    frame = pd.DataFrame({"op": ["x", "y"], "provider": ["a", "b"], "error": [None, "OOM"]})
+    assert NotebookResults(frame, "label").failed["error"].tolist() == ["OOM"]
+    assert NotebookResults(None, None, ["no results"]).failed is None
+
+
+def test_layernorm_explorer_shows_its_result_before_the_widget(displayed):
+    from hfkit.viz import layernorm_explorer
+
+    explorer = layernorm_explorer("cpu", providers=("torch",))
+    explorer.dtype.value = "fp32"
+    table = explorer.run()
+    assert explorer.output.outputs == ()  # run() computes; it draws into the widget on a click only
+    explorer.show()
+    assert displayed[0] is table and isinstance(displayed[1], go.Figure) and displayed[2] is explorer.widget
+
+
+def _kernel_rows() -> list[ResultRow]:
+    return [
+        result_row("triangle_attention", provider, [1, n, 4, n, 32], ms, 2**20 * n)
+        for n in (256, 512)
+        for provider, ms in (("hfkit", 1.0), ("trifast", 2.0))
+    ]
+
+
+def test_kernel_explorer_shows_the_first_case_before_the_widget(displayed):
+    from hfkit.bench.kernels import kernel_frame
+    from hfkit.viz import kernel_explorer
+
+    explorer = kernel_explorer(kernel_frame(_kernel_rows()))
+    assert len(explorer.output.outputs) == 2  # table and chart, set as the widget's state
+    explorer.show()
+    assert isinstance(displayed[0], pd.DataFrame) and set(displayed[0]["provider"]) == {"hfkit", "trifast"}
+    assert isinstance(displayed[1], go.Figure) and displayed[2] is explorer.widget
+
+
+def test_cost_model_panel_shows_the_first_preset_before_the_widget(displayed):
+    from hfkit.viz.comms import CostModelPanel, panel_figure
+
+    panel = CostModelPanel()
+    panel.show()
+    table, fig, widget = displayed
+    assert list(table["backend"]) == ["nccl", "hfreduce"] and (table["gpus"] == 128).all()
+    assert [t.name for t in fig.data] == ["nccl", "hfreduce"]
+    assert widget.children[-1].outputs  # the panel's own output area holds the same result
+    assert "372.8 MB" in panel_figure(table).layout.title.text
+
+
+def test_data_cost_explorer_show_runs_once_then_shows_the_widget(displayed, monkeypatch):
+    from hfkit.viz.data_cost import DataCostExplorer
+
+    explorer = DataCostExplorer()
+    calls = []
+
+    def fake_run(crop, depth, workers, ranks):
+        calls.append((crop, depth, workers, ranks))
+        return pd.DataFrame({"crop": [crop]})
+
+    monkeypatch.setattr(explorer, "run", fake_run)
+    table = explorer.show(64, 1000, 0, 8)
+    assert calls == [(64, 1000, 0, 8)] and displayed[0] is table
+    assert type(displayed[1]).__name__ == "VBox"
+
+
+def _profile_result() -> dict:
+    ops = pd.DataFrame({"name": ["aten::mm", "aten::add_"], "calls": [2, 3], "time_ms": [2.0, 1.0]})
+    ops["share_pct"] = [66.7, 33.3]
+    ops.attrs["device_time"] = "cpu"
+    census = pd.DataFrame({"shape": [(1, 8, 8, 16)], "calls": [4], "calls_pct": [100.0], "time_pct": [100.0]})
+    speed = pd.DataFrame({"shape": [(1, 8, 8, 16)], "torch_ms": [0.2], "hfkit_ms": [0.1], "speedup": [2.0]})
+    return {"ops": ops, "census": census, "speed": speed, "step_ms": 3.0}
+
+
+def test_profile_explorer_shows_a_given_result_before_the_widget(displayed, capsys):
+    from hfkit.viz.model import ProfileExplorer
+
+    explorer = ProfileExplorer("cpu", result=_profile_result(), label="tiny on CPU")
+    explorer.show()
+    assert "tiny on CPU: 3.0 ms of operator time per step" in capsys.readouterr().out
+    assert [type(o).__name__ for o in displayed] == ["DataFrame", "Figure", "DataFrame", "Figure", "VBox"]
+    assert ProfileExplorer("cpu").result_outputs() == []  # nothing to show before a first result
+
+
+def test_swap_explorer_figure_and_static_outputs(displayed):
+    from hfkit.viz.model import SwapExplorer, preset_config
+
+    swap = SwapExplorer(preset_config("tiny"), "cpu")
+    assert swap.result_outputs() == []
+    swap.history = [
+        {"swapped": "(none)", "compile": False, "step_ms": 10.0, "eager_ms": 10.0},
+        {"swapped": "layer_norm", "compile": True, "step_ms": 8.0, "eager_ms": 10.0},
+    ]
+    fig = swap.figure()
+    assert list(fig.data[0].x) == ["1: (none)", "2: layer_norm + compile"] and list(fig.data[0].y) == [10, 8]
+    swap.show()
+    assert len(displayed[0]) == 2 and displayed[1] is not None and displayed[2] is swap.widget
+
+
+# --- notebook 00 and 04: measured now on a GPU, committed results elsewhere ----------------------------
+
+
+def test_layernorm_results_on_a_cpu_load_the_committed_results_or_say_how_to_make_them():
+    from hfkit.viz.figures import layernorm_results
+
+    shown = layernorm_results(CPU, smoke=True)
+    if (RESULTS / "h200" / "layernorm.json").exists():
+        assert len(shown.frame) > 0 and set(shown.frame["op"]) == {"layer_norm"}
+        assert "H200" in shown.label and "commit" in shown.notes[0]
+    else:
+        assert shown.frame is None and "hfkit bench layernorm" in shown.notes[0]
+
+
+def test_committed_kernels_and_kernel_results(tmp_path):
+    from hfkit.viz.kernels import committed_kernels, kernel_results
+
+    empty = committed_kernels(tmp_path)
+    assert empty.frame is None and empty.label is None and "hfkit bench attention" in empty.notes[0]
+    if not (RESULTS / "h200" / "attention.json").exists():
+        pytest.skip("no committed H200 kernel results")
+    shown = kernel_results(CPU, smoke=True, source="h200")
+    assert {"triangle_attention", "softmax"} <= set(shown.frame["op"])
+    assert shown.label.startswith("measured on ") and any("attention" in n for n in shown.notes)
+
+
+def test_goal_sentences_say_how_many_cases_reach_each_target():
+    goals = pd.DataFrame(
+        {
+            "goal": ["speed-up", "speed-up", "speed-up", "softmax %", "memory"],
+            "case": ["N=256", "N=512", "N=1024", "S=1", "N=256"],
+            "measured": [2.5, 1.5, 3.5, 1234.5, math.nan],
+            "target": [2.0, 2.0, 3.0, 80.0, 1.0],
+            "met": [True, False, True, True, None],
+        }
+    )
+    assert goal_sentences_of(goals) == [
+        "speed-up: reached in 2 of 3 cases "
+        "(N=256: 2.5 against 2; N=512: 1.5 against 2; N=1024: 3.5 against 3).",
+        "softmax %: reached in 1 of 1 case (S=1: 1,234 against 80).",
+        "memory: not measured in these results.",
+    ]
+
+
+def goal_sentences_of(goals: pd.DataFrame) -> list[str]:
+    from hfkit.viz.kernels import goal_sentences
+
+    return goal_sentences(goals)
+
+
+# --- notebook 02: comms ------------------------------------------------------------------------------
+
+
+def test_run_comms_here_picks_the_profile_sizes(monkeypatch):
+    import hfkit.bench.comms as comms
+    from hfkit.viz.comms import run_comms_here
+
+    seen = []
+    monkeypatch.setattr(comms, "run_comms_benchmark", lambda **kw: seen.append(kw) or [])
+    run_comms_here(smoke=True, gpu_count=0)
+    run_comms_here(smoke=False, gpu_count=4)
+    assert seen[0]["nproc"] == 2 and seen[0]["max_bytes"] == "1M" and seen[0]["cpu"] is True
+    assert seen[1]["nproc"] == 4 and "max_bytes" not in seen[1]
+
+
+def test_committed_comms_calibration_and_h200_fits(tmp_path):
+    from hfkit.viz.comms import calibration_table, committed_comms, fit_committed_h200, model_fit_figure
+
+    assert committed_comms(tmp_path) == {} and fit_committed_h200(tmp_path) == []
+    assert list(calibration_table({}).columns) == [
+        "source",
+        "backend",
+        "ranks",
+        "alpha_us",
+        "bw_gbps",
+        "rel_rms",
+    ]
+    sources = committed_comms()
+    if "CPU, committed" not in sources:
+        pytest.skip("no committed CPU comms results")
+    table = calibration_table(sources)
+    cpu = table[table["source"] == "CPU, committed"]
+    assert set(cpu["backend"]) >= {"gloo", "hfreduce"} and (cpu["bw_gbps"] > 0).all()
+    fits = fit_committed_h200()
+    if not fits:
+        pytest.skip("no committed H200 comms results")
+    fit = fits[0]
+    assert list(fit.comparison.columns) == [
+        "backend",
+        "nbytes",
+        "measured_ms",
+        "spec_model_ms",
+        "fitted_model_ms",
+    ]
+    assert fit.fitted_values()["chunk_overhead_us"] > 0 and set(fit.at_scale["gpus"]) == {128}
+    assert len(model_fit_figure(fit.comparison).data) == 2 * 3  # 2 backends x (measured, spec, fitted)
+
+
+# --- notebooks 03 and 05: model -------------------------------------------------------------------------
+
+
+def test_reference_ops_and_census_unpack_the_extra_dicts():
+    from hfkit.viz.model import census_timings, reference_census, reference_ops
+
+    common = {"gpu": "NVIDIA H200", "command": "hfkit bench model", "commit": "abc"}
+    ops = pd.DataFrame(
+        {
+            "provider": ["aten::mm", "broken"],
+            "method": ["profile", "failed"],
+            "p50_ms": [2.0, math.nan],
+            "extra": [{"calls": 4, "share_pct": 40.0}, {}],
+            **{k: [v, v] for k, v in common.items()},
+        }
+    )
+    table = reference_ops(ops)
+    assert table.to_dict("records") == [{"name": "aten::mm", "calls": 4, "time_ms": 2.0, "share_pct": 40.0}]
+    assert "NVIDIA H200" in table.attrs["label"] and "abc" in table.attrs["label"]
+    assert reference_ops(None) is None and reference_ops(ops.iloc[1:]) is None
+    census = pd.DataFrame(
+        {
+            "shape": [[1, 256, 256, 128], [1, 132, 256, 256]],
+            "extra": [{"calls": 60, "calls_pct": 60.0, "torch_ms": 0.3, "hfkit_ms": 0.1}, {"calls": 40}],
+        }
+    )
+    table = reference_census(census)
+    assert table["shape"].tolist() == [(1, 256, 256, 128), (1, 132, 256, 256)]
+    assert table["calls"].tolist() == [60, 40] and table["time_pct"].isna().all()
+    assert census_timings(table)["shape"].tolist() == [(1, 256, 256, 128)]
+    assert census_timings(table.assign(torch_ms=None)) is None and reference_census(None) is None
+
+
+def test_run_waterfall_passes_the_device_settings_and_adds_first_call_seconds(monkeypatch):
+    import hfkit.bench.model as bench_model
+    from hfkit.viz.model import run_waterfall
+
+    seen = {}
+
+    def fake(device, **kwargs):
+        seen.update(kwargs)
+        stages = (("eager", 10.0), ("layer_norm", 9.0))
+        return [
+            result_row("step_waterfall", name, [1], ms, stage=i, ops=[], first_call_s=0.5 * i)
+            for i, (name, ms) in enumerate(stages)
+        ]
+
+    monkeypatch.setattr(bench_model, "run_model_benchmark", fake)
+    steps = run_waterfall(CPU, quick=True)
+    assert seen["step_dtype"] == "fp32" and seen["compile_backend"] == "eager" and seen["quick"]
+    assert steps["stage"].tolist() == ["eager", "layer_norm"] and steps["first call s"].tolist() == [0.0, 0.5]
+    assert steps["delta_ms"].tolist() == [10.0, -1.0]
+
+
+def test_saved_activation_table_and_figure():
+    from hfkit.viz.model import saved_activation_figure, saved_activation_table
+
+    memory = saved_activation_table(CPU, quick=True)
+    assert list(memory.columns) == ["eager", "hfkit"] and (memory.sum() > 0).all()
+    assert memory["eager"].is_monotonic_decreasing and memory.attrs["inputs"] == "4x8, float32"
+    assert {t.name for t in saved_activation_figure(memory).data} == {"eager", "hfkit"}
+
+
+# --- notebook 01: data cost -----------------------------------------------------------------------------
+
+
+def test_missing_real_inputs_note_names_the_variable_and_the_source():
+    from hfkit.viz.data_cost import missing_real_inputs_note
+
+    note = missing_real_inputs_note()
+    assert "HFKIT_OPENFOLD_TEST_DATA" in note and "aqlaboratory/openfold" in note and "skipped" in note
+
+
+def test_real_sample_times_both_paths(tmp_path, one_thread):
+    from conftest import real_data
+
+    from hfkit.data.msa_sampling import FeatureConfig
+    from hfkit.viz.data_cost import real_sample_times
+
+    real = real_data("alignments")
+    times, shapes = real_sample_times(real.parent, tmp_path, FeatureConfig.tiny(), repeats=1)
+    assert set(times["path"]) == {"on the fly", "preprocessed"} and (times["total"] > 0).all()
+    assert set(shapes) == {"msa_feat", "extra_msa", "target_feat", "seq_mask"}
+
+
+def test_data_cost_helpers(tmp_path, monkeypatch):
+    import hfkit.bench.data_cost as data_cost
+    from hfkit.viz.data_cost import committed_data_cost, run_data_cost_here, sync_wait_here
+
+    seen = []
+    monkeypatch.setattr(data_cost, "run_data_cost_benchmark", lambda **kw: seen.append(kw) or [])
+    run_data_cost_here(smoke=True)
+    assert seen[0]["depths"] == (200, 1000) and seen[0]["length"] == 96
+    assert committed_data_cost(tmp_path) is None
+    if (RESULTS / "cpu" / "data_cost.json").exists():
+        assert len(committed_data_cost()) > 0
+    table = sync_wait_here(crops=(256,), smoke=True)
+    assert set(table["ranks"]) == {1, 2, 4, 8, 16, 32, 64, 128, 256} and "wasted_fraction" in table
+
+
+def test_frames_of_rows_keep_the_schema():
+    # The fake rows above go through the same frame as real ones.
+    frame = rows_to_frame(_kernel_rows())
+    assert len(frame) == 4 and set(frame["provider"]) == {"hfkit", "trifast"}
+
+
+# --- make report's notebook runner ---------------------------------------------------------------------
+
+
+def _write_notebook(path: Path, *sources: str) -> Path:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# t")])
+    nb.cells += [nbformat.v4.new_code_cell(s) for s in sources]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+    return path
+
+
+def test_execute_notebook_writes_outputs_and_names_the_failing_cell(tmp_path, capsys):
+    import nbformat
+
+    from hfkit.viz.execute import execute_notebook, main
+
+    good = _write_notebook(tmp_path / "good.ipynb", "x = 20 + 1", "print(x * 2)")
+    run = execute_notebook(good, tmp_path / "out", cell_timeout=60)
+    assert run.ok and nbformat.read(run.output, 4).cells[2].outputs[0]["text"] == "42\n"
+    bad = _write_notebook(tmp_path / "bad.ipynb", "x = 1", "raise RuntimeError('boom')", "y = 2")
+    assert main([str(bad), "--output-dir", str(tmp_path / "out"), "--cell-timeout", "60"]) == 1
+    err = capsys.readouterr().err
+    assert "RuntimeError" in err and "boom" in err
+    assert f"make report: {bad} failed at cell 2 (raised; it starts \"raise RuntimeError('boom')\")" in err
+    written = nbformat.read(tmp_path / "out" / "bad.ipynb", 4)  # kept, so the report shows how far it got
+    assert written.cells[2].outputs[0]["ename"] == "RuntimeError" and written.cells[3].outputs == []
+
+
+def test_execute_notebook_turns_a_stall_into_a_named_timeout(tmp_path):
+    from hfkit.viz.execute import execute_notebook
+
+    slow = _write_notebook(tmp_path / "slow.ipynb", "import time", "time.sleep(60)")
+    run = execute_notebook(slow, tmp_path / "out", cell_timeout=2)
+    assert run.timed_out and run.failed_cell == 2 and "2 seconds" in run.error
+    assert run.failure_line("slow.ipynb").startswith("make report: slow.ipynb failed at cell 2 (timed out")
+    with pytest.raises(ValueError, match="cell_timeout: expected a positive number of seconds, got 0"):
+        execute_notebook(slow, tmp_path / "out", cell_timeout=0)
+
+
+def test_panels_send_nothing_back_on_the_shell_channel_of_a_headless_run(tmp_path, monkeypatch):
+    # nbclient mirrors output captured by an Output widget back to the kernel on the shell channel it
+    # waits on for the cell's reply; the panels set their Output's state instead, so it sends nothing.
+    from nbclient.output_widget import OutputWidget
+
+    from hfkit.viz.execute import execute_notebook
+
+    sent = []
+    monkeypatch.setattr(OutputWidget, "send", lambda self, *args, **kwargs: sent.append(args))
+    capture = _write_notebook(
+        tmp_path / "capture.ipynb",
+        "import ipywidgets as w\nout = w.Output()\ndisplay(out)\nwith out:\n    print(1)",
+    )
+    assert execute_notebook(capture, tmp_path / "out", cell_timeout=120).ok and sent  # the check can fail
+    sent.clear()
+    panels = _write_notebook(
+        tmp_path / "panels.ipynb",
+        "from hfkit.viz.comms import CostModelPanel\nCostModelPanel().show()",
+        "from hfkit.viz.model import ProfileExplorer\nProfileExplorer('cpu').show()",
+    )
+    run = execute_notebook(panels, tmp_path / "out", cell_timeout=120)
+    assert run.ok, run.error
+    assert sent == []
+
+
+def test_html_report_loads_plotly_js_once_from_beside_it(tmp_path):
+    from nbconvert import HTMLExporter
+
+    from hfkit.viz.execute import execute_notebook
+
+    source = _write_notebook(
+        tmp_path / "report.ipynb",
+        "from hfkit.viz import setup_notebook\nsettings = setup_notebook(profile='smoke')",
+        "import plotly.graph_objects as go\ngo.Figure(go.Bar(y=[1, 2])).show()",
+        "go.Figure(go.Bar(y=[3])).show()",
+    )
+    run = execute_notebook(source, tmp_path / "out", cell_timeout=120)
+    assert run.ok, run.error
+    html, _ = HTMLExporter().from_filename(str(run.output))
+    assert html.count('src="plotly.min.js"') == 1 and html.count("Plotly.newPlot") == 2
+    assert html.index('src="plotly.min.js"') < html.index("Plotly.newPlot")  # loaded before the figures draw
+    assert "window.Plotly = Plotly" not in html and len(html) < 1_000_000  # plotly.js (4.8 MB) not embedded
