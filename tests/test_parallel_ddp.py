@@ -190,7 +190,8 @@ def test_check_same_model_names_layout_difference() -> None:
         assert "item 1 is nothing on rank 0 but (3, 'bfloat16') on rank 1" in message, message
 
 
-def _dead_rank(rank: int, backend: str, overlap: bool, timeout_s: float) -> tuple[str, str, float]:
+def _dead_rank(rank: int, backend: str, overlap: bool, timeout_s: float) -> tuple[str, str, float, str]:
+    """Rank 0's error, its message, the seconds it took, and what the next step then raised."""
     ddp = DistributedDataParallel(
         _mlp(), backend=backend, overlap=overlap, bucket_mb=200 / 2**20, timeout=timedelta(seconds=timeout_s)
     )
@@ -205,17 +206,24 @@ def _dead_rank(rank: int, backend: str, overlap: bool, timeout_s: float) -> tupl
         loss.backward()
         ddp.sync_grad()
     except RuntimeError as e:
-        return (type(e).__name__, str(e), time.monotonic() - start)
-    return ("no error", "", time.monotonic() - start)
+        elapsed = time.monotonic() - start
+        try:  # the next step must not talk to the dead peer again
+            nn.functional.mse_loss(ddp(x), y).backward()
+            ddp.sync_grad()
+        except RuntimeError as again:
+            return (type(e).__name__, str(e), elapsed, str(again))
+        return (type(e).__name__, str(e), elapsed, "no error")
+    return ("no error", "", time.monotonic() - start, "")
 
 
 @pytest.mark.parametrize(("backend", "overlap"), [("gloo", True), ("hfreduce", True), ("hfreduce", False)])
 def test_ddp_dead_rank_fails_within_timeout(backend: str, overlap: bool) -> None:
     timeout_s = 5.0
     results = spawn_local(_dead_rank, 2, backend, overlap, timeout_s, timeout_s=30, return_exceptions=True)
-    kind, message, elapsed = results[0]
+    kind, message, elapsed, again = results[0]
     assert kind == "RuntimeError", results
     assert "peer" in message and "timeout" in message
+    assert "an earlier gradient all-reduce failed" in again, again
     assert elapsed < timeout_s + 2.0
     assert isinstance(results[1], RankError) and results[1].type_name == "ProcessDied"
 

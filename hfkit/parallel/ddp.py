@@ -356,17 +356,28 @@ class DistributedDataParallel(nn.Module):
                 torch.mul(p.grad.reshape(-1), scale, out=flat[off : off + p.numel()])
         sent = flat.to(torch.bfloat16) if self.compress == "bf16" else flat
         b.flat, b.sent = flat, sent
-        if self._reducer is None:
-            b.work = dist.all_reduce(sent, group=self._comm_group, async_op=True)
-        elif self._reduce_thread is not None:
-            event = None
-            if sent.is_cuda:
-                event = torch.cuda.Event()
-                event.record()
-            b.work = self._reduce_thread.submit(sent, event)
-        else:
-            self._reducer.allreduce_(sent)
-            b.work = None
+        try:
+            if self._reducer is None:
+                b.work = dist.all_reduce(sent, group=self._comm_group, async_op=True)
+            elif self._reduce_thread is not None:
+                event = None
+                if sent.is_cuda:
+                    event = torch.cuda.Event()
+                    event.record()
+                b.work = self._reduce_thread.submit(sent, event)
+            else:
+                self._reducer.allreduce_(sent)
+                b.work = None
+        except Exception as e:
+            raise self._failed(e) from e
+
+    def _failed(self, e: Exception) -> RuntimeError:
+        """Record the first failed all-reduce (every later sync refuses) and say what happened."""
+        self._failure = self._failure or f"{type(e).__name__}: {e}"
+        return RuntimeError(
+            f"DistributedDataParallel ({self.backend}): gradient all-reduce failed; a peer rank died or "
+            f"did not answer within the {self.timeout} timeout ({type(e).__name__}: {e})"
+        )
 
     def _wait(self, b: _Bucket) -> None:
         if b.flat is None:
@@ -390,11 +401,7 @@ class DistributedDataParallel(nn.Module):
                 "timeout (a peer rank died or is stuck)"
             ) from e
         except Exception as e:
-            self._failure = f"{type(e).__name__}: {e}"
-            raise RuntimeError(
-                f"DistributedDataParallel ({self.backend}): gradient all-reduce failed; a peer rank died or "
-                f"did not answer within the {self.timeout} timeout ({type(e).__name__}: {e})"
-            ) from e
+            raise self._failed(e) from e
         if b.sent is not b.flat:
             b.flat.copy_(b.sent)  # bf16 → the gradients' dtype
         for p, off in zip(b.params, b.offsets, strict=True):
