@@ -17,7 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hfkit.parallel import DistributedDataParallel, RankError, check_same_model, free_port, spawn_local
+from hfkit.parallel import (
+    DistributedDataParallel,
+    RankError,
+    check_same_model,
+    free_port,
+    run_worker,
+    spawn_local,
+)
 
 BATCH = 12  # divisible by 2 and 4 ranks: equal shards, so the mean of shard means is the full mean
 
@@ -326,6 +333,12 @@ def test_run_worker_gloo_failure_exits_with_error_not_sigabrt(tmp_path: Path) ->
     ]
     assert "terminate called" not in stderr
     assert elapsed < timeout_s + 5
+
+
+def test_run_worker_returns_the_status_of_a_main_that_succeeds() -> None:
+    assert run_worker(lambda: None) == 0
+    assert run_worker(lambda code: code, 3) == 3
+    assert run_worker(sys.exit, 0) == 0
 
 
 def test_ddp_requires_initialized_group() -> None:

@@ -275,6 +275,11 @@ class HostReduce:
             polls += 1
             if polls < 200:
                 continue
+            waited = time.monotonic() - start
+            if waited < 1e-3:
+                os.sched_yield()
+                continue
+            # Past the first millisecond a peer is late: look for one that gave up, then the timeout.
             late = counters < epoch
             if gave_up[late].any() or self._closed:
                 gone = [r for r in range(self.local_world_size) if late[r] and gave_up[r]]
@@ -283,7 +288,6 @@ class HostReduce:
                     f"HostReduce (rank {self.rank}, node {self.node}): node barrier failed while {what}: "
                     f"{reason} (a peer failed, or died, before the {self.timeout} timeout)"
                 )
-            waited = time.monotonic() - start
             if waited > self.timeout.total_seconds():
                 missing = [r for r in range(self.local_world_size) if late[r]]
                 raise RuntimeError(
@@ -291,10 +295,7 @@ class HostReduce:
                     f"local rank(s) {missing} (a dead or late peer) did not arrive within the {self.timeout} "
                     "timeout"
                 )
-            if waited < 1e-3:
-                os.sched_yield()
-            else:
-                time.sleep(min(1e-3, waited / 100))
+            time.sleep(min(1e-3, waited / 100))
 
     def _cross_node(self, t: torch.Tensor) -> None:
         try:

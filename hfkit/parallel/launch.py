@@ -68,11 +68,11 @@ def run_worker(main: Callable[..., int | None], *args: Any, **kwargs: Any) -> in
     """Run a torchrun worker's `main(*args, **kwargs)`; return its status (None counts as 0) when it
     succeeds, for `sys.exit(run_worker(main))`.
 
-    When it raises (SystemExit with a non-zero status included), print the traceback to stderr and end
-    the process at once with status 1 (or SystemExit's status) through `os._exit`, after flushing stdout,
-    stderr and logging: the error and the status reach torchrun, and nothing else runs — no atexit
-    handlers, no join of a thread still waiting on a dead peer, no destructor of the failed process
-    group (which can end the process with SIGABRT instead of the error's status).
+    When it raises, print the traceback to stderr and end the process at once with status 1 through
+    `os._exit`, after flushing stdout, stderr and logging (a SystemExit with a non-zero status ends it
+    the same way, with that status): the error and the status reach torchrun, and nothing else runs —
+    no atexit handlers, no join of a thread still waiting on a dead peer, no destructor of the failed
+    process group (which can end the process with SIGABRT instead of the error's status).
     """
     try:
         status = main(*args, **kwargs)
