@@ -113,6 +113,20 @@ def test_hfreduce_layout() -> None:
     assert spawn_local(_layout, 4, timeout_s=30) == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2)]
 
 
+def _different_chunks(rank: int) -> str:
+    try:
+        HostReduce(chunk_mb=1.0 + rank, timeout=timedelta(seconds=10))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_hfreduce_different_chunk_sizes_raise_on_every_rank() -> None:
+    for message in spawn_local(_different_chunks, 2, timeout_s=30):
+        assert "chunk_mb: expected the same on every local rank" in message, message
+        assert f"[{2**20}, {2 * 2**20}]" in message, message
+
+
 def _dead_or_late(rank: int, mode: str, timeout_s: float) -> tuple[str, str, float, str]:
     """Rank 0's error, its message, the seconds it took, and what a second all-reduce then raised."""
     hr = HostReduce(chunk_mb=0.01, timeout=timedelta(seconds=timeout_s))

@@ -29,6 +29,7 @@ import secrets
 import tempfile
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -188,21 +189,30 @@ class HostReduce:
                     fd = os.memfd_create(f"hfkit-hfreduce-n{self.node}", os.MFD_CLOEXEC)
                     path = f"/proc/{os.getpid()}/fd/{fd}"
                 os.ftruncate(fd, nbytes)
-            where = [path]
+            # (segment path, chunk bytes) of every local rank: the leader's path for all, and a check
+            # that all slice the segment alike (a different chunk_mb would read another rank's slots).
+            gathered: list[Any] = [None] * self.local_world_size
             try:
-                dist.broadcast_object_list(where, src=self._leader, group=self._node_group)
+                dist.all_gather_object(gathered, (path, self.chunk_bytes), group=self._node_group)
             except Exception as e:
                 raise RuntimeError(
                     f"HostReduce (rank {self.rank}, node {self.node}): receiving the shared segment from the "
-                    f"node leader (rank {self._leader}) failed: it died or did not arrive within the "
-                    f"{self.timeout} timeout ({type(e).__name__}: {e})"
+                    f"node leader (rank {self._leader}) failed: a local peer died or did not arrive within "
+                    f"the {self.timeout} timeout ({type(e).__name__}: {e})"
                 ) from e
+            chunks = [c for _, c in gathered]
+            if len(set(chunks)) > 1:
+                raise ValueError(
+                    f"chunk_mb: expected the same on every local rank of node {self.node}, got chunks of "
+                    f"{chunks} bytes on local ranks 0..{self.local_world_size - 1}"
+                )
+            leader_path = gathered[0][0]
             try:
-                buf = torch.from_file(where[0], shared=True, size=nbytes, dtype=torch.uint8)
+                buf = torch.from_file(leader_path, shared=True, size=nbytes, dtype=torch.uint8)
             except RuntimeError as e:
                 raise RuntimeError(
                     f"HostReduce (rank {self.rank}, node {self.node}): cannot map the node leader's shared "
-                    f"segment {where[0]} (the leader, rank {self._leader}, died during set-up?): {e}"
+                    f"segment {leader_path} (the leader, rank {self._leader}, died during set-up?): {e}"
                 ) from e
             self._barrier("mapping the shared segment")
         finally:
