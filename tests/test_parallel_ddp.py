@@ -174,11 +174,14 @@ def test_ddp_mismatched_settings_raise_on_every_rank() -> None:
             "parameter '2.weight': requires_grad True on rank 0 but False on rank 1"
             in raised["requires_grad"]
         )
-        assert "setting 'bucket_mb'" in raised["bucket_mb"]
-        assert "setting 'overlap': value True on rank 0 but False on rank 1" in raised["overlap"]
-        assert "setting 'compress': value None on rank 0 but 'bf16' on rank 1" in raised["compress"]
-        assert "setting 'chunk_mb': value 1.0 on rank 0 but 2.0 on rank 1" in raised["chunk_mb"]
-        assert "setting 'backend': value 'gloo' on rank 0 but 'hfreduce' on rank 1" in raised["backend"]
+        assert (
+            f"setting 'bucket_mb' is {200 / 2**20} on rank 0 but {400 / 2**20} on rank 1"
+            in raised["bucket_mb"]
+        )
+        assert "setting 'overlap' is True on rank 0 but False on rank 1" in raised["overlap"]
+        assert "setting 'compress' is None on rank 0 but 'bf16' on rank 1" in raised["compress"]
+        assert "setting 'chunk_mb' is 1.0 on rank 0 but 2.0 on rank 1" in raised["chunk_mb"]
+        assert "setting 'backend' is 'gloo' on rank 0 but 'hfreduce' on rank 1" in raised["backend"]
 
 
 def _different_layouts(rank: int) -> str:
@@ -193,7 +196,7 @@ def _different_layouts(rank: int) -> str:
 
 def test_check_same_model_names_layout_difference() -> None:
     for message in spawn_local(_different_layouts, 2, timeout_s=30):
-        assert "layout 'buckets': value: 1 items on rank 0 but 2 on rank 1" in message, message
+        assert "layout 'buckets' is 1 items on rank 0 but 2 on rank 1" in message, message
         assert "item 1 is nothing on rank 0 but (3, 'bfloat16') on rank 1" in message, message
 
 

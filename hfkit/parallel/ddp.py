@@ -73,16 +73,16 @@ def _describe(entry: _Entry | None) -> str:
     return f"{kind} {name!r} " + ", ".join(f"{k} {_short(v)}" for k, v in fields.items())
 
 
-def _field_difference(key: str, a: Any, b: Any, rank: int) -> str:
-    """How field `key` differs: the values, or for lists the first differing item (bucket layouts)."""
+def _value_difference(a: Any, b: Any, rank: int) -> str:
+    """How `a` (rank 0's) and `b` differ: both values, or for lists the first differing item."""
     if isinstance(a, list) and isinstance(b, list):
         j = next((j for j in range(min(len(a), len(b))) if a[j] != b[j]), min(len(a), len(b)))
         item = lambda v: _short(v[j]) if j < len(v) else "nothing"  # noqa: E731
         return (
-            f"{key}: {len(a)} items on rank 0 but {len(b)} on rank {rank}; item {j} is {item(a)} on rank 0 "
-            f"but {item(b)} on rank {rank}"
+            f"{len(a)} items on rank 0 but {len(b)} on rank {rank}; item {j} is {item(a)} on rank 0 but "
+            f"{item(b)} on rank {rank}"
         )
-    return f"{key} {_short(a)} on rank 0 but {_short(b)} on rank {rank}"
+    return f"{_short(a)} on rank 0 but {_short(b)} on rank {rank}"
 
 
 def _difference(ref: list[_Entry], other: list[_Entry], rank: int) -> str:
@@ -94,7 +94,11 @@ def _difference(ref: list[_Entry], other: list[_Entry], rank: int) -> str:
             continue
         if a is None or b is None or a[:2] != b[:2]:
             return f"entry {i} is {_describe(a)} on rank 0 but {_describe(b)} on rank {rank}"
-        fields = [_field_difference(k, v, b[2].get(k), rank) for k, v in a[2].items() if v != b[2].get(k)]
+        if list(a[2]) == ["value"]:  # a setting or layout entry: one value
+            return f"{a[0]} {a[1]!r} is {_value_difference(a[2]['value'], b[2].get('value'), rank)}"
+        fields = [
+            f"{k} {_value_difference(v, b[2].get(k), rank)}" for k, v in a[2].items() if v != b[2].get(k)
+        ]
         return f"{a[0]} {a[1]!r}: " + "; ".join(fields)
     return "no difference"
 
