@@ -1,11 +1,13 @@
 """HostReduce (hfreduce) against dist.all_reduce on gloo: odd sizes, chunks that don't divide the
-tensor, dtypes, the simulated 2 nodes × 2 layout, dead and late ranks, and no /dev/shm leaks."""
+tensor, dtypes, the simulated 2 nodes × 2 layout, dead, late and closing ranks, no reuse after a failure,
+and no /dev/shm leaks (also when the node leader dies during set-up)."""
 
 from __future__ import annotations
 
 import os
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 import torch
@@ -111,9 +113,22 @@ def test_hfreduce_layout() -> None:
     assert spawn_local(_layout, 4, timeout_s=30) == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2)]
 
 
-def _dead_or_late(rank: int, mode: str, timeout_s: float) -> tuple[str, str, float]:
-    from datetime import timedelta
+def _different_chunks(rank: int) -> str:
+    try:
+        HostReduce(chunk_mb=1.0 + rank, timeout=timedelta(seconds=10))
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
+
+def test_hfreduce_different_chunk_sizes_raise_on_every_rank() -> None:
+    for message in spawn_local(_different_chunks, 2, timeout_s=30):
+        assert "chunk_mb: expected the same on every local rank" in message, message
+        assert f"[{2**20}, {2 * 2**20}]" in message, message
+
+
+def _dead_or_late(rank: int, mode: str, timeout_s: float) -> tuple[str, str, float, str]:
+    """Rank 0's error, its message, the seconds it took, and what a second all-reduce then raised."""
     hr = HostReduce(chunk_mb=0.01, timeout=timedelta(seconds=timeout_s))
     x = torch.ones(10000)
     hr.allreduce_(x)  # one good step
@@ -121,7 +136,46 @@ def _dead_or_late(rank: int, mode: str, timeout_s: float) -> tuple[str, str, flo
         if mode == "dead":
             os._exit(3)  # dies mid-training without a word
         time.sleep(timeout_s + 1)  # alive but late: the others must give up at the timeout
-        return ("late", "", 0.0)
+        return ("late", "", 0.0, "")
+    start = time.monotonic()
+    try:
+        hr.allreduce_(x)
+    except RuntimeError as e:
+        elapsed = time.monotonic() - start
+        try:  # the ranks no longer agree on the chunk sequence: no second try
+            hr.allreduce_(x)
+        except RuntimeError as again:
+            return (type(e).__name__, str(e), elapsed, str(again))
+        return (type(e).__name__, str(e), elapsed, "no error")
+    finally:
+        hr.close()
+    return ("no error", "", time.monotonic() - start, "")
+
+
+@pytest.mark.parametrize("mode", ["dead", "late"])
+def test_hfreduce_dead_or_late_rank_fails_within_timeout(mode: str) -> None:
+    timeout_s = 3.0
+    results = spawn_local(_dead_or_late, 2, mode, timeout_s, timeout_s=30, return_exceptions=True)
+    kind, message, elapsed, again = results[0]
+    assert kind == "RuntimeError", results
+    assert "an earlier all-reduce failed" in again and "local rank(s) [1]" in again, again
+    assert "HostReduce" in message and "timeout" in message and "peer" in message
+    if hfreduce._STORE_ORDERED:  # the counter barrier names the local rank that did not arrive
+        assert "local rank(s) [1]" in message, message
+    assert elapsed < timeout_s + 2.0
+    if mode == "dead":
+        assert isinstance(results[1], RankError) and results[1].type_name == "ProcessDied"
+
+
+def _peer_closes(rank: int, timeout_s: float) -> tuple[str, str, float]:
+    """Rank 1 closes its HostReduce instead of joining the second all-reduce (its own loop failed):
+    rank 0's error, its message and the seconds it took."""
+    hr = HostReduce(chunk_mb=0.01, timeout=timedelta(seconds=timeout_s))
+    x = torch.ones(10000)
+    hr.allreduce_(x)  # one good step
+    if rank == 1:
+        hr.close()
+        return ("closed", "", 0.0)
     start = time.monotonic()
     try:
         hr.allreduce_(x)
@@ -132,18 +186,38 @@ def _dead_or_late(rank: int, mode: str, timeout_s: float) -> tuple[str, str, flo
     return ("no error", "", time.monotonic() - start)
 
 
-@pytest.mark.parametrize("mode", ["dead", "late"])
-def test_hfreduce_dead_or_late_rank_fails_within_timeout(mode: str) -> None:
-    timeout_s = 3.0
-    results = spawn_local(_dead_or_late, 2, mode, timeout_s, timeout_s=30, return_exceptions=True)
-    kind, message, elapsed = results[0]
-    assert kind == "RuntimeError", results
-    assert "HostReduce" in message and "timeout" in message and "peer" in message
-    if hfreduce._STORE_ORDERED:  # the counter barrier names the local rank that did not arrive
-        assert "local rank(s) [1]" in message, message
+@pytest.mark.skipif(not hfreduce._STORE_ORDERED, reason="the gave-up mark is read by the counter barrier")
+def test_hfreduce_peer_that_gives_up_fails_the_others_at_once() -> None:
+    timeout_s = 20.0  # far longer than the wait allowed below: the mark, not the timeout, ends it
+    kind, message, elapsed = spawn_local(_peer_closes, 2, timeout_s, timeout_s=40)[0]
+    assert kind == "RuntimeError" and "local rank(s) [1] gave up" in message, (kind, message)
+    assert elapsed < 5.0
+
+
+def _leader_dies_in_setup(rank: int, timeout_s: float) -> tuple[str, str, float]:
+    """The node leader (rank 0) dies at its first node barrier of the set-up, its segment made but
+    not yet mapped by its late peer; the peer's error, message and the seconds it took."""
+    if rank == 0:
+        HostReduce._barrier = lambda self, what: os._exit(3)  # this forked rank only
+    else:
+        time.sleep(1.0)  # the late peer
+    start = time.monotonic()
+    try:
+        HostReduce(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        return (type(e).__name__, str(e), time.monotonic() - start)
+    return ("no error", "", time.monotonic() - start)
+
+
+def test_hfreduce_leader_dead_in_setup_leaves_no_segment() -> None:
+    before = _shm_entries()
+    timeout_s = 5.0
+    results = spawn_local(_leader_dies_in_setup, 2, timeout_s, timeout_s=30, return_exceptions=True)
+    assert isinstance(results[0], RankError) and results[0].type_name == "ProcessDied", results
+    kind, message, elapsed = results[1]
+    assert kind == "RuntimeError" and "HostReduce" in message, results
     assert elapsed < timeout_s + 2.0
-    if mode == "dead":
-        assert isinstance(results[1], RankError) and results[1].type_name == "ProcessDied"
+    assert _shm_entries() == before
 
 
 def _raise(rank: int) -> None:

@@ -1,10 +1,11 @@
 """Distributed training: `DistributedDataParallel` (backends nccl | gloo | hfreduce), `HostReduce`
-(host-staged all-reduce), the one-call `allreduce` used by the comms benchmark, and launch helpers.
+(host-staged all-reduce), the one-call `allreduce` used by the comms benchmark, and launch helpers
+(`init_distributed`, `run_worker` for torchrun workers, `spawn_local` for tests).
 """
 
 from hfkit.parallel.ddp import DistributedDataParallel, check_same_model
 from hfkit.parallel.hfreduce import HostReduce, allreduce, close_cached
-from hfkit.parallel.launch import RankError, free_port, init_distributed, spawn_local
+from hfkit.parallel.launch import RankError, free_port, init_distributed, run_worker, spawn_local
 
 __all__ = [
     "DistributedDataParallel",
@@ -15,5 +16,6 @@ __all__ = [
     "close_cached",
     "free_port",
     "init_distributed",
+    "run_worker",
     "spawn_local",
 ]

@@ -10,6 +10,10 @@ counters in the shared segment (a few microseconds), elsewhere a gloo barrier (~
 counters rely on x86's store ordering. CPU tensors skip the device copies: their data is written to and read
 from the shared slots directly.
 
+Under faults: a rank that gives up (timeout, failed peer, `close()`) marks itself in the shared segment, so
+that its local peers waiting for it fail at once instead of after their timeout, and a HostReduce that
+failed refuses further use (its ranks no longer agree on which chunk comes next).
+
 Also `allreduce(tensor, backend)`, the one-call all-reduce (nccl | gloo | hfreduce) used by the comms
 benchmark.
 """
@@ -25,6 +29,7 @@ import secrets
 import tempfile
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,8 +37,10 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 # Chunk sizes are rounded down to this many bytes so that every dtype's view of a slot is aligned.
 _ALIGN = 64
-# Each local rank's barrier counter sits on its own 64-byte cache line at the start of the segment.
+# Each local rank's 64-byte cache line at the start of the segment holds its barrier counter (int64 0)
+# and its "gave up" mark (int64 1: nonzero once it will not arrive at any further barrier).
 _FLAG_BYTES = 64
+_COUNTER, _GAVE_UP = 0, 1
 # The counter barrier needs a rank's earlier stores (its chunk in the slot) to be seen before its counter:
 # guaranteed by x86's total store order, not by weaker models (Arm), where the gloo barrier is used.
 _STORE_ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
@@ -49,6 +56,15 @@ def _env_int(name: str) -> int | None:
     return int(value) if value not in (None, "") else None
 
 
+def node_size(world_size: int, local_world_size: int | None = None) -> int:
+    """Ranks per node that `HostReduce` uses for a group of `world_size` ranks: `local_world_size` if
+    given, else env HFKIT_LOCAL_WORLD_SIZE (a simulated layout for tests), else torchrun's
+    LOCAL_WORLD_SIZE, else `world_size` (one node)."""
+    return (
+        local_world_size or _env_int("HFKIT_LOCAL_WORLD_SIZE") or _env_int("LOCAL_WORLD_SIZE") or world_size
+    )
+
+
 class HostReduce:
     """Sum-all-reduce of tensors through node-shared host memory (see the module docstring).
 
@@ -62,10 +78,13 @@ class HostReduce:
     barrier on a node group elsewhere, and while setting up); both give up after `timeout`, so a dead
     or late peer raises a RuntimeError within `timeout` instead of hanging.
 
-    Shared memory: one segment per node, named from MASTER_PORT and a run id chosen by the node leader,
-    created in /dev/shm, mapped by every local rank, then unlinked at once (the mappings outlive the
-    name), so nothing is left in /dev/shm even if a rank is killed later. Where CUDA is present the
-    segment is pinned (cudaHostRegister) the first time a CUDA tensor is reduced.
+    Shared memory: one segment per node, an anonymous memory file (memfd) of the node leader that the
+    other local ranks open through /proc/<leader pid>/fd while the leader holds it open; it has no name
+    in /dev/shm, so nothing is left behind however a rank dies, also during set-up. (Where memfd is
+    unavailable: a file in /dev/shm or the temp dir, unlinked once every local rank has mapped it.)
+    Where CUDA is present the segment is pinned (cudaHostRegister) the first time a CUDA tensor is
+    reduced. After a failure (a barrier timeout, a peer that gave up, a failed cross-node all-reduce)
+    every later `allreduce_` raises RuntimeError: the ranks no longer agree on the chunk sequence.
     """
 
     def __init__(
@@ -84,7 +103,7 @@ class HostReduce:
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         simulated = local_world_size or _env_int("HFKIT_LOCAL_WORLD_SIZE")
-        lws = simulated or _env_int("LOCAL_WORLD_SIZE") or self.world_size
+        lws = node_size(self.world_size, local_world_size)
         if lws < 1 or self.world_size % lws:
             raise ValueError(
                 f"local_world_size {lws} does not divide the group's world size {self.world_size} "
@@ -107,6 +126,7 @@ class HostReduce:
         self.chunk_bytes = max(_ALIGN, int(chunk_mb * 2**20) // _ALIGN * _ALIGN)
         self._pinned = False
         self._closed = False
+        self._failure: str | None = None  # why an all-reduce failed; set once, then every call refuses
         self._side_stream: torch.cuda.Stream | None = None
 
         ranks = [self._global(r) for r in range(self.world_size)]
@@ -136,8 +156,8 @@ class HostReduce:
         self._epoch = 0  # counter barriers passed; every local rank passes the same ones in order
         self._segment = self._map_segment()
         flags = lws * _FLAG_BYTES
-        # Each rank's counter, as numpy (a view of the segment: one read of all counters per poll).
-        self._flags = self._segment[:flags].view(torch.int64)[:: _FLAG_BYTES // 8].numpy()
+        # [L, 8] int64 view of the ranks' lines, as numpy (one read of all counters per poll).
+        self._flags = self._segment[:flags].view(torch.int64).view(lws, _FLAG_BYTES // 8).numpy()
         self._buf = self._segment[flags:]  # the slots and results
 
     # ---------------------------------------------------------------- set-up and tear-down
@@ -148,29 +168,57 @@ class HostReduce:
         return dist.get_global_rank(self.group, group_rank)
 
     def _map_segment(self) -> torch.Tensor:
-        """Create (leader), map (all) and unlink (leader) the node's segment; returns it as uint8.
+        """Create (leader) and map (all) the node's segment; returns it as uint8.
 
-        Layout: L barrier counters (one 64-byte line each), slots [L, 2, chunk_bytes] (each rank's
-        double-buffered input chunk), then results [2, chunk_bytes] (the summed chunk, double-buffered).
-        The file is created zero-filled: every counter starts at 0.
+        Layout: L lines of 64 bytes (barrier counter, gave-up mark), slots [L, 2, chunk_bytes] (each
+        rank's double-buffered input chunk), then results [2, chunk_bytes] (the summed chunk,
+        double-buffered). The file is created zero-filled: every counter starts at 0.
         """
         nbytes = self.local_world_size * _FLAG_BYTES + (self.local_world_size + 1) * 2 * self.chunk_bytes
-        run_id = [secrets.token_hex(6) if self.local_rank == 0 else None]
-        dist.broadcast_object_list(run_id, src=self._leader, group=self._node_group)
-        name = f"hfkit-hfreduce-{os.environ.get('MASTER_PORT', '0')}-{run_id[0]}-n{self.node}"
-        path = os.path.join(_shm_dir(), name)
+        fd: int | None = None
+        path: str | None = None
+        named = not hasattr(os, "memfd_create")
         try:
             if self.local_rank == 0:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                try:
-                    os.ftruncate(fd, nbytes)
-                finally:
-                    os.close(fd)
-            self._barrier("creating the shared segment")
-            buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+                if named:
+                    name = f"hfkit-hfreduce-{os.getpid()}-{secrets.token_hex(6)}-n{self.node}"
+                    path = os.path.join(_shm_dir(), name)
+                    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                else:
+                    # Open until every local rank has mapped it; freed by the kernel with its last user.
+                    fd = os.memfd_create(f"hfkit-hfreduce-n{self.node}", os.MFD_CLOEXEC)
+                    path = f"/proc/{os.getpid()}/fd/{fd}"
+                os.ftruncate(fd, nbytes)
+            # (segment path, chunk bytes) of every local rank: the leader's path for all, and a check
+            # that all slice the segment alike (a different chunk_mb would read another rank's slots).
+            gathered: list[Any] = [None] * self.local_world_size
+            try:
+                dist.all_gather_object(gathered, (path, self.chunk_bytes), group=self._node_group)
+            except Exception as e:
+                raise RuntimeError(
+                    f"HostReduce (rank {self.rank}, node {self.node}): receiving the shared segment from the "
+                    f"node leader (rank {self._leader}) failed: a local peer died or did not arrive within "
+                    f"the {self.timeout} timeout ({type(e).__name__}: {e})"
+                ) from e
+            chunks = [c for _, c in gathered]
+            if len(set(chunks)) > 1:
+                raise ValueError(
+                    f"chunk_mb: expected the same on every local rank of node {self.node}, got chunks of "
+                    f"{chunks} bytes on local ranks 0..{self.local_world_size - 1}"
+                )
+            leader_path = gathered[0][0]
+            try:
+                buf = torch.from_file(leader_path, shared=True, size=nbytes, dtype=torch.uint8)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"HostReduce (rank {self.rank}, node {self.node}): cannot map the node leader's shared "
+                    f"segment {leader_path} (the leader, rank {self._leader}, died during set-up?): {e}"
+                ) from e
             self._barrier("mapping the shared segment")
         finally:
-            if self.local_rank == 0:
+            if fd is not None:
+                os.close(fd)
+            if named and path is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
         return buf
@@ -186,10 +234,14 @@ class HostReduce:
         self._pinned = True
 
     def close(self) -> None:
-        """Unpin and drop the shared mapping (the name was unlinked at construction). Idempotent."""
+        """Mark this rank as gone for its local peers (one waiting for it fails at once), unpin and drop
+        the shared mapping. Idempotent; an `allreduce_` running on another thread stops at its next poll.
+        """
         if self._closed:
             return
         self._closed = True
+        if len(self._flags):
+            self._flags[self.local_rank, _GAVE_UP] = 1
         if self._pinned:
             with contextlib.suppress(Exception):
                 torch.cuda.cudart().cudaHostUnregister(self._segment.data_ptr())
@@ -217,32 +269,43 @@ class HostReduce:
     def _chunk_barrier(self, what: str) -> None:
         """The node's ranks meet: each raises its counter to the next epoch and waits until every
         counter has reached it. Spins briefly, then yields the core, then sleeps in growing steps (a
-        late peer costs little CPU); raises RuntimeError naming the missing local ranks after `timeout`.
+        late peer costs little CPU); raises RuntimeError naming the missing local ranks after `timeout`,
+        or at once when one of them gave up (or this HostReduce was closed).
         """
         if not _STORE_ORDERED:
             self._barrier(what)
             return
         self._epoch += 1
         epoch, flags = self._epoch, self._flags
-        flags[self.local_rank] = epoch
+        counters, gave_up = flags[:, _COUNTER], flags[:, _GAVE_UP]
+        counters[self.local_rank] = epoch
         start = time.monotonic()
         polls = 0
-        while flags.min() < epoch:
+        while counters.min() < epoch:
             polls += 1
             if polls < 200:
                 continue
             waited = time.monotonic() - start
-            if waited > self.timeout.total_seconds():
-                late = [r for r in range(self.local_world_size) if flags[r] < epoch]
-                raise RuntimeError(
-                    f"HostReduce (rank {self.rank}, node {self.node}): node barrier failed while {what}: "
-                    f"local rank(s) {late} (a dead or late peer) did not arrive within the {self.timeout} "
-                    "timeout"
-                )
             if waited < 1e-3:
                 os.sched_yield()
-            else:
-                time.sleep(min(1e-3, waited / 100))
+                continue
+            # Past the first millisecond a peer is late: look for one that gave up, then the timeout.
+            late = counters < epoch
+            if gave_up[late].any() or self._closed:
+                gone = [r for r in range(self.local_world_size) if late[r] and gave_up[r]]
+                reason = "this HostReduce was closed" if self._closed else f"local rank(s) {gone} gave up"
+                raise RuntimeError(
+                    f"HostReduce (rank {self.rank}, node {self.node}): node barrier failed while {what}: "
+                    f"{reason} (a peer failed, or died, before the {self.timeout} timeout)"
+                )
+            if waited > self.timeout.total_seconds():
+                missing = [r for r in range(self.local_world_size) if late[r]]
+                raise RuntimeError(
+                    f"HostReduce (rank {self.rank}, node {self.node}): node barrier failed while {what}: "
+                    f"local rank(s) {missing} (a dead or late peer) did not arrive within the {self.timeout} "
+                    "timeout"
+                )
+            time.sleep(min(1e-3, waited / 100))
 
     def _cross_node(self, t: torch.Tensor) -> None:
         try:
@@ -264,6 +327,11 @@ class HostReduce:
         """
         if self._closed:
             raise RuntimeError("HostReduce: allreduce_ after close()")
+        if self._failure is not None:
+            raise RuntimeError(
+                f"HostReduce (rank {self.rank}): an earlier all-reduce failed, so the ranks no longer agree "
+                f"on the chunk sequence; make a new process group and HostReduce ({self._failure})"
+            )
         if tensor.is_sparse or tensor.is_complex():
             raise ValueError("HostReduce: dense real tensors only")
         if not tensor.is_contiguous():
@@ -271,6 +339,18 @@ class HostReduce:
             self.allreduce_(tmp, ready_event)
             tensor.copy_(tmp)
             return tensor
+        try:
+            return self._allreduce_contiguous(tensor, ready_event)
+        except Exception as e:
+            self._failure = f"{type(e).__name__}: {e}"
+            if len(self._flags):
+                self._flags[self.local_rank, _GAVE_UP] = 1  # local peers waiting for me fail at once
+            raise
+
+    def _allreduce_contiguous(
+        self, tensor: torch.Tensor, ready_event: torch.cuda.Event | None
+    ) -> torch.Tensor:
+        """`allreduce_` of a contiguous dense tensor."""
         flat = tensor.view(-1)
         n = flat.numel()
         if n == 0:

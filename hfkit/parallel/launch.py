@@ -1,4 +1,6 @@
-"""Launch helpers: `init_distributed` (env:// as torchrun sets it), `free_port`, and `spawn_local`.
+"""Launch helpers: `init_distributed` (env:// as torchrun sets it), `run_worker` (a torchrun worker's
+main that ends with its error and a non-zero status, never a hang or SIGABRT at exit), `free_port`, and
+`spawn_local`.
 
 `spawn_local` starts N local processes laid out as torchrun would (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/MASTER_PORT), collects each rank's result or exception, and
@@ -8,6 +10,7 @@ kills every rank once `timeout_s` has passed, so a distributed test can fail but
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import os
 import queue
@@ -17,7 +20,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -47,6 +50,42 @@ def init_distributed(backend: str | None = None, timeout: timedelta = DEFAULT_TI
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+
+
+def _flush_and_exit(code: int) -> NoReturn:
+    """Flush the standard streams and logging handlers, then end the process without interpreter
+    teardown: no join of threads still waiting on a dead peer, no destructor of a failed process group
+    (gloo's can abort the process with SIGABRT, "terminate called without an active exception")."""
+    with contextlib.suppress(Exception):
+        logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def run_worker(main: Callable[..., int | None], *args: Any, **kwargs: Any) -> int:
+    """Run a torchrun worker's `main(*args, **kwargs)`; return its status (None counts as 0) when it
+    succeeds, for `sys.exit(run_worker(main))`.
+
+    When it raises, print the traceback to stderr and end the process at once with status 1 through
+    `os._exit`, after flushing stdout, stderr and logging (a SystemExit with a non-zero status ends it
+    the same way, with that status): the error and the status reach torchrun, and nothing else runs —
+    no atexit handlers, no join of a thread still waiting on a dead peer, no destructor of the failed
+    process group (which can end the process with SIGABRT instead of the error's status).
+    """
+    try:
+        status = main(*args, **kwargs)
+    except SystemExit as e:
+        if e.code in (None, 0):
+            return 0
+        if not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+        _flush_and_exit(e.code if isinstance(e.code, int) else 1)
+    except BaseException:  # KeyboardInterrupt included: the process must still end, not hang
+        traceback.print_exc()
+        _flush_and_exit(1)
+    return int(status or 0)
 
 
 def free_port() -> int:
@@ -101,10 +140,7 @@ def _child(
             dist.barrier()
     results.close()
     results.join_thread()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip interpreter teardown: destroying a process group whose peers died can block.
-    os._exit(0)
+    _flush_and_exit(0 if ok else 1)
 
 
 def spawn_local(
