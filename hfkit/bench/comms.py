@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hfkit.bench.results import ENV_KEYS, ResultRow, environment_info, save_results
+from hfkit.bench.results import ENV_KEYS, ResultFile, ResultRow, environment_info
 from hfkit.bench.timing import Timing
 
 __all__ = [
@@ -403,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for path, part in ((args.out, "allreduce"), (ddp_path(args.out), "ddp_step")):
             chosen = [r for r in rows if r.op == part]
             if chosen:
-                save_results(chosen, path, meta=meta)
+                ResultFile(path, meta).save(chosen)
                 print(f"wrote {len(chosen)} rows to {path}", flush=True)
     dist.barrier(group=ctrl)
     dist.destroy_process_group()

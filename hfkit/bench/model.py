@@ -46,17 +46,7 @@ import torch
 from torch import nn
 
 from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
-from hfkit.bench.results import (
-    ENV_KEYS,
-    ResultRow,
-    appended_meta,
-    check_choice,
-    earlier_results,
-    environment_info,
-    merge_rows,
-    row_key,
-    save_results,
-)
+from hfkit.bench.results import ENV_KEYS, ResultFile, ResultRow, check_choice, environment_info, row_key
 from hfkit.bench.timing import Timing, peak_memory, time_fn, time_step
 from hfkit.model import AlphaFoldLite, EvoformerBlock, EvoformerStack, ModelConfig
 
@@ -307,9 +297,7 @@ class _Run:
     row_env: dict[str, Any]
     ceilings: Ceilings | None
     deadline: float | None
-    out: Path | None
-    keep: list[dict[str, Any]]
-    meta: dict[str, Any]
+    file: ResultFile | None
     compile_backend: str
     compile_mode: str | None
     progress: Any
@@ -394,10 +382,8 @@ class _Run:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        if self.out is not None:
-            save_results(
-                merge_rows(self.keep, self.rows, _row_key), self.out, ceilings=self.ceilings, meta=self.meta
-            )
+        if self.file is not None:
+            self.file.save(self.rows, ceilings=self.ceilings)
 
     def cpu_path(self) -> contextlib.AbstractContextManager[Any]:
         return _cpu_path(self.device, self.interpret)
@@ -812,8 +798,6 @@ def run_model_benchmark(
     ceilings = ceilings or bench_ceilings(device)
     env = environment_info(device, command)
     row_env = {k: env[k] for k in ENV_KEYS}
-    out_path = Path(out) if out is not None else None
-    keep, earlier_meta = earlier_results(out_path) if append else ([], None)
 
     counts = {
         "block": len(dtypes) * len(shape_list) * len(variants) * len(modes),
@@ -828,9 +812,7 @@ def run_model_benchmark(
         row_env=row_env,
         ceilings=ceilings,
         deadline=None if budget_s is None else t_start + budget_s,
-        out=out_path,
-        keep=keep,
-        meta=appended_meta(earlier_meta, env),
+        file=None if out is None else ResultFile(out, env, append=append, key=_row_key),
         compile_backend=compile_backend,
         compile_mode=compile_mode,
         progress=bar,
