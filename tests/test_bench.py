@@ -34,7 +34,13 @@ from hfkit.bench import (
     with_speedup,
 )
 from hfkit.bench import results as results_mod
-from hfkit.bench.layernorm import CENSUS_SHAPES, CPU_SMOKE_SHAPES, FULL_SHAPES, default_shapes, smoke_shape
+from hfkit.bench.cases.layer_norm import (
+    CENSUS_SHAPES,
+    FULL_SHAPES,
+    SMOKE_SHAPES,
+    layer_norm_cases,
+    smoke_shape,
+)
 from hfkit.bench.results import ROW_FIELDS, git_commit
 
 CPU_CEILINGS = Ceilings(copy_gbps=10.0, matmul_tflops=0.1, device_name="CPU (test)", matmul_dtype="fp32")
@@ -193,11 +199,11 @@ def test_load_results_from_dir_and_slug(tmp_path, monkeypatch):
 
 def test_with_speedup_uses_the_matching_baseline():
     frame = with_speedup(
-        rows_to_frame([_row("torch", 4.0), _row("hfkit", 1.0), _row("hfkit", 3.0, shape=(2, 64))])
+        rows_to_frame([_row("eager", 4.0), _row("hfkit", 1.0), _row("hfkit", 3.0, shape=(2, 64))])
     )
     by = {(r.provider, r.shape_str): r.speedup for r in frame.itertuples()}
-    assert by[("torch", "1x8x64")] == 1.0 and by[("hfkit", "1x8x64")] == 4.0
-    assert math.isnan(by[("hfkit", "2x64")])  # no torch row for that shape
+    assert by[("eager", "1x8x64")] == 1.0 and by[("hfkit", "1x8x64")] == 4.0
+    assert math.isnan(by[("hfkit", "2x64")])  # no eager row for that shape
 
 
 def test_environment_info_and_git_commit(tmp_path):
@@ -226,9 +232,9 @@ def test_environment_info_and_git_commit(tmp_path):
 
 def test_smoke_shapes_keep_the_normalized_dim():
     assert smoke_shape((1, 256, 256, 128)) == (1, 4, 4, 128)
-    assert all(math.prod(s[:-1]) <= 16 for s in CPU_SMOKE_SHAPES)
+    assert all(math.prod(s[:-1]) <= 16 for s in SMOKE_SHAPES)
     assert len(FULL_SHAPES) == len(CENSUS_SHAPES) + 1 == 12
-    assert default_shapes("cpu") == list(CPU_SMOKE_SHAPES)
+    assert [c.shape for c in layer_norm_cases("smoke")] == list(SMOKE_SHAPES)
 
 
 def test_layernorm_benchmark_rows_on_cpu():
@@ -237,7 +243,7 @@ def test_layernorm_benchmark_rows_on_cpu():
         "cpu",
         shapes=[shape],
         dtypes=("fp32", "bf16"),
-        providers=("hfkit", "torch"),
+        providers=("hfkit", "eager"),
         progress=False,
         ceilings=CPU_CEILINGS,
         command="hfkit bench layernorm --test",
@@ -261,7 +267,7 @@ def test_layernorm_benchmark_rows_on_cpu():
         # The guard that timed numbers come from right answers: forward vs float64.
         assert row.extra["max_abs_err_vs_fp64"] < (1e-4 if row.dtype == "fp32" else 5e-2)
     assert {(r.dtype, r.mode, r.provider) for r in rows} == {
-        (d, m, p) for d in ("fp32", "bf16") for m in ("fwd", "fwd+bwd") for p in ("hfkit", "torch")
+        (d, m, p) for d in ("fp32", "bf16") for m in ("fwd", "fwd+bwd") for p in ("hfkit", "eager")
     }
     table = summary_table(rows)
     assert list(table.columns) == [
@@ -272,9 +278,9 @@ def test_layernorm_benchmark_rows_on_cpu():
         "p50 µs",
         "GB/s",
         "% copy",
-        "speed-up vs torch",
+        "speed-up vs eager",
     ]
-    assert (table[table["provider"] == "torch"]["speed-up vs torch"] == 1.0).all()
+    assert (table[table["provider"] == "eager"]["speed-up vs eager"] == 1.0).all()
 
 
 def test_layernorm_benchmark_rejects_unknown_choices():
@@ -322,7 +328,7 @@ def test_layernorm_explorer_runs_on_click(monkeypatch):
 
 def test_committed_results_load_if_present():
     folder = Path(results_mod.results_dir()) / "h200"
-    if not (folder / "layernorm.json").exists():
+    if not (folder / "layer_norm.json").exists():
         pytest.skip("no committed H200 LayerNorm results yet")
     frame = load_results("h200", op="layer_norm")
     assert len(frame) > 0 and set(ROW_FIELDS) <= set(frame.columns)

@@ -184,11 +184,11 @@ def test_bad_arguments_raise() -> None:
 
 def test_cli_bench_model(tmp_path, capsys) -> None:
     out = tmp_path / "m.json"
-    argv = ["bench", "model", "--quick", "--device", "cpu", "--parts", "block", "--variants", "eager"]
-    argv += ["--dtypes", "fp32", "--shapes", "3x5", "--out", str(out), "--no-progress"]
+    argv = ["bench", "model", "--profile", "smoke", "--device", "cpu", "--parts", "block"]
+    argv += ["--variants", "eager", "--dtypes", "fp32", "--shapes", "3x5", "--out", str(out), "--no-progress"]
     assert main(argv) == 0
     doc = json.loads(out.read_text())
-    assert doc["meta"]["command"].startswith("hfkit bench model --quick")
+    assert doc["meta"]["command"].startswith("hfkit bench model --profile smoke")
     assert {r["mode"] for r in doc["rows"]} == {"fwd", "fwd+bwd"}
     assert "evoformer_block" in capsys.readouterr().out
 
