@@ -330,7 +330,7 @@ def _cmd_bench_model(args: argparse.Namespace) -> int:
 
     with pd.option_context("display.max_rows", None, "display.width", 250, "display.max_columns", None):
         print(summary_table(rows).to_string(index=False))
-    failed = sum(r.method == "failed" for r in rows)
+    failed = sum(r.method == "error" for r in rows)
     print(f"\nwrote {len(rows)} rows ({failed} failed or skipped: see 'error') to {out}")
     return 0 if len(rows) > failed else 1
 

@@ -131,7 +131,7 @@ def test_failures_and_budget_become_rows(tmp_path) -> None:
         **{**QUICK, "compile_backend": broken_backend},
     )
     failed = [r for r in rows if r.provider == "compile"]
-    assert len(failed) == 2 and all(r.method == "failed" and math.isnan(r.p50_ms) for r in failed)
+    assert len(failed) == 2 and all(r.method == "error" and math.isnan(r.p50_ms) for r in failed)
     assert all("backend exploded" in r.extra["error"] for r in failed)
     assert all(r.method == "wall" for r in rows if r.provider == "eager")  # the run went on
 

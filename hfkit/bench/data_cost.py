@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hfkit.bench.results import ResultRow, environment_info
+from hfkit.bench.results import ResultRow, environment_info, make_row
 from hfkit.bench.timing import Timing
 
 __all__ = [
@@ -102,29 +102,19 @@ def _rows_for(
     env: dict[str, Any],
     extra: dict[str, Any],
 ) -> list[ResultRow]:
-    rows = []
-    for stage in timings[0]:
-        t = Timing.from_samples([run[stage] * 1e3 for run in timings], "wall")
-        rows.append(
-            ResultRow(
-                **env,
-                op="data_pipeline",
-                provider=provider,
-                mode=stage,
-                shape=shape,
-                dtype=kind,
-                p20_ms=t.p20,
-                p50_ms=t.p50,
-                p80_ms=t.p80,
-                method=t.method,
-                n_reps=t.n,
-                bytes=0,
-                gbps=0.0,
-                pct_copy=None,
-                extra=dict(extra),
-            )
-        )
-    return rows
+    return [
+        make_row(
+            env,
+            Timing.from_samples([run[stage] * 1e3 for run in timings], "wall"),
+            op="data_pipeline",
+            provider=provider,
+            mode=stage,
+            shape=shape,
+            dtype=kind,
+            extra=extra,
+        )  # fmt: skip
+        for stage in timings[0]
+    ]
 
 
 def _profile(dataset: Any, repeats: int) -> list[dict[str, float]]:

@@ -46,7 +46,15 @@ import torch
 from torch import nn
 
 from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
-from hfkit.bench.results import ENV_KEYS, ResultFile, ResultRow, check_choice, environment_info, row_key
+from hfkit.bench.results import (
+    ENV_KEYS,
+    ResultFile,
+    ResultRow,
+    check_choice,
+    environment_info,
+    make_row,
+    row_key,
+)
 from hfkit.bench.timing import Timing, peak_memory, time_fn, time_step
 from hfkit.model import AlphaFoldLite, EvoformerBlock, EvoformerStack, ModelConfig
 
@@ -177,19 +185,11 @@ def compile_blocks(model: nn.Module, backend: str = "inductor", mode: str | None
     return count
 
 
-@contextlib.contextmanager
-def _recompile_limit(limit: int = 256) -> Iterator[None]:
-    """Raise Dynamo's per-code-object recompile limit (default 8): one compiled function serves
-    every (variant, precision, shape) of the run, each a cache entry of its own."""
-    import torch._dynamo.config as dynamo_config
-
-    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    old = getattr(dynamo_config, name)
-    setattr(dynamo_config, name, max(old, limit))
-    try:
-        yield
-    finally:
-        setattr(dynamo_config, name, old)
+def _recompile_limit(limit: int = 256) -> contextlib.AbstractContextManager[Any]:
+    """Dynamo's per-code-object recompile limit (default 8) raised within the block by Dynamo's own
+    scoped `config.patch`: one compiled function serves every (variant, precision, shape) of the run,
+    each a cache entry of its own."""
+    return torch._dynamo.config.patch(recompile_limit=limit)
 
 
 def swappable_ops() -> list[str]:
@@ -315,38 +315,17 @@ class _Run:
         flops: int | None,
         extra: Mapping[str, Any],
     ) -> ResultRow:
-        nan = math.nan
-        t = m.timing if m is not None else None
-        tflops = flops / (t.p50 * 1e-3) / 1e12 if (t is not None and flops) else None
-        pct = None
-        if tflops is not None and self.ceilings is not None and self.ceilings.matmul_tflops > 0:
-            pct = 100.0 * tflops / self.ceilings.matmul_tflops
         notes = {**precision.describe(), **extra}
         if m is not None:
             notes["first_call_s"] = m.first_call_s
             if m.note:
                 notes["note"] = m.note
-        return ResultRow(
-            **self.row_env,
-            op=op,
-            provider=provider,
-            mode=mode,
-            shape=[int(d) for d in shape],
-            dtype=precision.name,
-            p20_ms=t.p20 if t else nan,
-            p50_ms=t.p50 if t else nan,
-            p80_ms=t.p80 if t else nan,
-            method=t.method if t else "failed",
-            n_reps=t.n if t else 0,
-            bytes=0,  # not a memory-bound op: FLOPs are the measure
-            gbps=0.0,
-            pct_copy=None,
-            flops=flops,
-            tflops=tflops,
-            pct_matmul=pct,
-            peak_mem_bytes=m.peak_mem_bytes if m else None,
-            extra=notes,
-        )
+        # Not a memory-bound op: FLOPs are the measure (bytes 0).
+        return make_row(
+            self.row_env, m.timing if m else None, op=op, provider=provider, mode=mode, shape=shape,
+            dtype=precision.name, flops=flops, ceilings=self.ceilings,
+            peak_mem_bytes=m.peak_mem_bytes if m else None, extra=notes,
+        )  # fmt: skip
 
     def attempt(
         self,

@@ -10,6 +10,7 @@ still say where each number came from. Files are written atomically (temp file, 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import re
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from hfkit.bench.ceilings import Ceilings
+    from hfkit.bench.timing import Timing
 
 __all__ = [
     "ENV_KEYS",
@@ -43,6 +45,7 @@ __all__ = [
     "git_commit",
     "gpu_slug",
     "load_results",
+    "make_row",
     "merge_rows",
     "repo_root",
     "results_dir",
@@ -96,6 +99,47 @@ class ResultRow:
 
 
 ROW_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ResultRow))
+
+
+def make_row(
+    env: Mapping[str, Any],
+    timing: Timing | None,
+    *,
+    op: str,
+    provider: str,
+    mode: str,
+    shape: Sequence[int],
+    dtype: str,
+    nbytes: int = 0,
+    flops: int | None = None,
+    ceilings: Ceilings | None = None,
+    peak_mem_bytes: int | None = None,
+    extra: Mapping[str, Any] | None = None,
+    gbps: float | None = None,
+) -> ResultRow:
+    """One row from the `Timing` of one call and the `ENV_KEYS` fields in `env`. GB/s of `nbytes` (or
+    `gbps` as given) and TFLOP/s of `flops` at the median, each as a percentage of `ceilings` when
+    given. `timing` None gives the error row: NaN times, method "error" (the error goes in `extra`)."""
+    base = dict(env, op=op, provider=provider, mode=mode, shape=[int(d) for d in shape], dtype=dtype)
+    extra = dict(extra or {})
+    if timing is None:
+        nan = math.nan
+        return ResultRow(
+            **base, p20_ms=nan, p50_ms=nan, p80_ms=nan, method="error", n_reps=0, bytes=int(nbytes),
+            gbps=nan, pct_copy=None, flops=flops, peak_mem_bytes=peak_mem_bytes, extra=extra,
+        )  # fmt: skip
+    seconds = timing.p50 * 1e-3
+    gbps = nbytes / seconds / 1e9 if gbps is None else gbps
+    tflops = flops / seconds / 1e12 if flops else None
+    copy_ok = ceilings is not None and ceilings.copy_gbps > 0 and nbytes > 0
+    matmul_ok = ceilings is not None and ceilings.matmul_tflops > 0 and tflops is not None
+    return ResultRow(
+        **base, p20_ms=timing.p20, p50_ms=timing.p50, p80_ms=timing.p80, method=timing.method,
+        n_reps=timing.n, bytes=int(nbytes), gbps=gbps,
+        pct_copy=100.0 * gbps / ceilings.copy_gbps if copy_ok else None, flops=flops, tflops=tflops,
+        pct_matmul=100.0 * tflops / ceilings.matmul_tflops if matmul_ok else None,
+        peak_mem_bytes=peak_mem_bytes, extra=extra,
+    )  # fmt: skip
 
 
 def repo_root() -> Path:

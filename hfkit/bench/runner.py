@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import math
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -25,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
-from hfkit.bench.results import ResultRow, check_choice, row_environment
+from hfkit.bench.results import ResultRow, check_choice, make_row, row_environment
 from hfkit.bench.timing import peak_memory, time_step
 
 __all__ = [
@@ -182,8 +181,7 @@ def measure_case(
     the median time and percentages of `ceilings`.
     """
     extra = dict(extra or {})
-    base = dict(env, op=op, provider=provider, mode=mode, shape=[int(d) for d in shape], dtype=dtype)
-    error = None
+    error = timing = None
     start = time.perf_counter()
     try:
         steps = build()
@@ -208,42 +206,18 @@ def measure_case(
         error = _short(err)
     if error is not None:
         # Outside the except block: the traceback (and the tensors its frames hold) is gone by now.
-        steps = None
+        steps = peak = None
         free_memory(device)
         extra["error"] = error
         warnings.warn(
             f"{op} {provider} {mode} {dtype} {list(shape)} failed: {error}", RuntimeWarning, stacklevel=2
         )
-        nan = math.nan
-        return ResultRow(
-            **base, p20_ms=nan, p50_ms=nan, p80_ms=nan, method="error", n_reps=0, bytes=int(nbytes),
-            gbps=nan, pct_copy=None, flops=flops, extra=extra,
-        )  # fmt: skip
-    if note:
+    elif note:
         extra["note"] = note
-    seconds = timing.p50 * 1e-3
-    gbps = nbytes / seconds / 1e9
-    tflops = flops / seconds / 1e12 if flops is not None else None
-    return ResultRow(
-        **base,
-        p20_ms=timing.p20,
-        p50_ms=timing.p50,
-        p80_ms=timing.p80,
-        method=timing.method,
-        n_reps=timing.n,
-        bytes=int(nbytes),
-        gbps=gbps,
-        pct_copy=100.0 * gbps / ceilings.copy_gbps if ceilings.copy_gbps > 0 else None,
-        flops=flops,
-        tflops=tflops,
-        pct_matmul=(
-            100.0 * tflops / ceilings.matmul_tflops
-            if tflops is not None and ceilings.matmul_tflops > 0
-            else None
-        ),
-        peak_mem_bytes=peak,
-        extra=extra,
-    )
+    return make_row(
+        env, timing, op=op, provider=provider, mode=mode, shape=shape, dtype=dtype, nbytes=nbytes,
+        flops=flops, ceilings=ceilings, peak_mem_bytes=peak, extra=extra,
+    )  # fmt: skip
 
 
 def _build(
