@@ -117,7 +117,7 @@ def test_gpu_slug(name, slug):
     assert gpu_slug(name) == slug
 
 
-def _row(provider: str = "torch", p50: float = 2.0, shape=(1, 8, 64), **kw) -> ResultRow:
+def _row(provider: str = "eager", p50: float = 2.0, shape=(1, 8, 64), **kw) -> ResultRow:
     env = environment_info("cpu", command="hfkit test")
     fields = {k: env[k] for k in ("gpu", "torch", "triton", "python", "commit", "command", "timestamp")}
     fields.update(
@@ -141,15 +141,15 @@ def _row(provider: str = "torch", p50: float = 2.0, shape=(1, 8, 64), **kw) -> R
 
 
 def test_save_load_round_trip_is_atomic(tmp_path):
-    rows = [_row("torch", 2.0), _row("hfkit", 1.0, peak_mem_bytes=123)]
-    path = save_results(rows, tmp_path / "gpu" / "layernorm.json", ceilings=CPU_CEILINGS)
-    assert [p.name for p in path.parent.iterdir()] == ["layernorm.json"]  # no temp file left behind
+    rows = [_row("eager", 2.0), _row("hfkit", 1.0, peak_mem_bytes=123)]
+    path = save_results(rows, tmp_path / "gpu" / "layer_norm.json", ceilings=CPU_CEILINGS)
+    assert [p.name for p in path.parent.iterdir()] == ["layer_norm.json"]  # no temp file left behind
     doc = json.loads(path.read_text())
     assert doc["meta"]["ceilings"]["copy_gbps"] == 10.0
     assert doc["meta"]["command"] == "hfkit test"
     assert len(doc["rows"]) == 2
     frame = load_results(path)
-    assert list(frame["provider"]) == ["torch", "hfkit"]
+    assert list(frame["provider"]) == ["eager", "hfkit"]
     assert frame["p50_ms"].tolist() == [2.0, 1.0]
     assert frame["shape"][0] == [1, 8, 64] and frame["shape_str"][0] == "1x8x64"
     assert frame["peak_mem_bytes"][1] == 123 and frame["extra"][0] == {"note": "x"}
@@ -174,12 +174,12 @@ def test_save_rejects_rows_missing_fields(tmp_path):
 
 
 def test_load_results_from_dir_and_slug(tmp_path, monkeypatch):
-    save_results([_row("torch")], tmp_path / "h200" / "a.json")
+    save_results([_row("eager")], tmp_path / "h200" / "a.json")
     save_results([_row("hfkit"), _row("compile")], tmp_path / "h200" / "b.json")
     monkeypatch.setattr(results_mod, "results_dir", lambda: tmp_path)
     for source in (tmp_path / "h200", "h200", "NVIDIA H200"):
         frame = load_results(source)
-        assert sorted(frame["provider"]) == ["compile", "hfkit", "torch"]
+        assert sorted(frame["provider"]) == ["compile", "eager", "hfkit"]
         assert set(frame["file"]) == {"a.json", "b.json"}
     with pytest.raises(FileNotFoundError, match="a100"):
         load_results("a100")
@@ -190,7 +190,7 @@ def test_load_results_from_dir_and_slug(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="not a results document"):
         load_results(tmp_path / "h200" / "tuning.json")
     # The op filter keeps one op's rows, and finding none is a FileNotFoundError.
-    save_results([_row("torch", op="attention")], tmp_path / "h200" / "c.json")
+    save_results([_row("eager", op="attention")], tmp_path / "h200" / "c.json")
     with pytest.warns(UserWarning):
         assert set(load_results("h200", op="layer_norm")["op"]) == {"layer_norm"}
         with pytest.raises(FileNotFoundError, match="'lstm' rows"):
@@ -246,7 +246,7 @@ def test_layernorm_benchmark_rows_on_cpu():
         providers=("hfkit", "eager"),
         progress=False,
         ceilings=CPU_CEILINGS,
-        command="hfkit bench layernorm --test",
+        command="hfkit bench layer_norm --test",
         warmup=1,
         reps=3,
     )
@@ -258,7 +258,7 @@ def test_layernorm_benchmark_rows_on_cpu():
         assert set(data) == set(ROW_FIELDS)
         for key in ("gpu", "torch", "python", "command", "timestamp", "op", "provider", "mode", "method"):
             assert data[key], key
-        assert row.command == "hfkit bench layernorm --test" and row.shape == [2, 3, 40]
+        assert row.command == "hfkit bench layer_norm --test" and row.shape == [2, 3, 40]
         assert 0 < row.p20_ms <= row.p50_ms <= row.p80_ms and row.n_reps == 3
         assert row.bytes == {"fwd": 2, "fwd+bwd": 5}[row.mode] * tensor_bytes[row.dtype]
         assert row.gbps == pytest.approx(row.bytes / (row.p50_ms * 1e-3) / 1e9)
