@@ -44,9 +44,7 @@ def _shapes(text: str) -> list[tuple[int, ...]]:
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
-    import torch
-
-    from hfkit.bench import environment_info, measure_ceilings, resolve_device
+    from hfkit.bench import bench_ceilings, environment_info, resolve_device
 
     device = resolve_device(args.device)
     info = environment_info(device, command=args.command)
@@ -60,15 +58,11 @@ def _cmd_env(args: argparse.Namespace) -> int:
         ("git commit", str(info["commit"])),
     ]
     if not args.no_ceilings:
-        on_cuda = device.type == "cuda"
-        # On a CPU the full-size ceilings would take long and mean little; measure small ones.
-        ceilings = measure_ceilings(device) if on_cuda else measure_ceilings(device, copy_nbytes=64 << 20)
+        ceilings = bench_ceilings(device)  # small and quick on a CPU, where they mean little
         lines += [
             ("copy bandwidth", f"{ceilings.copy_gbps:,.1f} GB/s (read + write)"),
             ("matmul rate", f"{ceilings.matmul_tflops:,.3f} TFLOP/s ({ceilings.matmul_dtype})"),
         ]
-        if on_cuda:
-            torch.cuda.empty_cache()
     width = max(len(k) for k, _ in lines)
     for key, value in lines:
         print(f"{key:<{width}}  {value}")
