@@ -1,4 +1,4 @@
-"""The `hfkit` command line: `hfkit env`, `hfkit bench layernorm|data|comms|elementwise`, `hfkit preprocess`.
+"""The `hfkit` command line: `hfkit env`, `hfkit bench <name>` (every benchmark), `hfkit preprocess`.
 
 `main(argv)` is the entry point of both the `hfkit` console script and `python -m hfkit`; it returns
 the exit status instead of calling `sys.exit`, so tests can call it directly.
@@ -44,9 +44,7 @@ def _shapes(text: str) -> list[tuple[int, ...]]:
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
-    import torch
-
-    from hfkit.bench import environment_info, measure_ceilings, resolve_device
+    from hfkit.bench import bench_ceilings, environment_info, resolve_device
 
     device = resolve_device(args.device)
     info = environment_info(device, command=args.command)
@@ -60,78 +58,99 @@ def _cmd_env(args: argparse.Namespace) -> int:
         ("git commit", str(info["commit"])),
     ]
     if not args.no_ceilings:
-        on_cuda = device.type == "cuda"
-        # On a CPU the full-size ceilings would take long and mean little; measure small ones.
-        ceilings = measure_ceilings(device) if on_cuda else measure_ceilings(device, copy_nbytes=64 << 20)
+        ceilings = bench_ceilings(device)  # small and quick on a CPU, where they mean little
         lines += [
             ("copy bandwidth", f"{ceilings.copy_gbps:,.1f} GB/s (read + write)"),
             ("matmul rate", f"{ceilings.matmul_tflops:,.3f} TFLOP/s ({ceilings.matmul_dtype})"),
         ]
-        if on_cuda:
-            torch.cuda.empty_cache()
     width = max(len(k) for k, _ in lines)
     for key, value in lines:
         print(f"{key:<{width}}  {value}")
     return 0
 
 
-def _cmd_bench_layernorm(args: argparse.Namespace) -> int:
+def _results_path(args: argparse.Namespace, folder: str, file_name: str) -> Path:
+    """`--out`, else `data/results/<folder>/<file_name>`. An `--out` naming that default is dropped from
+    the command stored with the rows: the command reads as a user would type it."""
+    from hfkit.bench import results_dir
+
+    default = results_dir() / folder / file_name
+    if args.out is None:
+        return default
+    out = Path(args.out)
+    if out.resolve() == default.resolve():
+        words = shlex.split(args.command)
+        i = words.index("--out") if "--out" in words else words.index(f"--out={args.out}")
+        del words[i : i + (2 if words[i] == "--out" else 1)]
+        args.command = shlex.join(words)
+    return out
+
+
+def _print_rows(rows: Sequence, ceilings: object | None, path: Path, kernels: bool) -> None:
     import pandas as pd
 
-    from hfkit.bench import (
-        gpu_slug,
-        resolve_device,
-        results_dir,
-        run_layernorm_benchmark,
-        save_results,
-        summary_table,
-    )
-    from hfkit.bench.ceilings import device_name
+    from hfkit.bench import best_peer_table, summary_table
 
-    device = resolve_device(args.device)
-    out = Path(args.out) if args.out else results_dir() / gpu_slug(device_name(device)) / "layernorm.json"
-    rows, ceilings = run_layernorm_benchmark(
-        device,
-        shapes=args.shapes,
-        dtypes=args.dtypes,
-        modes=args.modes,
-        providers=args.providers,
-        progress=not args.no_progress,
-        quick=args.quick,
-        command=args.command,
-    )
-    if not rows:
-        print("no rows measured (every provider failed; see the warnings above)", file=sys.stderr)
-        return 1
-    path = save_results(rows, out, ceilings=ceilings)
-    print(
-        f"\n{ceilings.device_name}: copy {ceilings.copy_gbps:,.1f} GB/s, "
-        f"matmul {ceilings.matmul_tflops:,.3f} TFLOP/s ({ceilings.matmul_dtype})"
-    )
-    with pd.option_context("display.max_rows", None, "display.width", 200):
+    if ceilings is not None:
+        print(
+            f"\n{ceilings.device_name}: copy {ceilings.copy_gbps:,.1f} GB/s, "
+            f"matmul {ceilings.matmul_tflops:,.3f} TFLOP/s ({ceilings.matmul_dtype})"
+        )
+    with pd.option_context("display.max_rows", None, "display.width", 250, "display.max_columns", None):
         print(summary_table(rows).to_string(index=False))
+        if kernels:
+            print("\nhfkit against the fastest other provider:")
+            print(best_peer_table(rows).to_string(index=False))
     print(f"\nwrote {len(rows)} rows to {path}")
+
+
+def _cmd_bench_op(args: argparse.Namespace) -> int:
+    """`hfkit bench <op>`: the op's case table through the one runner, saved after every row."""
+    from hfkit.bench import ResultFile, environment_info, gpu_slug, resolve_device, run_benchmark
+    from hfkit.bench.ceilings import device_name
+    from hfkit.bench.peers import peer_status
+
+    bench = _op_benchmark(args.bench_name)
+    device = resolve_device(args.device)
+    out = _results_path(args, gpu_slug(device_name(device)), f"{bench.name}.json")
+    profile = args.profile or ("full" if device.type == "cuda" else "smoke")
+    try:
+        cases = bench.cases(profile, **{o.flag: getattr(args, o.flag) for o in bench.options})
+    except ValueError as err:
+        print(f"hfkit bench {bench.name}: {err}", file=sys.stderr)
+        return 2
+    results = ResultFile(out, environment_info(device, args.command), append=args.append)
+    done: list = []
+
+    def save_so_far(row) -> None:
+        done.append(row)
+        results.save(done, partial=True)
+
+    result = run_benchmark(
+        bench, cases, device, dtypes=args.dtypes, modes=args.modes, providers=args.providers,
+        progress=not args.no_progress, command=args.command, warmup=args.warmup, reps=args.reps,
+        on_row=save_so_far,
+    )  # fmt: skip
+    for line in result.skipped:
+        print(f"skipped: {line}", file=sys.stderr)
+    if not result.rows:
+        print("no rows measured (see the skipped providers above)", file=sys.stderr)
+        return 1
+    path = results.save(
+        result.rows, ceilings=result.ceilings, timestamp=result.rows[0].timestamp, skipped=result.skipped,
+        peers=peer_status(device),
+    )  # fmt: skip
+    _print_rows(result.rows, result.ceilings, path, kernels=True)
     return 0
-
-
-def _cmd_bench_elementwise(args: argparse.Namespace) -> int:
-    from hfkit.bench.elementwise import elementwise_cases, run_elementwise_benchmark
-
-    def run(device, common):
-        cases = elementwise_cases(args.cases, device, args.quick)
-        return run_elementwise_benchmark(device, cases, dtypes=args.dtypes, **common)
-
-    return _run_kernel_bench(args, "elementwise.json", run)
 
 
 def _cmd_bench_data(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from hfkit.bench import results_dir, save_results
+    from hfkit.bench import ResultFile, environment_info, rows_to_frame
     from hfkit.bench.data_cost import data_cost_table, run_data_cost_benchmark
-    from hfkit.bench.results import rows_to_frame
 
-    out = Path(args.out) if args.out else results_dir() / "cpu" / "data_cost.json"
+    out = _results_path(args, "cpu", "data_cost.json")
     real = Path(args.real_dir) if args.real_dir else None
     if real is not None and not real.is_dir():
         print(f"hfkit bench data: --real-dir {real} is not a folder", file=sys.stderr)
@@ -145,7 +164,7 @@ def _cmd_bench_data(args: argparse.Namespace) -> int:
         command=args.command,
         progress=not args.no_progress,
     )
-    path = save_results(rows, out)
+    path = ResultFile(out, environment_info("cpu", args.command)).save(rows)
     with pd.option_context("display.max_rows", None, "display.width", 200):
         print(data_cost_table(rows_to_frame(rows)).to_string())
     print(f"\nwrote {len(rows)} rows to {path} (rows with dtype 'synthetic' come from synthetic inputs)")
@@ -155,14 +174,14 @@ def _cmd_bench_data(args: argparse.Namespace) -> int:
 def _cmd_bench_comms(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from hfkit.bench import gpu_slug, results_dir, rows_to_frame
+    from hfkit.bench import gpu_slug, rows_to_frame
     from hfkit.bench.ceilings import device_name
     from hfkit.bench.comms import ddp_path, default_backends, run_comms_benchmark
 
     slug = gpu_slug(device_name(None))
     if slug != "cpu":
         slug = f"{slug}x{args.nproc}"  # e.g. h200x8: results depend on the GPU count
-    out = Path(args.out) if args.out else results_dir() / slug / "comms.json"
+    out = _results_path(args, slug, "comms.json")
     backends = args.backends or default_backends()
     try:
         rows = run_comms_benchmark(
@@ -186,91 +205,6 @@ def _cmd_bench_comms(args: argparse.Namespace) -> int:
         print(frame[["op", "provider", "mode", "shape_str", "p50_ms", "busbw_gbps"]].to_string(index=False))
     print(f"\nwrote {len(rows)} rows to {out} (allreduce) and {ddp_path(out)} (DDP steps)")
     return 0
-
-
-def _run_kernel_bench(args: argparse.Namespace, file_name: str, run: Callable[..., object]) -> int:
-    """Run one kernel benchmark, save it and print its tables. `run(device, common)` returns a
-    `KernelBench`; `common` holds the options every kernel benchmark takes (modes, providers, progress,
-    command, warm-up, reps, and `on_row`, called with each row as it is measured)."""
-    import pandas as pd
-
-    from hfkit.bench import environment_info, gpu_slug, resolve_device, results_dir, save_results
-    from hfkit.bench.ceilings import device_name
-    from hfkit.bench.kernels import best_peer_table, kernel_summary
-    from hfkit.bench.peers import peer_status
-    from hfkit.bench.results import appended_meta, earlier_results, merge_rows
-
-    device = resolve_device(args.device)
-    out = Path(args.out) if args.out else results_dir() / gpu_slug(device_name(device)) / file_name
-    # --append: the rows already in `out` stay, except those this run measures again.
-    earlier, earlier_meta = earlier_results(out) if args.append else ([], None)
-    # The environment (versions, git commit: a subprocess) is read once, not once per saved row.
-    meta = appended_meta(earlier_meta, environment_info(device, args.command))
-    done: list = []
-
-    def save_so_far(row) -> None:
-        # Every finished case is on disk at once, marked partial: a run that is cut short (a time
-        # limit, a crash in a peer library) keeps what it measured.
-        done.append(row)
-        save_results(merge_rows(earlier, done), out, meta={**meta, "partial": True})
-
-    common = dict(
-        modes=args.modes,
-        providers=args.providers,
-        progress=not args.no_progress,
-        command=args.command,
-        warmup=args.warmup,
-        reps=args.reps,
-        on_row=save_so_far,
-    )
-    result = run(device, common)
-    for line in result.skipped:
-        print(f"skipped: {line}", file=sys.stderr)
-    if not result.rows:
-        print("no rows measured (see the skipped providers above)", file=sys.stderr)
-        return 1
-    meta.update(timestamp=result.rows[0].timestamp, skipped=result.skipped, peers=peer_status(device))
-    path = save_results(merge_rows(earlier, result.rows), out, ceilings=result.ceilings, meta=meta)
-    ceilings = result.ceilings
-    print(
-        f"\n{ceilings.device_name}: copy {ceilings.copy_gbps:,.1f} GB/s, "
-        f"matmul {ceilings.matmul_tflops:,.3f} TFLOP/s ({ceilings.matmul_dtype})"
-    )
-    with pd.option_context("display.max_rows", None, "display.width", 250, "display.max_columns", None):
-        print(kernel_summary(result.rows).to_string(index=False))
-        print("\nhfkit against the fastest other provider:")
-        print(best_peer_table(result.rows).to_string(index=False))
-    print(f"\nwrote {len(result.rows)} rows to {path}")
-    return 0
-
-
-def _cmd_bench_attention(args: argparse.Namespace) -> int:
-    from hfkit.bench.attention import attention_cases, run_attention_benchmark
-
-    def run(device, common):
-        cases = attention_cases(args.ops, args.sizes, device, args.quick)
-        return run_attention_benchmark(device, cases, dtypes=args.dtypes, **common)
-
-    return _run_kernel_bench(args, "attention.json", run)
-
-
-def _cmd_bench_softmax(args: argparse.Namespace) -> int:
-    from hfkit.bench.softmax_bench import run_softmax_benchmark
-
-    def run(device, common):
-        return run_softmax_benchmark(device, args.shapes, dtypes=args.dtypes, quick=args.quick, **common)
-
-    return _run_kernel_bench(args, "softmax.json", run)
-
-
-def _cmd_bench_trimul(args: argparse.Namespace) -> int:
-    from hfkit.bench.trimul import run_trimul_benchmark, trimul_cases
-
-    def run(device, common):
-        cases = trimul_cases(args.sizes, args.directions, device, args.quick)
-        return run_trimul_benchmark(device, cases, precisions=args.precisions, **common)
-
-    return _run_kernel_bench(args, "triangle_multiplication.json", run)
 
 
 def _cmd_preprocess(args: argparse.Namespace) -> int:
@@ -301,93 +235,75 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
     return 0 if summary.ok else 1
 
 
-def _add_kernel_benches(bench_sub: argparse._SubParsersAction) -> None:
-    """`hfkit bench attention|softmax|trimul|elementwise`: the Evoformer kernels against their peers."""
-    from hfkit.bench import attention, elementwise, softmax_bench, trimul
+def _op_benchmark(name: str):
+    import importlib
 
-    ints = lambda t: [int(v) for v in _csv(t)]  # noqa: E731
-    specs = [
-        ("attention", "triangle / MSA-row attention: hfkit vs eager, compile, SDPA, trifast, cuEquivariance",
-         _cmd_bench_attention, attention.PROVIDERS, ["bf16"], "attention.json"),
-        ("softmax", "fused softmax with pair bias and key mask: hfkit vs eager, compile",
-         _cmd_bench_softmax, softmax_bench.PROVIDERS, ["bf16", "fp32"], "softmax.json"),
-        ("trimul", "triangle multiplicative update: hfkit vs eager, compile, cuEquivariance",
-         _cmd_bench_trimul, trimul.PROVIDERS, None, "triangle_multiplication.json"),
-        ("elementwise", "fused sigmoid gate and bias+dropout+residual: hfkit vs eager, compile",
-         _cmd_bench_elementwise, elementwise.PROVIDERS, ["fp32", "bf16"], "elementwise.json"),
-    ]  # fmt: skip
-    for name, help_text, func, providers, dtypes, file_name in specs:
-        p = bench_sub.add_parser(name, help=help_text)
-        p.add_argument("--out", default=None, help=f"results JSON (default: data/results/<gpu>/{file_name})")
+    return importlib.import_module(f"hfkit.bench.cases.{name}").BENCHMARK
+
+
+def _add_op_bench(bench_sub: argparse._SubParsersAction, name: str) -> None:
+    """`hfkit bench <op>`: the op's providers, dtypes, modes and case options, from its case table."""
+    from hfkit.bench.runner import MODES
+
+    bench = _op_benchmark(name)
+    p = bench_sub.add_parser(name, help=bench.description, description=bench.description)
+    p.add_argument("--out", default=None, help=f"results JSON (default: data/results/<gpu>/{name}.json)")
+    for flag, allowed, default in (
+        ("providers", bench.providers, bench.providers),
+        ("dtypes", bench.dtypes, bench.default_dtypes),
+        ("modes", MODES, MODES),
+    ):
         p.add_argument(
-            "--providers",
-            type=_choices(providers),
-            default=list(providers),
-            help=f"comma list of {','.join(providers)}",
+            f"--{flag}",
+            type=_choices(allowed),
+            default=list(default),
+            help=f"comma list of {','.join(allowed)}",
         )
-        p.add_argument(
-            "--modes", type=_choices(["fwd", "fwd+bwd"]), default=["fwd", "fwd+bwd"], help="fwd,fwd+bwd"
-        )
-        if dtypes is not None:
-            p.add_argument(
-                "--dtypes", type=_choices(["fp32", "bf16", "fp16"]), default=dtypes, help="e.g. bf16,fp32"
-            )
-        p.add_argument("--quick", action="store_true", help="a few shapes (tiny ones on a CPU)")
-        p.add_argument(
-            "--append",
-            action="store_true",
-            help="keep the rows in --out that this run does not repeat",
-        )
-        p.add_argument("--warmup", type=int, default=None, help="warm-up calls per case (default 5 on a GPU)")
-        p.add_argument("--reps", type=int, default=None, help="timed replays per case")
-        p.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: the GPU if any)")
-        p.add_argument("--no-progress", action="store_true", help="no progress bar")
-        p.set_defaults(func=func)
-        if name == "attention":
-            p.add_argument(
-                "--ops",
-                type=_choices(list(attention.OPS)),
-                default=list(attention.OPS),
-                help="triangle,msa_row",
-            )
-            p.add_argument(
-                "--sizes", type=ints, default=None, help="keep these N, e.g. 256,512 (default: all)"
-            )
-        elif name == "elementwise":
-            p.add_argument("--cases", type=_csv, default=None, help="comma list of case names (default: all)")
-        elif name == "softmax":
-            p.add_argument(
-                "--shapes", type=_shapes, default=None, help="x shapes SxHxNxK, e.g. 128x8x256x256"
-            )
-        else:
-            p.add_argument("--sizes", type=ints, default=None, help="N values (default 256,384,512,1024)")
-            p.add_argument(
-                "--directions",
-                type=_choices(list(trimul.DIRECTIONS)),
-                default=None,
-                help="outgoing,incoming at every size (default: outgoing at all, incoming at the largest)",
-            )
-            p.add_argument(
-                "--precisions",
-                type=_choices(list(trimul.PRECISIONS)),
-                default=list(trimul.PRECISIONS),
-                help="amp-bf16 (fp32 params under bf16 autocast), bf16 (bf16 params)",
-            )
+    kinds = {"ints": lambda t: [int(v) for v in _csv(t)], "shapes": _shapes}
+    for option in bench.options:
+        kind = _choices(option.choices) if option.kind == "names" else kinds[option.kind]
+        p.add_argument(f"--{option.flag}", type=kind, default=None, help=option.help)
+    _add_run_options(p)
+    p.add_argument(
+        "--append", action="store_true", help="keep the rows in --out that this run does not repeat"
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help=f"warm-up calls per case (default {bench.gpu_warmup} on a GPU)",
+    )
+    p.add_argument(
+        "--reps", type=int, default=None, help=f"timed replays per case (default {bench.gpu_reps} on a GPU)"
+    )
+    p.set_defaults(func=_cmd_bench_op)
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    from hfkit.bench.runner import PROFILES
+
+    p.add_argument(
+        "--profile",
+        choices=PROFILES,
+        default=None,
+        help="smoke: tiny sizes; full: AlphaFold's (default: full on a GPU, smoke on a CPU)",
+    )
+    p.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: the GPU if any)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _cmd_bench_model(args: argparse.Namespace) -> int:
-    import pandas as pd
-
-    from hfkit.bench import gpu_slug, resolve_device, results_dir
+    from hfkit.bench import gpu_slug, resolve_device
     from hfkit.bench.ceilings import device_name
     from hfkit.bench.model import run_model_benchmark, summary_table
 
     device = resolve_device(args.device)
-    out = Path(args.out) if args.out else results_dir() / gpu_slug(device_name(device)) / "model.json"
+    out = _results_path(args, gpu_slug(device_name(device)), "model.json")
+    profile = args.profile or ("full" if device.type == "cuda" else "smoke")
     rows = run_model_benchmark(
         device,
         parts=args.parts,
-        quick=args.quick,
+        quick=profile == "smoke",
         variants=args.variants,
         step_variants=args.step_variants,
         shapes=args.shapes,
@@ -404,9 +320,11 @@ def _cmd_bench_model(args: argparse.Namespace) -> int:
         command=args.command,
         progress=not args.no_progress,
     )
+    import pandas as pd
+
     with pd.option_context("display.max_rows", None, "display.width", 250, "display.max_columns", None):
         print(summary_table(rows).to_string(index=False))
-    failed = sum(r.method == "failed" for r in rows)
+    failed = sum(r.method == "error" for r in rows)
     print(f"\nwrote {len(rows)} rows ({failed} failed or skipped: see 'error') to {out}")
     return 0 if len(rows) > failed else 1
 
@@ -461,9 +379,7 @@ def _add_model_bench(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compile-mode", default=None, help="torch.compile mode (default: none)")
     p.add_argument("--budget-s", type=float, default=None, help="skip configurations starting after this")
     p.add_argument("--append", action="store_true", help="keep other configurations already in --out")
-    p.add_argument("--quick", action="store_true", help="tiny preset and shapes (a smoke run)")
-    p.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: the GPU if any)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_run_options(p)  # --profile smoke: the tiny preset and shapes
     p.set_defaults(func=_cmd_bench_model)
 
 
@@ -509,39 +425,8 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_report)
 
 
-def _parser() -> argparse.ArgumentParser:
-    from hfkit.bench.layernorm import DTYPES, MODES, PROVIDERS
-
-    parser = argparse.ArgumentParser(prog="hfkit", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command_name", required=True)
-
-    env = sub.add_parser("env", help="device, versions and measured ceilings")
-    env.add_argument("--no-ceilings", action="store_true", help="skip measuring copy and matmul ceilings")
-    env.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: the GPU if any)")
-    env.set_defaults(func=_cmd_env)
-
-    bench = sub.add_parser("bench", help="run a benchmark and store its results under data/results/")
-    bench_sub = bench.add_subparsers(dest="bench_name", required=True)
-    ln = bench_sub.add_parser("layernorm", help="hfkit LayerNorm vs torch eager vs torch.compile")
-    ln.add_argument("--out", default=None, help="results JSON (default: data/results/<gpu>/layernorm.json)")
-    ln.add_argument(
-        "--dtypes", type=_choices(list(DTYPES)), default=["fp32", "bf16"], help="comma list of fp32,bf16,fp16"
-    )
-    ln.add_argument(
-        "--modes", type=_choices(MODES), default=["fwd", "fwd+bwd"], help="comma list of fwd,fwd+bwd"
-    )
-    ln.add_argument(
-        "--providers",
-        type=_choices(PROVIDERS),
-        default=["hfkit", "torch", "compile"],
-        help="comma list of hfkit,torch,compile",
-    )
-    ln.add_argument("--shapes", type=_shapes, default=None, help="e.g. 1x256x256x128,1x256x384")
-    ln.add_argument("--quick", action="store_true", help="a few shapes (tiny ones on a CPU)")
-    ln.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: the GPU if any)")
-    ln.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ln.set_defaults(func=_cmd_bench_layernorm)
-
+def _add_data_bench(bench_sub: argparse._SubParsersAction) -> None:
+    """`hfkit bench data`: the data pipeline's cost per stage."""
     data = bench_sub.add_parser(
         "data", help="data-pipeline cost per stage: on the fly vs preprocessed records (one CPU core)"
     )
@@ -556,6 +441,9 @@ def _parser() -> argparse.ArgumentParser:
     data.add_argument("--no-progress", action="store_true", help="no progress bar")
     data.set_defaults(func=_cmd_bench_data)
 
+
+def _add_comms_bench(bench_sub: argparse._SubParsersAction) -> None:
+    """`hfkit bench comms`: allreduce bandwidth per backend and the DDP step decomposition."""
     comms = bench_sub.add_parser(
         "comms", help="allreduce bandwidth per backend and size, and the DDP step decomposition (torchrun)"
     )
@@ -583,8 +471,30 @@ def _parser() -> argparse.ArgumentParser:
     )
     comms.set_defaults(func=_cmd_bench_comms)
 
-    _add_kernel_benches(bench_sub)
+
+def _parser() -> argparse.ArgumentParser:
+    from hfkit.bench.cases import NAMES
+
+    parser = argparse.ArgumentParser(prog="hfkit", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command_name", required=True)
+
+    env = sub.add_parser("env", help="device, versions and measured ceilings")
+    env.add_argument("--no-ceilings", action="store_true", help="skip measuring copy and matmul ceilings")
+    env.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: the GPU if any)")
+    env.set_defaults(func=_cmd_env)
+
+    names = ", ".join([*NAMES, "model", "comms", "data"])
+    bench = sub.add_parser(
+        "bench",
+        help=f"run a benchmark ({names}); results under data/results/",
+        description=f"benchmarks: {names}",
+    )
+    bench_sub = bench.add_subparsers(dest="bench_name", required=True)
+    for name in NAMES:
+        _add_op_bench(bench_sub, name)
     _add_model_bench(bench_sub)
+    _add_comms_bench(bench_sub)
+    _add_data_bench(bench_sub)
 
     pre = sub.add_parser(
         "preprocess",

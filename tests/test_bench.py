@@ -34,7 +34,13 @@ from hfkit.bench import (
     with_speedup,
 )
 from hfkit.bench import results as results_mod
-from hfkit.bench.layernorm import CENSUS_SHAPES, CPU_SMOKE_SHAPES, FULL_SHAPES, default_shapes, smoke_shape
+from hfkit.bench.cases.layer_norm import (
+    CENSUS_SHAPES,
+    FULL_SHAPES,
+    SMOKE_SHAPES,
+    layer_norm_cases,
+    smoke_shape,
+)
 from hfkit.bench.results import ROW_FIELDS, git_commit
 
 CPU_CEILINGS = Ceilings(copy_gbps=10.0, matmul_tflops=0.1, device_name="CPU (test)", matmul_dtype="fp32")
@@ -111,7 +117,7 @@ def test_gpu_slug(name, slug):
     assert gpu_slug(name) == slug
 
 
-def _row(provider: str = "torch", p50: float = 2.0, shape=(1, 8, 64), **kw) -> ResultRow:
+def _row(provider: str = "eager", p50: float = 2.0, shape=(1, 8, 64), **kw) -> ResultRow:
     env = environment_info("cpu", command="hfkit test")
     fields = {k: env[k] for k in ("gpu", "torch", "triton", "python", "commit", "command", "timestamp")}
     fields.update(
@@ -135,15 +141,15 @@ def _row(provider: str = "torch", p50: float = 2.0, shape=(1, 8, 64), **kw) -> R
 
 
 def test_save_load_round_trip_is_atomic(tmp_path):
-    rows = [_row("torch", 2.0), _row("hfkit", 1.0, peak_mem_bytes=123)]
-    path = save_results(rows, tmp_path / "gpu" / "layernorm.json", ceilings=CPU_CEILINGS)
-    assert [p.name for p in path.parent.iterdir()] == ["layernorm.json"]  # no temp file left behind
+    rows = [_row("eager", 2.0), _row("hfkit", 1.0, peak_mem_bytes=123)]
+    path = save_results(rows, tmp_path / "gpu" / "layer_norm.json", ceilings=CPU_CEILINGS)
+    assert [p.name for p in path.parent.iterdir()] == ["layer_norm.json"]  # no temp file left behind
     doc = json.loads(path.read_text())
     assert doc["meta"]["ceilings"]["copy_gbps"] == 10.0
     assert doc["meta"]["command"] == "hfkit test"
     assert len(doc["rows"]) == 2
     frame = load_results(path)
-    assert list(frame["provider"]) == ["torch", "hfkit"]
+    assert list(frame["provider"]) == ["eager", "hfkit"]
     assert frame["p50_ms"].tolist() == [2.0, 1.0]
     assert frame["shape"][0] == [1, 8, 64] and frame["shape_str"][0] == "1x8x64"
     assert frame["peak_mem_bytes"][1] == 123 and frame["extra"][0] == {"note": "x"}
@@ -168,12 +174,12 @@ def test_save_rejects_rows_missing_fields(tmp_path):
 
 
 def test_load_results_from_dir_and_slug(tmp_path, monkeypatch):
-    save_results([_row("torch")], tmp_path / "h200" / "a.json")
+    save_results([_row("eager")], tmp_path / "h200" / "a.json")
     save_results([_row("hfkit"), _row("compile")], tmp_path / "h200" / "b.json")
     monkeypatch.setattr(results_mod, "results_dir", lambda: tmp_path)
     for source in (tmp_path / "h200", "h200", "NVIDIA H200"):
         frame = load_results(source)
-        assert sorted(frame["provider"]) == ["compile", "hfkit", "torch"]
+        assert sorted(frame["provider"]) == ["compile", "eager", "hfkit"]
         assert set(frame["file"]) == {"a.json", "b.json"}
     with pytest.raises(FileNotFoundError, match="a100"):
         load_results("a100")
@@ -184,7 +190,7 @@ def test_load_results_from_dir_and_slug(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="not a results document"):
         load_results(tmp_path / "h200" / "tuning.json")
     # The op filter keeps one op's rows, and finding none is a FileNotFoundError.
-    save_results([_row("torch", op="attention")], tmp_path / "h200" / "c.json")
+    save_results([_row("eager", op="attention")], tmp_path / "h200" / "c.json")
     with pytest.warns(UserWarning):
         assert set(load_results("h200", op="layer_norm")["op"]) == {"layer_norm"}
         with pytest.raises(FileNotFoundError, match="'lstm' rows"):
@@ -193,11 +199,11 @@ def test_load_results_from_dir_and_slug(tmp_path, monkeypatch):
 
 def test_with_speedup_uses_the_matching_baseline():
     frame = with_speedup(
-        rows_to_frame([_row("torch", 4.0), _row("hfkit", 1.0), _row("hfkit", 3.0, shape=(2, 64))])
+        rows_to_frame([_row("eager", 4.0), _row("hfkit", 1.0), _row("hfkit", 3.0, shape=(2, 64))])
     )
     by = {(r.provider, r.shape_str): r.speedup for r in frame.itertuples()}
-    assert by[("torch", "1x8x64")] == 1.0 and by[("hfkit", "1x8x64")] == 4.0
-    assert math.isnan(by[("hfkit", "2x64")])  # no torch row for that shape
+    assert by[("eager", "1x8x64")] == 1.0 and by[("hfkit", "1x8x64")] == 4.0
+    assert math.isnan(by[("hfkit", "2x64")])  # no eager row for that shape
 
 
 def test_environment_info_and_git_commit(tmp_path):
@@ -226,9 +232,9 @@ def test_environment_info_and_git_commit(tmp_path):
 
 def test_smoke_shapes_keep_the_normalized_dim():
     assert smoke_shape((1, 256, 256, 128)) == (1, 4, 4, 128)
-    assert all(math.prod(s[:-1]) <= 16 for s in CPU_SMOKE_SHAPES)
+    assert all(math.prod(s[:-1]) <= 16 for s in SMOKE_SHAPES)
     assert len(FULL_SHAPES) == len(CENSUS_SHAPES) + 1 == 12
-    assert default_shapes("cpu") == list(CPU_SMOKE_SHAPES)
+    assert [c.shape for c in layer_norm_cases("smoke")] == list(SMOKE_SHAPES)
 
 
 def test_layernorm_benchmark_rows_on_cpu():
@@ -237,10 +243,10 @@ def test_layernorm_benchmark_rows_on_cpu():
         "cpu",
         shapes=[shape],
         dtypes=("fp32", "bf16"),
-        providers=("hfkit", "torch"),
+        providers=("hfkit", "eager"),
         progress=False,
         ceilings=CPU_CEILINGS,
-        command="hfkit bench layernorm --test",
+        command="hfkit bench layer_norm --test",
         warmup=1,
         reps=3,
     )
@@ -252,7 +258,7 @@ def test_layernorm_benchmark_rows_on_cpu():
         assert set(data) == set(ROW_FIELDS)
         for key in ("gpu", "torch", "python", "command", "timestamp", "op", "provider", "mode", "method"):
             assert data[key], key
-        assert row.command == "hfkit bench layernorm --test" and row.shape == [2, 3, 40]
+        assert row.command == "hfkit bench layer_norm --test" and row.shape == [2, 3, 40]
         assert 0 < row.p20_ms <= row.p50_ms <= row.p80_ms and row.n_reps == 3
         assert row.bytes == {"fwd": 2, "fwd+bwd": 5}[row.mode] * tensor_bytes[row.dtype]
         assert row.gbps == pytest.approx(row.bytes / (row.p50_ms * 1e-3) / 1e9)
@@ -261,7 +267,7 @@ def test_layernorm_benchmark_rows_on_cpu():
         # The guard that timed numbers come from right answers: forward vs float64.
         assert row.extra["max_abs_err_vs_fp64"] < (1e-4 if row.dtype == "fp32" else 5e-2)
     assert {(r.dtype, r.mode, r.provider) for r in rows} == {
-        (d, m, p) for d in ("fp32", "bf16") for m in ("fwd", "fwd+bwd") for p in ("hfkit", "torch")
+        (d, m, p) for d in ("fp32", "bf16") for m in ("fwd", "fwd+bwd") for p in ("hfkit", "eager")
     }
     table = summary_table(rows)
     assert list(table.columns) == [
@@ -272,9 +278,9 @@ def test_layernorm_benchmark_rows_on_cpu():
         "p50 µs",
         "GB/s",
         "% copy",
-        "speed-up vs torch",
+        "speed-up vs eager",
     ]
-    assert (table[table["provider"] == "torch"]["speed-up vs torch"] == 1.0).all()
+    assert (table[table["provider"] == "eager"]["speed-up vs eager"] == 1.0).all()
 
 
 def test_layernorm_benchmark_rejects_unknown_choices():
@@ -322,7 +328,7 @@ def test_layernorm_explorer_runs_on_click(monkeypatch):
 
 def test_committed_results_load_if_present():
     folder = Path(results_mod.results_dir()) / "h200"
-    if not (folder / "layernorm.json").exists():
+    if not (folder / "layer_norm.json").exists():
         pytest.skip("no committed H200 LayerNorm results yet")
     frame = load_results("h200", op="layer_norm")
     assert len(frame) > 0 and set(ROW_FIELDS) <= set(frame.columns)

@@ -1,4 +1,4 @@
-"""Tests of the Evoformer kernel benchmarks on CPU: attention, softmax and triangle multiplication.
+"""Tests of the Evoformer kernel benchmarks on CPU: evoformer_attention, softmax, triangle_multiplication.
 
 The benchmark functions run at tiny shapes with the wall-clock timer, so every code path the GPU run
 takes (input layouts, checks, peak memory, error rows, tables, figures, the CLI) is exercised; peers
@@ -17,18 +17,14 @@ import pytest
 import torch
 
 from hfkit.bench import Ceilings, ResultRow
-from hfkit.bench import attention as attn_bench
-from hfkit.bench.kernels import (
-    Steps,
-    best_peer_table,
-    kernel_frame,
-    kernel_goals,
-    load_kernel_results,
-    measure_case,
-)
+from hfkit.bench.cases import evoformer_attention as attn_bench
+from hfkit.bench.cases import softmax as softmax_bench
+from hfkit.bench.cases import triangle_multiplication as trimul_bench
+from hfkit.bench.cases.softmax import softmax_bytes, softmax_cases
+from hfkit.bench.cases.triangle_multiplication import TrimulCase, cueq_trimul, make_trimul_module
+from hfkit.bench.kernels import best_peer_table, kernel_frame, kernel_goals, load_kernel_results
 from hfkit.bench.peers import _import_reason, load_cuequivariance, load_trifast, peer_status
-from hfkit.bench.softmax_bench import run_softmax_benchmark, softmax_bytes
-from hfkit.bench.trimul import TrimulCase, cueq_trimul, make_trimul_module, run_trimul_benchmark
+from hfkit.bench.runner import Steps, measure_case, run_benchmark
 from hfkit.cli import main
 
 CPU = torch.device("cpu")
@@ -65,9 +61,10 @@ def fake_cueq_trimul(x, direction, mask, norm_in_weight, norm_in_bias, p_in_weig
 def test_attention_benchmark_rows_on_cpu():
     case = attn_bench.AttentionCase("msa_row_attention", 1, 3, 2, 9, 16)
     seen = []
-    result = attn_bench.run_attention_benchmark(
-        CPU, [case], modes=("fwd+bwd",), providers=("hfkit", "eager", "sdpa", "trifast", "cuequivariance"),
-        progress=False, ceilings=CEILINGS, warmup=0, reps=1, on_row=seen.append,
+    result = run_benchmark(
+        attn_bench.BENCHMARK, [case], CPU, modes=("fwd+bwd",),
+        providers=("hfkit", "eager", "sdpa", "trifast", "cuequivariance"), progress=False, ceilings=CEILINGS,
+        warmup=0, reps=1, on_row=seen.append,
     )  # fmt: skip
     assert [r.provider for r in result.rows] == ["hfkit", "eager", "sdpa"]
     assert seen == result.rows  # each row handed over as it is measured (the CLI saves it at once)
@@ -82,14 +79,14 @@ def test_attention_benchmark_rows_on_cpu():
 
 
 def test_attention_cases_sizes_and_ops():
-    cpu = attn_bench.attention_cases(device="cpu", sizes=(7, 11))
+    cpu = attn_bench.attention_cases("smoke", sizes=(7, 11))
     assert [(c.op, c.rows, c.n) for c in cpu] == [
         ("triangle_attention", 7, 7), ("triangle_attention", 11, 11),
         ("msa_row_attention", 2, 7), ("msa_row_attention", 3, 11),
     ]  # fmt: skip
-    assert all(c.op == "msa_row_attention" for c in attn_bench.attention_cases(["msa_row"], device="cpu"))
+    assert all(c.op == "msa_row_attention" for c in attn_bench.attention_cases("smoke", ["msa_row"]))
     with pytest.raises(ValueError, match="ops"):
-        attn_bench.attention_cases(["triangular"], device="cpu")
+        attn_bench.attention_cases("smoke", ["triangular"])
 
 
 @pytest.mark.parametrize("rows", [5, 1])
@@ -165,8 +162,9 @@ def test_measure_case_flags_a_failed_check_but_keeps_the_row():
 
 
 def test_softmax_benchmark_rows_on_cpu():
-    result = run_softmax_benchmark(
-        CPU, [(2, 2, 5, 7)], dtypes=("fp32",), providers=("hfkit", "eager"), progress=False,
+    result = run_benchmark(
+        softmax_bench.BENCHMARK, softmax_cases(shapes=[(2, 2, 5, 7)]), CPU, dtypes=("fp32",),
+        providers=("hfkit", "eager"), progress=False,
         ceilings=CEILINGS, warmup=0, reps=2,
     )  # fmt: skip
     assert [(r.provider, r.mode) for r in result.rows] == [
@@ -178,7 +176,7 @@ def test_softmax_benchmark_rows_on_cpu():
         assert row.pct_copy == pytest.approx(100 * row.gbps / CEILINGS.copy_gbps)
     assert softmax_bytes((2, 2, 5, 7), 2, False) == 2 * 140 * 2 + 70 * 2 + 14 * 2
     with pytest.raises(ValueError, match="shapes"):
-        run_softmax_benchmark(CPU, [(2, 5, 7)], progress=False, ceilings=CEILINGS)
+        softmax_cases(shapes=[(2, 5, 7)])
 
 
 # --- triangle multiplication ---------------------------------------------------------------------------
@@ -199,8 +197,9 @@ def test_cueq_weight_mapping_matches_the_eager_module(direction):
 
 def test_trimul_benchmark_rows_on_cpu():
     case = TrimulCase("incoming", 5, 8, 8)
-    result = run_trimul_benchmark(
-        CPU, [case], precisions=("bf16",), providers=("eager", "hfkit", "cuequivariance"), progress=False,
+    result = run_benchmark(
+        trimul_bench.BENCHMARK, [case], CPU, dtypes=("bf16",), providers=("eager", "hfkit", "cuequivariance"),
+        progress=False,
         ceilings=CEILINGS, warmup=0, reps=1,
     )  # fmt: skip
     assert [(r.provider, r.mode) for r in result.rows] == [
@@ -322,4 +321,4 @@ def test_cli_bench_softmax_writes_results_and_load_kernel_results(tmp_path, caps
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 3 and (rows[-1]["provider"], rows[-1]["mode"]) == ("hfkit", "fwd")
     with pytest.raises(SystemExit):
-        main(["bench", "attention", "--providers", "hfkit,flash"])
+        main(["bench", "evoformer_attention", "--providers", "hfkit,flash"])

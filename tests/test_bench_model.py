@@ -131,7 +131,7 @@ def test_failures_and_budget_become_rows(tmp_path) -> None:
         **{**QUICK, "compile_backend": broken_backend},
     )
     failed = [r for r in rows if r.provider == "compile"]
-    assert len(failed) == 2 and all(r.method == "failed" and math.isnan(r.p50_ms) for r in failed)
+    assert len(failed) == 2 and all(r.method == "error" and math.isnan(r.p50_ms) for r in failed)
     assert all("backend exploded" in r.extra["error"] for r in failed)
     assert all(r.method == "wall" for r in rows if r.provider == "eager")  # the run went on
 
@@ -196,11 +196,11 @@ def test_bad_arguments_raise() -> None:
 
 def test_cli_bench_model(tmp_path, capsys) -> None:
     out = tmp_path / "m.json"
-    argv = ["bench", "model", "--quick", "--device", "cpu", "--parts", "block", "--variants", "eager"]
-    argv += ["--dtypes", "fp32", "--shapes", "3x5", "--out", str(out), "--no-progress"]
+    argv = ["bench", "model", "--profile", "smoke", "--device", "cpu", "--parts", "block"]
+    argv += ["--variants", "eager", "--dtypes", "fp32", "--shapes", "3x5", "--out", str(out), "--no-progress"]
     assert main(argv) == 0
     doc = json.loads(out.read_text())
-    assert doc["meta"]["command"].startswith("hfkit bench model --quick")
+    assert doc["meta"]["command"].startswith("hfkit bench model --profile smoke")
     assert {r["mode"] for r in doc["rows"]} == {"fwd", "fwd+bwd"}
     assert "evoformer_block" in capsys.readouterr().out
 

@@ -1,4 +1,4 @@
-"""Tests of the `hfkit` command line on CPU: `env` and `bench layernorm`, through `main(argv)`."""
+"""Tests of the `hfkit` command line on CPU: `env` and `bench layer_norm`, through `main(argv)`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from hfkit.bench.layernorm import CPU_SMOKE_SHAPES
+from hfkit.bench.cases.layer_norm import SMOKE_SHAPES
 from hfkit.bench.results import ROW_FIELDS, load_results
 from hfkit.cli import main
 
@@ -23,16 +23,17 @@ def test_env_without_ceilings(capsys):
     assert "copy bandwidth" not in out  # skipped
 
 
-def test_bench_layernorm_quick_writes_results(tmp_path, capsys):
+def test_bench_layer_norm_smoke_writes_results(tmp_path, capsys):
     out_file = tmp_path / "sub" / "ln.json"
     argv = [
         "bench",
-        "layernorm",
-        "--quick",
+        "layer_norm",
+        "--profile",
+        "smoke",
         "--out",
         str(out_file),
         "--providers",
-        "hfkit,torch",
+        "hfkit,eager",
         "--no-progress",
     ]
     assert main(argv) == 0
@@ -40,30 +41,30 @@ def test_bench_layernorm_quick_writes_results(tmp_path, capsys):
     assert doc["meta"]["ceilings"]["copy_gbps"] > 0
     assert doc["meta"]["command"] == "hfkit " + " ".join(argv)
     rows = doc["rows"]
-    assert len(rows) == len(CPU_SMOKE_SHAPES) * 2 * 2 * 2  # shapes x dtypes x modes x providers
+    assert len(rows) == len(SMOKE_SHAPES) * 2 * 2 * 2  # shapes x dtypes x modes x providers
     assert all(set(r) == set(ROW_FIELDS) for r in rows)
-    assert {tuple(r["shape"]) for r in rows} == set(CPU_SMOKE_SHAPES)
+    assert {tuple(r["shape"]) for r in rows} == set(SMOKE_SHAPES)
     frame = load_results(out_file)
-    assert set(frame["provider"]) == {"hfkit", "torch"}
+    assert set(frame["provider"]) == {"hfkit", "eager"}
     printed = capsys.readouterr().out
-    assert "speed-up vs torch" in printed and f"wrote {len(rows)} rows" in printed
+    assert "speed-up vs eager" in printed and f"wrote {len(rows)} rows" in printed
     assert [p.name for p in out_file.parent.iterdir()] == ["ln.json"]
 
 
-def test_bench_layernorm_subset_options(tmp_path):
+def test_bench_layer_norm_subset_options(tmp_path):
     out_file = tmp_path / "ln.json"
-    argv = ["bench", "layernorm", "--out", str(out_file), "--shapes", "3x40,2x2x64", "--dtypes", "bf16"]
-    argv += ["--modes", "fwd", "--providers", "torch", "--no-progress"]
+    argv = ["bench", "layer_norm", "--out", str(out_file), "--shapes", "3x40,2x2x64", "--dtypes", "bf16"]
+    argv += ["--modes", "fwd", "--providers", "eager", "--no-progress"]
     assert main(argv) == 0
     rows = json.loads(out_file.read_text())["rows"]
     assert sorted(tuple(r["shape"]) for r in rows) == [(2, 2, 64), (3, 40)]
-    assert {(r["dtype"], r["mode"], r["provider"]) for r in rows} == {("bf16", "fwd", "torch")}
+    assert {(r["dtype"], r["mode"], r["provider"]) for r in rows} == {("bf16", "fwd", "eager")}
 
 
 @pytest.mark.parametrize("bad", [["--providers", "apex"], ["--dtypes", "fp8"], ["--shapes", "1xa"]])
-def test_bench_layernorm_rejects_bad_arguments(bad, capsys):
+def test_bench_layer_norm_rejects_bad_arguments(bad, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["bench", "layernorm", *bad])
+        main(["bench", "layer_norm", *bad])
     assert exc.value.code == 2
     assert bad[0] in capsys.readouterr().err
 

@@ -303,22 +303,24 @@ def test_checkpointed_training_regenerates_the_same_masks():
 
 
 def test_elementwise_benchmark_rows_on_cpu():
+    from hfkit.bench.cases.elementwise import BENCHMARK, Case
     from hfkit.bench.ceilings import Ceilings
-    from hfkit.bench.elementwise import Case, run_elementwise_benchmark
+    from hfkit.bench.runner import run_benchmark
 
     cases = [
         Case("gate", "sigmoid_gate", (2, 3, 5)),
         Case("drop", "bias_dropout_add", (3, 4, 5), p=0.5, shared_dim=-2),
     ]
     ceilings = Ceilings(copy_gbps=10.0, matmul_tflops=1.0, device_name="cpu")
-    rows = run_elementwise_benchmark(
-        "cpu", cases, ["fp32"], ["fwd+bwd"], ["hfkit", "torch"], False, ceilings=ceilings, warmup=1, reps=1
-    ).rows
+    rows = run_benchmark(
+        BENCHMARK, cases, "cpu", dtypes=["fp32"], modes=["fwd+bwd"], providers=["hfkit", "eager"],
+        progress=False, ceilings=ceilings, warmup=1, reps=1,
+    ).rows  # fmt: skip
     assert [(r.op, r.provider) for r in rows] == [
         ("sigmoid_gate", "hfkit"),
-        ("sigmoid_gate", "torch"),
+        ("sigmoid_gate", "eager"),
         ("bias_dropout_add", "hfkit"),
-        ("bias_dropout_add", "torch"),
+        ("bias_dropout_add", "eager"),
     ]
     # minimum traffic: gate fwd+bwd 8 passes of 30 floats, dropout fwd+bwd 5 passes of 60
     assert [r.bytes for r in rows] == [8 * 4 * 30] * 2 + [5 * 4 * 60] * 2

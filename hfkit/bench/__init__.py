@@ -1,11 +1,13 @@
-"""Benchmark harness: timers, measured ceilings, the result store, and the op benchmarks.
+"""Benchmark harness: timers, measured ceilings, the one runner, the result store, and the benchmarks.
 
-`time_fn` times a callable on GPU (CUDA graph / events) or CPU (wall clock); `measure_ceilings` gives the
-copy bandwidth and matmul rate that every result is a percentage of (`bench_ceilings`: at the
-sizes every benchmark uses); `save_results`/`load_results` keep
-results as JSON under `data/results/<gpu>/`; `run_layernorm_benchmark` is the LayerNorm comparison.
+`run_benchmark` measures an op's case table (`hfkit.bench.cases.<op>.BENCHMARK`) on the device with
+`time_fn` (CUDA graph / events on a GPU, wall clock on a CPU), reporting against the ceilings of
+`bench_ceilings` measured in the same run; `ResultFile`/`save_results`/`load_results` keep results as
+JSON under `data/results/<gpu>/<op>.json`. The model, comms and data benchmarks (`hfkit.bench.model`,
+`.comms`, `.data_cost`) write the same `ResultRow`s through the same writer.
 """
 
+from hfkit.bench.cases.layer_norm import layernorm_errors, run_layernorm_benchmark
 from hfkit.bench.ceilings import (
     Ceilings,
     bench_ceilings,
@@ -15,10 +17,10 @@ from hfkit.bench.ceilings import (
     measure_matmul_tflops,
     resolve_device,
 )
-from hfkit.bench.kernels import KernelBench, best_peer_table, kernel_frame, load_kernel_results
-from hfkit.bench.layernorm import layernorm_errors, run_layernorm_benchmark, summary_table
+from hfkit.bench.kernels import best_peer_table, kernel_frame, load_kernel_results
 from hfkit.bench.model import run_model_benchmark
 from hfkit.bench.results import (
+    ResultFile,
     ResultRow,
     environment_info,
     gpu_slug,
@@ -26,13 +28,17 @@ from hfkit.bench.results import (
     results_dir,
     rows_to_frame,
     save_results,
+    summary_table,
     with_speedup,
 )
+from hfkit.bench.runner import Benchmark, BenchResult, run_benchmark
 from hfkit.bench.timing import Timing, peak_memory, rotating, time_cpu, time_cuda, time_fn, time_step
 
 __all__ = [
+    "BenchResult",
+    "Benchmark",
     "Ceilings",
-    "KernelBench",
+    "ResultFile",
     "ResultRow",
     "Timing",
     "bench_ceilings",
@@ -52,6 +58,7 @@ __all__ = [
     "results_dir",
     "rotating",
     "rows_to_frame",
+    "run_benchmark",
     "run_layernorm_benchmark",
     "run_model_benchmark",
     "save_results",

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hfkit.bench.results import ENV_KEYS, ResultRow, environment_info, save_results
+from hfkit.bench.results import ENV_KEYS, ResultFile, ResultRow, environment_info, make_row
 from hfkit.bench.timing import Timing
 
 __all__ = [
@@ -184,23 +184,11 @@ def _time_allreduce(
     return _max_over_ranks(times, ctrl), inner
 
 
-def _row(
-    env: dict[str, Any],
-    op: str,
-    provider: str,
-    mode: str,
-    shape: list[int],
-    times_s: Sequence[float],
-    nbytes: int,
-    gbps: float,
-    extra: dict[str, Any],
-) -> ResultRow:
+def _row(env: dict[str, Any], op: str, provider: str, mode: str, shape: list[int], times_s: Sequence[float],
+         nbytes: int, gbps: float, extra: dict[str, Any]) -> ResultRow:  # fmt: skip
     t = Timing.from_samples([s * 1e3 for s in times_s], "wall")
-    return ResultRow(
-        **env, op=op, provider=provider, mode=mode, shape=shape, dtype="fp32",
-        p20_ms=t.p20, p50_ms=t.p50, p80_ms=t.p80, method=t.method, n_reps=t.n,
-        bytes=nbytes, gbps=gbps, pct_copy=None, extra=extra,
-    )  # fmt: skip
+    return make_row(env, t, op=op, provider=provider, mode=mode, shape=shape, dtype="fp32", nbytes=nbytes,
+                    gbps=gbps, extra=extra)  # fmt: skip
 
 
 def _allreduce_rows(args: argparse.Namespace, env: dict[str, Any], device: torch.device, ctrl: Any,
@@ -403,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for path, part in ((args.out, "allreduce"), (ddp_path(args.out), "ddp_step")):
             chosen = [r for r in rows if r.op == part]
             if chosen:
-                save_results(chosen, path, meta=meta)
+                ResultFile(path, meta).save(chosen)
                 print(f"wrote {len(chosen)} rows to {path}", flush=True)
     dist.barrier(group=ctrl)
     dist.destroy_process_group()

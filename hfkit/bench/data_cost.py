@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hfkit.bench.results import ResultRow, environment_info
+from hfkit.bench.results import ResultRow, make_row, row_environment
 from hfkit.bench.timing import Timing
 
 __all__ = [
@@ -102,29 +102,19 @@ def _rows_for(
     env: dict[str, Any],
     extra: dict[str, Any],
 ) -> list[ResultRow]:
-    rows = []
-    for stage in timings[0]:
-        t = Timing.from_samples([run[stage] * 1e3 for run in timings], "wall")
-        rows.append(
-            ResultRow(
-                **env,
-                op="data_pipeline",
-                provider=provider,
-                mode=stage,
-                shape=shape,
-                dtype=kind,
-                p20_ms=t.p20,
-                p50_ms=t.p50,
-                p80_ms=t.p80,
-                method=t.method,
-                n_reps=t.n,
-                bytes=0,
-                gbps=0.0,
-                pct_copy=None,
-                extra=dict(extra),
-            )
-        )
-    return rows
+    return [
+        make_row(
+            env,
+            Timing.from_samples([run[stage] * 1e3 for run in timings], "wall"),
+            op="data_pipeline",
+            provider=provider,
+            mode=stage,
+            shape=shape,
+            dtype=kind,
+            extra=extra,
+        )  # fmt: skip
+        for stage in timings[0]
+    ]
 
 
 def _profile(dataset: Any, repeats: int) -> list[dict[str, float]]:
@@ -159,8 +149,7 @@ def run_data_cost_benchmark(
     from hfkit.data.msa_sampling import FeatureConfig
 
     config = config or FeatureConfig.af2_initial()
-    env_all = environment_info(torch.device("cpu"), command)
-    env = {k: env_all[k] for k in ("gpu", "torch", "triton", "python", "commit", "command", "timestamp")}
+    env = row_environment("cpu", command)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     # Measure what a DataLoader worker does: one thread, and its malloc settings (freed sample
@@ -183,18 +172,16 @@ def run_data_cost_benchmark(
                 per_chain = [{"preprocess_per_chain": inputs.preprocess_s / max(1, n_chains)}]
                 rows += _rows_for(per_chain, "preprocess", [length, depth], "synthetic", env, extra)
                 fly, pre = inputs.datasets(config)
-                rows += _rows_for(
-                    _profile(fly, repeats), "on_the_fly", [length, depth], "synthetic", env, extra
-                )
-                rows += _rows_for(
-                    _profile(pre, repeats), "preprocessed", [length, depth], "synthetic", env, extra
-                )
-                # The same with only the kept extra rows voting into the cluster profiles (not
-                # OpenFold's semantics, cheaper for deep MSAs): what the faithful clustering costs.
+                # The last: only the kept extra rows vote into the cluster profiles (not OpenFold's
+                # semantics, cheaper for deep MSAs): what the faithful clustering costs.
                 _, kept = inputs.datasets(replace(config, cluster_all_extra=False))
-                kept_rows = _profile(kept, repeats)
-                shape = [length, depth]
-                rows += _rows_for(kept_rows, "preprocessed_kept_extra", shape, "synthetic", env, extra)
+                for provider, dataset in (
+                    ("on_the_fly", fly),
+                    ("preprocessed", pre),
+                    ("preprocessed_kept_extra", kept),
+                ):
+                    timings = _profile(dataset, repeats)
+                    rows += _rows_for(timings, provider, [length, depth], "synthetic", env, extra)
                 log(f"depth {depth}: done")
             if real_dir is not None and Path(real_dir).is_dir():
                 rows += _real_rows(Path(real_dir), Path(tmp), config, repeats, env, common, progress)

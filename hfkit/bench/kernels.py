@@ -1,34 +1,20 @@
-"""The harness shared by the Evoformer kernel benchmarks (attention, softmax, triangle multiplication).
-
-Every case (op, provider, mode, shape, dtype) is measured by one protocol, `measure_case`: first a
-correctness check of the provider's forward against a float32 reference (so a fast number from a wrong
-setup is caught and flagged in the row), then one step with the CUDA peak-memory counter reset (the
-bytes above what the inputs already hold), then the timing: a CUDA graph of the step replayed and timed
-with CUDA events (eager CUDA events when capture fails, the reason recorded), wall clock on a CPU. A
-provider that raises (out of memory, an unsupported shape) gives a row with `method` "error", NaN
-times and the error in `extra["error"]`: one failure never loses the other rows.
-
-Also here: the tables the CLI and notebook 04 show (`kernel_frame`, `best_peer_table`, `kernel_goals`,
-`load_kernel_results`) and the correctness table of hfkit's kernels against their references
-(`kernel_errors`).
+"""Tables of the Evoformer kernel benchmarks' rows (evoformer_attention, softmax, triangle_multiplication):
+`kernel_frame` with readable columns, `best_peer_table` (hfkit against the fastest other provider),
+`kernel_goals`, `load_kernel_results`; and the correctness table of hfkit's kernels against their
+references (`kernel_errors`).
 """
 
 from __future__ import annotations
 
-import gc
-import math
 import os
-import time
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hfkit.bench.ceilings import Ceilings, bench_ceilings
-from hfkit.bench.results import ResultRow, row_environment
-from hfkit.bench.timing import peak_memory, time_step
+from hfkit.bench.results import ResultRow, load_results, results_dir, rows_to_frame
+from hfkit.bench.runner import DTYPES, max_abs_err
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -36,223 +22,16 @@ if TYPE_CHECKING:
 __all__ = [
     "RESULT_FILES",
     "best_peer_table",
-    "free_memory",
     "kernel_errors",
     "kernel_frame",
     "kernel_goals",
-    "kernel_summary",
-    "KernelBench",
-    "KernelRun",
     "load_kernel_results",
-    "max_abs_err",
-    "measure_case",
-    "Steps",
 ]
-
-
-class Steps(NamedTuple):
-    """What `measure_case` runs for one case: `step` makes `calls` op calls (one per rotating input
-    set), `single` one call on the first set (for peak memory), `check` returns error figures."""
-
-    step: Callable[[], Any]
-    single: Callable[[], Any]
-    calls: int
-    check: Callable[[], dict[str, Any]] | None
-
-
-class KernelBench(NamedTuple):
-    """What a kernel benchmark returns: its rows, the ceilings they are percentages of, and the cases
-    or providers it skipped, each with its reason (e.g. a peer library that is not installed)."""
-
-    rows: list[ResultRow]
-    ceilings: Ceilings
-    skipped: list[str]
-
-
-class KernelRun:
-    """What one run of a kernel benchmark shares: device, timing defaults (`warmup`/`reps` None: 5 and
-    `gpu_reps` on a GPU, 1 and 3 on a CPU), ceilings, row environment, progress bar, rows, skips."""
-
-    def __init__(
-        self,
-        device: torch.device,
-        *,
-        total: int,
-        desc: str,
-        progress: bool,
-        ceilings: Ceilings | None,
-        command: str | None,
-        warmup: int | None,
-        reps: int | None,
-        gpu_reps: int = 20,
-        on_row: Callable[[ResultRow], None] | None = None,
-    ) -> None:
-        from tqdm.auto import tqdm
-
-        on_cuda = device.type == "cuda"
-        self.device = device
-        self.warmup = warmup if warmup is not None else (5 if on_cuda else 1)
-        self.reps = reps if reps is not None else (gpu_reps if on_cuda else 3)
-        self.ceilings = ceilings or bench_ceilings(device)
-        self.env = row_environment(device, command)
-        self.bar = tqdm(total=total, disable=not progress, desc=desc)
-        self.on_row = on_row
-        self.rows: list[ResultRow] = []
-        self.skipped: list[str] = []
-
-    def measure(self, label: str, **case: Any) -> None:
-        """`measure_case` with this run's shared arguments; the row is kept and handed to `on_row` (e.g.
-        to save the rows so far: a run cut short keeps them)."""
-        self.bar.set_postfix_str(label)
-        row = measure_case(
-            env=self.env,
-            ceilings=self.ceilings,
-            device=self.device,
-            warmup=self.warmup,
-            reps=self.reps,
-            **case,
-        )
-        self.rows.append(row)
-        if self.on_row is not None:
-            self.on_row(row)
-        free_memory(self.device)
-        self.bar.update(1)
-
-    def skip(self, reason: str, cases: int) -> None:
-        """A provider that cannot run: its reason, and its `cases` counted as done on the bar."""
-        self.skipped.append(reason)
-        self.bar.update(cases)
-
-    def result(self) -> KernelBench:
-        self.bar.close()
-        return KernelBench(self.rows, self.ceilings, self.skipped)
-
-
-def free_memory(device: torch.device) -> None:
-    """Drop unreachable tensors and return cached CUDA blocks, so the next case starts clean."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
-def _short(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return f"{type(err).__name__}: {text[:300]}"
-
-
-def measure_case(
-    *,
-    env: dict[str, Any],
-    ceilings: Ceilings,
-    device: torch.device,
-    op: str,
-    provider: str,
-    mode: str,
-    shape: Sequence[int],
-    dtype: str,
-    nbytes: int,
-    flops: int | None,
-    build: Callable[[], Steps],
-    warmup: int,
-    reps: int,
-    extra: dict[str, Any] | None = None,
-) -> ResultRow:
-    """Check, measure peak memory and time one case; return its row (an error row if anything raised).
-
-    `build()` prepares the provider's inputs and returns the `Steps`; it runs inside the same guard, so
-    running out of memory while preparing also gives an error row. `check()` returns error figures
-    for `extra`, with `check_ok` False when the provider disagrees with the reference beyond its
-    dtype's rounding (the row is kept and a warning raised).
-
-    `nbytes` is the minimum memory traffic of one call, `flops` its arithmetic (None for
-    memory-bound ops): the row reports GB/s and TFLOP/s from the median time and percentages of
-    `ceilings`.
-    """
-    extra = dict(extra or {})
-    base = dict(env, op=op, provider=provider, mode=mode, shape=[int(d) for d in shape], dtype=dtype)
-    error = None
-    start = time.perf_counter()
-    try:
-        steps = build()
-        if steps.check is not None:
-            extra.update(steps.check())
-            if extra.get("check_ok") is False:
-                warnings.warn(
-                    f"{op} {provider} {dtype} {list(shape)}: output disagrees with the reference "
-                    f"({ {k: v for k, v in extra.items() if 'err' in k} }); row flagged check_ok=False",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-        if device.type == "cuda":
-            # One call first: compilation, autotuning (trifast benchmarks its configs on first use) and
-            # lazy workspaces stay out of the peak. (On a CPU peak_memory's own call is the warm-up.)
-            steps.single()
-        # Seconds spent before timing: input layouts, the check, compilation and autotuning.
-        extra["setup_s"] = round(time.perf_counter() - start, 2)
-        peak, _ = peak_memory(steps.single, device)
-        timing, note = time_step(steps.step, device, steps.calls, warmup, reps)
-    except Exception as err:  # noqa: BLE001 - one failing provider (e.g. out of memory) must not end the run
-        error = _short(err)
-    if error is not None:
-        # Outside the except block: the traceback (and the tensors its frames hold) is gone by now.
-        steps = None
-        free_memory(device)
-        extra["error"] = error
-        warnings.warn(
-            f"{op} {provider} {mode} {dtype} {list(shape)} failed: {error}", RuntimeWarning, stacklevel=2
-        )
-        nan = math.nan
-        return ResultRow(
-            **base,
-            p20_ms=nan,
-            p50_ms=nan,
-            p80_ms=nan,
-            method="error",
-            n_reps=0,
-            bytes=int(nbytes),
-            gbps=nan,
-            pct_copy=None,
-            flops=flops,
-            extra=extra,
-        )
-    if note:
-        extra["note"] = note
-    seconds = timing.p50 * 1e-3
-    gbps = nbytes / seconds / 1e9
-    tflops = flops / seconds / 1e12 if flops is not None else None
-    return ResultRow(
-        **base,
-        p20_ms=timing.p20,
-        p50_ms=timing.p50,
-        p80_ms=timing.p80,
-        method=timing.method,
-        n_reps=timing.n,
-        bytes=int(nbytes),
-        gbps=gbps,
-        pct_copy=100.0 * gbps / ceilings.copy_gbps if ceilings.copy_gbps > 0 else None,
-        flops=flops,
-        tflops=tflops,
-        pct_matmul=(
-            100.0 * tflops / ceilings.matmul_tflops
-            if tflops is not None and ceilings.matmul_tflops > 0
-            else None
-        ),
-        peak_mem_bytes=peak,
-        extra=extra,
-    )
-
-
-def max_abs_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| in float32 (0.0 for empty tensors)."""
-    if actual.numel() == 0:
-        return 0.0
-    return float((actual.detach().float() - expected.detach().float()).abs().max())
 
 
 # --- tables ---------------------------------------------------------------------------------------------
 
-RESULT_FILES = ("attention.json", "softmax.json", "triangle_multiplication.json")
+RESULT_FILES = ("evoformer_attention.json", "softmax.json", "triangle_multiplication.json")
 OURS = "hfkit"
 
 
@@ -275,8 +54,6 @@ def kernel_frame(results: pd.DataFrame | Sequence[ResultRow]) -> pd.DataFrame:
     """Kernel benchmark rows as a DataFrame with readable extra columns: `case` (e.g. "N=512",
     "S=132 N=256", "N=1024 incoming"), `n`, `direction`, `peak_mib`, `error`, `check_ok` and
     `max_err` (the provider's error against the float32 reference)."""
-    from hfkit.bench.results import rows_to_frame
-
     frame = rows_to_frame(results) if not hasattr(results, "columns") else results.copy()
     if "shape_str" not in frame:
         frame = rows_to_frame(frame.to_dict("records"))
@@ -330,35 +107,9 @@ def best_peer_table(results: pd.DataFrame | Sequence[ResultRow], ours: str = OUR
     )
 
 
-def kernel_summary(results: pd.DataFrame | Sequence[ResultRow]) -> pd.DataFrame:
-    """One line per row: op, case, dtype, mode, provider, p50 ms, TFLOP/s, % matmul, GB/s, % copy, peak
-    MiB, the check's error and any failure (the CLI prints this)."""
-    frame = kernel_frame(results)
-    table = frame[
-        [
-            "op",
-            "case",
-            "dtype",
-            "mode",
-            "provider",
-            "p50_ms",
-            "tflops",
-            "pct_matmul",
-            "gbps",
-            "pct_copy",
-            "peak_mib",
-            "max_err",
-        ]
-    ].copy()
-    table["error"] = [e[:60] if isinstance(e, str) else "" for e in frame["error"]]  # NaN where none
-    return table.round({"p50_ms": 3, "tflops": 1, "pct_matmul": 1, "gbps": 1, "pct_copy": 1, "peak_mib": 1})
-
-
 def load_kernel_results(source: str | os.PathLike[str] = "h200") -> pd.DataFrame | None:
     """The kernel results (`RESULT_FILES`) in `source` (a GPU slug such as "h200" or a folder) as one
     `kernel_frame`; None when none of the files exists yet."""
-    from hfkit.bench.results import load_results, results_dir
-
     folder = Path(source)
     if not folder.is_dir():
         folder = results_dir() / str(source)
@@ -396,8 +147,7 @@ def kernel_errors(
     import pandas as pd
 
     import hfkit.nn  # noqa: F401 - registers the swaps to_hfkit performs
-    from hfkit.bench.layernorm import DTYPES
-    from hfkit.bench.trimul import TrimulCase, make_trimul_module
+    from hfkit.bench.cases.triangle_multiplication import TrimulCase, make_trimul_module
     from hfkit.nn.convert import to_hfkit
     from hfkit.ops import evoformer_attention, evoformer_attention_reference, softmax, softmax_reference
 

@@ -48,14 +48,12 @@ from torch import nn
 from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
 from hfkit.bench.results import (
     ENV_KEYS,
+    ResultFile,
     ResultRow,
-    appended_meta,
     check_choice,
-    earlier_results,
     environment_info,
-    merge_rows,
+    make_row,
     row_key,
-    save_results,
 )
 from hfkit.bench.timing import Timing, peak_memory, time_fn, time_step
 from hfkit.model import AlphaFoldLite, EvoformerBlock, EvoformerStack, ModelConfig
@@ -187,19 +185,11 @@ def compile_blocks(model: nn.Module, backend: str = "inductor", mode: str | None
     return count
 
 
-@contextlib.contextmanager
-def _recompile_limit(limit: int = 256) -> Iterator[None]:
-    """Raise Dynamo's per-code-object recompile limit (default 8): one compiled function serves
-    every (variant, precision, shape) of the run, each a cache entry of its own."""
-    import torch._dynamo.config as dynamo_config
-
-    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    old = getattr(dynamo_config, name)
-    setattr(dynamo_config, name, max(old, limit))
-    try:
-        yield
-    finally:
-        setattr(dynamo_config, name, old)
+def _recompile_limit(limit: int = 256) -> contextlib.AbstractContextManager[Any]:
+    """Dynamo's per-code-object recompile limit (default 8) raised within the block by Dynamo's own
+    scoped `config.patch`: one compiled function serves every (variant, precision, shape) of the run,
+    each a cache entry of its own."""
+    return torch._dynamo.config.patch(recompile_limit=limit)
 
 
 def swappable_ops() -> list[str]:
@@ -307,9 +297,7 @@ class _Run:
     row_env: dict[str, Any]
     ceilings: Ceilings | None
     deadline: float | None
-    out: Path | None
-    keep: list[dict[str, Any]]
-    meta: dict[str, Any]
+    file: ResultFile | None
     compile_backend: str
     compile_mode: str | None
     progress: Any
@@ -327,38 +315,17 @@ class _Run:
         flops: int | None,
         extra: Mapping[str, Any],
     ) -> ResultRow:
-        nan = math.nan
-        t = m.timing if m is not None else None
-        tflops = flops / (t.p50 * 1e-3) / 1e12 if (t is not None and flops) else None
-        pct = None
-        if tflops is not None and self.ceilings is not None and self.ceilings.matmul_tflops > 0:
-            pct = 100.0 * tflops / self.ceilings.matmul_tflops
         notes = {**precision.describe(), **extra}
         if m is not None:
             notes["first_call_s"] = m.first_call_s
             if m.note:
                 notes["note"] = m.note
-        return ResultRow(
-            **self.row_env,
-            op=op,
-            provider=provider,
-            mode=mode,
-            shape=[int(d) for d in shape],
-            dtype=precision.name,
-            p20_ms=t.p20 if t else nan,
-            p50_ms=t.p50 if t else nan,
-            p80_ms=t.p80 if t else nan,
-            method=t.method if t else "failed",
-            n_reps=t.n if t else 0,
-            bytes=0,  # not a memory-bound op: FLOPs are the measure
-            gbps=0.0,
-            pct_copy=None,
-            flops=flops,
-            tflops=tflops,
-            pct_matmul=pct,
-            peak_mem_bytes=m.peak_mem_bytes if m else None,
-            extra=notes,
-        )
+        # Not a memory-bound op: FLOPs are the measure (bytes 0).
+        return make_row(
+            self.row_env, m.timing if m else None, op=op, provider=provider, mode=mode, shape=shape,
+            dtype=precision.name, flops=flops, ceilings=self.ceilings,
+            peak_mem_bytes=m.peak_mem_bytes if m else None, extra=notes,
+        )  # fmt: skip
 
     def attempt(
         self,
@@ -394,10 +361,8 @@ class _Run:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        if self.out is not None:
-            save_results(
-                merge_rows(self.keep, self.rows, _row_key), self.out, ceilings=self.ceilings, meta=self.meta
-            )
+        if self.file is not None:
+            self.file.save(self.rows, ceilings=self.ceilings)
 
     def cpu_path(self) -> contextlib.AbstractContextManager[Any]:
         return _cpu_path(self.device, self.interpret)
@@ -803,8 +768,6 @@ def run_model_benchmark(
     ceilings = ceilings or bench_ceilings(device)
     env = environment_info(device, command)
     row_env = {k: env[k] for k in ENV_KEYS}
-    out_path = Path(out) if out is not None else None
-    keep, earlier_meta = earlier_results(out_path) if append else ([], None)
 
     counts = {
         "block": len(dtypes) * len(shape_list) * len(variants) * len(modes),
@@ -819,9 +782,7 @@ def run_model_benchmark(
         row_env=row_env,
         ceilings=ceilings,
         deadline=None if budget_s is None else t_start + budget_s,
-        out=out_path,
-        keep=keep,
-        meta=appended_meta(earlier_meta, env),
+        file=None if out is None else ResultFile(out, env, append=append, key=_row_key),
         compile_backend=compile_backend,
         compile_mode=compile_mode,
         progress=bar,

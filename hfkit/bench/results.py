@@ -10,6 +10,7 @@ still say where each number came from. Files are written atomically (temp file, 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import re
@@ -32,11 +33,11 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from hfkit.bench.ceilings import Ceilings
+    from hfkit.bench.timing import Timing
 
 __all__ = [
     "ENV_KEYS",
-    "appended_meta",
-    "earlier_results",
+    "ResultFile",
     "ResultRow",
     "SCHEMA_VERSION",
     "check_choice",
@@ -44,12 +45,14 @@ __all__ = [
     "git_commit",
     "gpu_slug",
     "load_results",
+    "make_row",
     "merge_rows",
     "repo_root",
     "results_dir",
     "row_environment",
     "rows_to_frame",
     "save_results",
+    "summary_table",
     "with_speedup",
 ]
 
@@ -96,6 +99,47 @@ class ResultRow:
 
 
 ROW_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ResultRow))
+
+
+def make_row(
+    env: Mapping[str, Any],
+    timing: Timing | None,
+    *,
+    op: str,
+    provider: str,
+    mode: str,
+    shape: Sequence[int],
+    dtype: str,
+    nbytes: int = 0,
+    flops: int | None = None,
+    ceilings: Ceilings | None = None,
+    peak_mem_bytes: int | None = None,
+    extra: Mapping[str, Any] | None = None,
+    gbps: float | None = None,
+) -> ResultRow:
+    """One row from the `Timing` of one call and the `ENV_KEYS` fields in `env`. GB/s of `nbytes` (or
+    `gbps` as given) and TFLOP/s of `flops` at the median, each as a percentage of `ceilings` when
+    given. `timing` None gives the error row: NaN times, method "error" (the error goes in `extra`)."""
+    base = dict(env, op=op, provider=provider, mode=mode, shape=[int(d) for d in shape], dtype=dtype)
+    extra = dict(extra or {})
+    if timing is None:
+        nan = math.nan
+        return ResultRow(
+            **base, p20_ms=nan, p50_ms=nan, p80_ms=nan, method="error", n_reps=0, bytes=int(nbytes),
+            gbps=nan, pct_copy=None, flops=flops, peak_mem_bytes=peak_mem_bytes, extra=extra,
+        )  # fmt: skip
+    seconds = timing.p50 * 1e-3
+    gbps = nbytes / seconds / 1e9 if gbps is None else gbps
+    tflops = flops / seconds / 1e12 if flops else None
+    copy_ok = ceilings is not None and ceilings.copy_gbps > 0 and nbytes > 0
+    matmul_ok = ceilings is not None and ceilings.matmul_tflops > 0 and tflops is not None
+    return ResultRow(
+        **base, p20_ms=timing.p20, p50_ms=timing.p50, p80_ms=timing.p80, method=timing.method,
+        n_reps=timing.n, bytes=int(nbytes), gbps=gbps,
+        pct_copy=100.0 * gbps / ceilings.copy_gbps if copy_ok else None, flops=flops, tflops=tflops,
+        pct_matmul=100.0 * tflops / ceilings.matmul_tflops if matmul_ok else None,
+        peak_mem_bytes=peak_mem_bytes, extra=extra,
+    )  # fmt: skip
 
 
 def repo_root() -> Path:
@@ -194,34 +238,6 @@ def row_environment(device: torch.device | str | None, command: str | None) -> d
     return {k: env[k] for k in ENV_KEYS}
 
 
-def earlier_results(
-    path: str | os.PathLike[str] | None,
-) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """(rows, meta) of the results file a run extends with `--append`; ([], None) when there is none."""
-    if path is None or not Path(path).exists():
-        return [], None
-    doc = json.loads(Path(path).read_text())
-    return doc.get("rows", []), doc.get("meta")
-
-
-def appended_meta(earlier: Mapping[str, Any] | None, meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The `meta` of a results file that a run extends (`--append`): this run's `meta`, the earlier
-    file's commands in `earlier_commands` (theirs, then its own `command`), and its hand-written `note`
-    and `scripts` kept, so that appending never silently drops how the earlier rows were made."""
-    out = dict(meta)
-    if not earlier:
-        return out
-    commands = list(earlier.get("earlier_commands") or [])
-    if earlier.get("command") and earlier["command"] not in commands:
-        commands.append(earlier["command"])
-    if commands:
-        out["earlier_commands"] = commands
-    for key in ("note", "scripts"):
-        if key in earlier and key not in out:
-            out[key] = earlier[key]
-    return out
-
-
 def _row_dict(row: ResultRow | Mapping[str, Any]) -> dict[str, Any]:
     data = row.as_dict() if isinstance(row, ResultRow) else dict(row)
     missing = [name for name in ROW_FIELDS if name not in data]
@@ -298,6 +314,56 @@ def merge_rows(
     return [r for r in map(_row_dict, earlier) if key(r) not in replaced] + new
 
 
+class ResultFile:
+    """Where a run's rows go: `path`, saved whole after every row (`partial=True`) and at the end.
+
+    With `append`, the rows already in `path` stay unless this run measures the same configuration
+    again (`key`, default `row_key`), and the earlier file's commands (`earlier_commands`), hand-written
+    `note` and `scripts` are kept in the new `meta`, so that appending never silently drops how the
+    earlier rows were made. `meta` is this run's environment (`environment_info`).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        meta: Mapping[str, Any],
+        *,
+        append: bool = False,
+        key: Callable[[Mapping[str, Any]], tuple] = row_key,
+    ) -> None:
+        self.path = Path(path)
+        self.key = key
+        self.earlier: list[dict[str, Any]] = []
+        self.meta = dict(meta)
+        if append and self.path.exists():
+            doc = json.loads(self.path.read_text())
+            self.earlier = doc.get("rows", [])
+            before = doc.get("meta") or {}
+            commands = list(before.get("earlier_commands") or [])
+            if before.get("command") and before["command"] not in commands:
+                commands.append(before["command"])
+            if commands:
+                self.meta["earlier_commands"] = commands
+            for name in ("note", "scripts"):
+                if name in before and name not in self.meta:
+                    self.meta[name] = before[name]
+
+    def save(
+        self,
+        rows: Sequence[ResultRow | Mapping[str, Any]],
+        *,
+        ceilings: Ceilings | None = None,
+        partial: bool = False,
+        **meta: Any,
+    ) -> Path:
+        """Write the earlier rows this run does not repeat, then `rows`; `partial` marks a run still in
+        progress (a run cut short keeps what it measured); `meta` adds to this run's meta."""
+        doc_meta = {**self.meta, **meta, **({"partial": True} if partial else {})}
+        return save_results(
+            merge_rows(self.earlier, rows, self.key), self.path, ceilings=ceilings, meta=doc_meta
+        )
+
+
 def _resolve_source(source: str | os.PathLike[str]) -> list[Path]:
     path = Path(source)
     if not path.exists() and isinstance(source, str) and "/" not in source and os.sep not in source:
@@ -362,7 +428,7 @@ def load_results(source: str | os.PathLike[str], op: str | None = None) -> pd.Da
     return pd.concat(frames, ignore_index=True)
 
 
-def with_speedup(frame: pd.DataFrame, baseline: str = "torch") -> pd.DataFrame:
+def with_speedup(frame: pd.DataFrame, baseline: str = "eager") -> pd.DataFrame:
     """Add `speedup`: the baseline provider's p50 over each row's p50 for the same op/shape/dtype/mode.
 
     Rows without a matching baseline row get NaN. Returns a new DataFrame.
@@ -376,3 +442,23 @@ def with_speedup(frame: pd.DataFrame, baseline: str = "torch") -> pd.DataFrame:
     out = frame.merge(base, on=keys, how="left")
     out["speedup"] = out["_base_p50_ms"] / out["p50_ms"]
     return out.drop(columns="_base_p50_ms")
+
+
+def summary_table(results: pd.DataFrame | Sequence[ResultRow], baseline: str = "eager") -> pd.DataFrame:
+    """A readable table: shape, dtype, mode, provider, p50 µs, GB/s, % copy, speed-up vs `baseline`."""
+    frame = results if not isinstance(results, Sequence) else rows_to_frame(results)
+    if "shape_str" not in frame:
+        frame = rows_to_frame(frame.to_dict("records"))
+    frame = with_speedup(frame, baseline)
+    table = frame[["shape_str", "dtype", "mode", "provider", "p50_us", "gbps", "pct_copy", "speedup"]]
+    speedup = f"speed-up vs {baseline}"
+    table = table.rename(
+        columns={
+            "shape_str": "shape",
+            "p50_us": "p50 µs",
+            "gbps": "GB/s",
+            "pct_copy": "% copy",
+            "speedup": speedup,
+        }
+    )
+    return table.round({"p50 µs": 1, "GB/s": 1, "% copy": 1, speedup: 2})

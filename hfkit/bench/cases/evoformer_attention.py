@@ -1,4 +1,5 @@
-"""Evoformer attention benchmark: hfkit's flash-style kernel against eager, compile, SDPA and the peers.
+"""Evoformer attention benchmark: `hfkit.ops.evoformer_attention` (flash-style) against eager, compile,
+SDPA and the peers.
 
 Two ops, one math (`softmax(q·kᵀ/√D + pair_bias + mask_bias)·v` over each of S rows): triangle attention
 over the N×N pair representation (S = N rows, H=4, D=32) and MSA row attention with pair bias (S MSA
@@ -27,37 +28,25 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from hfkit.bench.ceilings import Ceilings, resolve_device
-from hfkit.bench.kernels import (
-    KernelBench,
-    KernelRun,
-    Steps,
-    free_memory,
-    max_abs_err,
-)
-from hfkit.bench.layernorm import DTYPES
 from hfkit.bench.peers import load_cuequivariance, load_trifast
-from hfkit.bench.results import ResultRow, check_choice
+from hfkit.bench.results import check_choice
+from hfkit.bench.runner import DTYPES, Benchmark, Option, Prepared, Skip, Steps, max_abs_err, pick_profile
 from hfkit.bench.timing import rotating
 from hfkit.ops.softmax import MASK_INF
 
 __all__ = [
     "AttentionCase",
+    "BENCHMARK",
     "CHECK_TOL",
-    "MODES",
     "MSA_ROW_SHAPES",
     "OPS",
-    "PROVIDERS",
     "TRIANGLE_SIZES",
     "attention_cases",
     "eager_attention",
-    "run_attention_benchmark",
     "sdpa_attention",
 ]
 
 OPS = {"triangle": "triangle_attention", "msa_row": "msa_row_attention"}
-PROVIDERS = ("hfkit", "eager", "compile", "sdpa", "trifast", "cuequivariance")
-MODES = ("fwd", "fwd+bwd")
 TRIANGLE_SIZES = (256, 512, 1024, 2048)
 MSA_ROW_SHAPES = ((128, 256), (132, 256), (256, 384), (128, 512))  # (S, N)
 TRIANGLE_HEADS, MSA_ROW_HEADS, HEAD_DIM = 4, 8, 32
@@ -92,24 +81,21 @@ class AttentionCase:
         fwd = 4 * qkv + bias  # read q, k, v, bias; write o
         return fwd + 8 * qkv + 2 * bias if backward else fwd
 
+    @property
     def label(self) -> str:
         return f"{self.op} {'x'.join(map(str, self.shape))}"
 
 
 def attention_cases(
-    ops: Sequence[str] = tuple(OPS),
-    sizes: Sequence[int] | None = None,
-    device: torch.device | str | None = None,
-    quick: bool = False,
+    profile: str = "full", ops: Sequence[str] | None = None, sizes: Sequence[int] | None = None
 ) -> list[AttentionCase]:
-    """The benchmark's cases: triangle attention at `TRIANGLE_SIZES` and MSA row attention at
-    `MSA_ROW_SHAPES` on a GPU (`quick`: the two smallest of each), keeping only N in `sizes` when
-    given; tiny odd sizes on a CPU (where `sizes`, when given, are the N values used as they are)."""
-    ops = check_choice("ops", ops, list(OPS))
-    on_cuda = resolve_device(device).type == "cuda"
-    if on_cuda:
-        tri = [(n, n) for n in TRIANGLE_SIZES[: 2 if quick else None]]
-        msa = list(MSA_ROW_SHAPES[: 2 if quick else None])
+    """Triangle attention at `TRIANGLE_SIZES` and MSA row attention at `MSA_ROW_SHAPES` (profile
+    "full"), keeping only N in `sizes` when given; tiny odd sizes for "smoke" (where `sizes`, when
+    given, are the N values used as they are). `ops`: "triangle", "msa_row" (default: both)."""
+    ops = check_choice("ops", ops or list(OPS), list(OPS))
+    if pick_profile(profile, {"full": True, "smoke": False}):
+        tri = [(n, n) for n in TRIANGLE_SIZES]
+        msa = list(MSA_ROW_SHAPES)
         if sizes is not None:
             tri = [(s, n) for s, n in tri if n in sizes] or [(n, n) for n in sizes]
             msa = [(s, n) for s, n in msa if n in sizes]
@@ -189,11 +175,7 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class _Skip(Exception):
-    """A provider that cannot run this case; the message is the reason."""
-
-
-def _impl(provider: str, case: AttentionCase, device: torch.device) -> _Impl:
+def _provider(provider: str, case: AttentionCase, device: torch.device) -> _Impl:
     if provider == "hfkit":
         from hfkit.ops import evoformer_attention
 
@@ -210,21 +192,21 @@ def _impl(provider: str, case: AttentionCase, device: torch.device) -> _Impl:
     if provider == "trifast":
         fn, reason = load_trifast(device)
         if fn is None:
-            raise _Skip(f"trifast {reason}")
+            raise Skip(f"trifast {reason}")
         if case.rows != case.n:
-            raise _Skip(f"trifast needs as many query rows as keys (S == N), got S={case.rows}, N={case.n}")
+            raise Skip(f"trifast needs as many query rows as keys (S == N), got S={case.rows}, N={case.n}")
         return _Impl(fn, _trifast_layout, lambda o: o.transpose(1, 2), {"layout": "[B, H, S, N, D]"})
     if provider == "cuequivariance":
         fns, reason = load_cuequivariance(device)
         if fns is None:
-            raise _Skip(f"cuequivariance {reason}")
+            raise Skip(f"cuequivariance {reason}")
         scale = case.head_dim**-0.5
 
         def cueq(q, k, v, bias, mask):
             return fns.triangle_attention(q, k, v, bias, mask, scale)
 
         return _Impl(cueq, _cueq_layout, _identity, {"bias_dtype": "fp32"})
-    raise ValueError(f"providers: unknown provider {provider!r}; expected one of {PROVIDERS}")
+    raise ValueError(f"providers: unknown provider {provider!r}")
 
 
 def _trifast_layout(s: _Set, grad: bool) -> _Native:
@@ -275,98 +257,52 @@ def _check(impl: _Impl, native: _Native, s: _Set, dtype_name: str) -> dict[str, 
     return {"max_abs_err_vs_fp32_ref": err, "check_rows": r, "check_ok": err <= CHECK_TOL[dtype_name]}
 
 
-def _build(impl: _Impl, sets: list[_Set], backward: bool, dtype_name: str) -> Callable[[], Steps]:
-    def build() -> Steps:
-        natives = [impl.prepare(s, backward) for s in sets]
-
-        def run(batch: list[_Native]) -> Callable[[], None]:
-            def step() -> None:
-                for nat in batch:
-                    out = impl.forward(*nat.args)
-                    if backward:
-                        torch.autograd.grad(out, nat.leaves, nat.dout)
-
-            return step
-
-        return Steps(
-            run(natives),
-            run(natives[:1]),
-            len(natives),
-            lambda: _check(impl, natives[0], sets[0], dtype_name),
-        )
-
-    return build
+def _prepare(case: AttentionCase, dtype_name: str, device: torch.device) -> Prepared:
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator(device=device).manual_seed(0)
+    per_set = case.bytes(True, torch.empty((), dtype=dtype).element_size())
+    make = lambda: _make_set(case, dtype, device, gen)  # noqa: E731
+    sets = rotating(make, per_set, 256 << 20, 4) if device.type == "cuda" else [make()]
+    return Prepared(sets, {"rotating_sets": len(sets)})
 
 
-def run_attention_benchmark(
-    device: torch.device | str | None = None,
-    cases: Sequence[AttentionCase] | None = None,
-    dtypes: Sequence[str] = ("bf16",),
-    modes: Sequence[str] = MODES,
-    providers: Sequence[str] = PROVIDERS,
-    progress: bool = True,
-    *,
-    quick: bool = False,
-    ceilings: Ceilings | None = None,
-    command: str | None = None,
-    warmup: int | None = None,
-    reps: int | None = None,
-    on_row: Callable[[ResultRow], None] | None = None,
-) -> KernelBench:
-    """Time every (case, dtype, provider, mode) on `device`; return rows, ceilings and skipped providers.
+def _build(case: AttentionCase, impl: _Impl, prepared: Prepared, mode: str, dtype_name: str) -> Steps:
+    backward = mode == "fwd+bwd"
+    sets = prepared.inputs
+    natives = [impl.prepare(s, backward) for s in sets]
 
-    `cases=None` picks `attention_cases(device=device, quick=quick)`. Each provider's output is checked
-    against `evoformer_attention_reference` in float32 before it is timed (`extra`:
-    `max_abs_err_vs_fp32_ref`, `check_ok`); peak memory is one step's, above the inputs; a provider
-    that fails (e.g. eager running out of memory at N=2048) gives an error row. Providers that cannot
-    run a case at all (a peer not installed, trifast with S != N) are skipped and listed with their
-    reason. Defaults: warm-up 5, 20 timed replays on a GPU (2 and 3 on a CPU).
-    """
+    def run(batch: list[_Native]):
+        def step() -> None:
+            for nat in batch:
+                out = impl.forward(*nat.args)
+                if backward:
+                    torch.autograd.grad(out, nat.leaves, nat.dout)
 
-    device = resolve_device(device)
-    on_cuda = device.type == "cuda"
-    dtypes = check_choice("dtypes", dtypes, list(DTYPES))
-    modes = check_choice("modes", modes, MODES)
-    providers = check_choice("providers", providers, PROVIDERS)
-    cases = list(cases) if cases is not None else attention_cases(device=device, quick=quick)
-    run = KernelRun(
-        device,
-        total=len(cases) * len(dtypes) * len(providers) * len(modes),
-        desc="attention",
-        progress=progress,
-        ceilings=ceilings,
-        command=command,
-        warmup=warmup,
-        reps=reps,
-        on_row=on_row,
+        return step
+
+    return Steps(
+        run(natives), run(natives[:1]), len(natives), lambda: _check(impl, natives[0], sets[0], dtype_name)
     )
-    for case in cases:
-        for dtype_name in dtypes:
-            dtype = DTYPES[dtype_name]
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            gen = torch.Generator(device=device).manual_seed(0)
-            make = lambda: _make_set(case, dtype, device, gen)  # noqa: B023 - used before the loop moves on
-            sets = rotating(make, case.bytes(True, itemsize), 256 << 20, 4) if on_cuda else [make()]
-            for provider in providers:
-                try:
-                    impl = _impl(provider, case, device)
-                except _Skip as why:
-                    run.skip(f"{case.label()} {dtype_name}: {why}", len(modes))
-                    continue
-                for mode in modes:
-                    backward = mode == "fwd+bwd"
-                    run.measure(
-                        f"{case.label()} {dtype_name} {mode} {provider}",
-                        op=case.op,
-                        provider=provider,
-                        mode=mode,
-                        shape=case.shape,
-                        dtype=dtype_name,
-                        nbytes=case.bytes(backward, itemsize),
-                        flops=case.flops(backward),
-                        build=_build(impl, sets, backward, dtype_name),
-                        extra={"rotating_sets": len(sets), **impl.note},
-                    )
-            del sets
-            free_memory(device)
-    return run.result()
+
+
+def _cost(case: AttentionCase, dtype_name: str, mode: str) -> tuple[int, int]:
+    itemsize = torch.empty((), dtype=DTYPES[dtype_name]).element_size()
+    return case.bytes(mode == "fwd+bwd", itemsize), case.flops(mode == "fwd+bwd")
+
+
+BENCHMARK = Benchmark(
+    name="evoformer_attention",
+    description="triangle / MSA-row attention: hfkit vs eager, compile, SDPA, trifast, cuEquivariance",
+    providers=("hfkit", "eager", "compile", "sdpa", "trifast", "cuequivariance"),
+    dtypes=tuple(DTYPES),
+    default_dtypes=("bf16",),
+    cases=attention_cases,
+    prepare=_prepare,
+    provider=_provider,
+    build=_build,
+    cost=_cost,
+    options=(
+        Option("ops", "names", "which attention", tuple(OPS)),
+        Option("sizes", "ints", "keep these N, e.g. 256,512 (default: all)"),
+    ),
+)

@@ -1,0 +1,314 @@
+"""The one benchmark runner: every op benchmark is a `Benchmark` (a case table in `hfkit.bench.cases`)
+measured by `run_benchmark`, one row per (case, dtype, provider, mode).
+
+Every row is measured by one protocol, `measure_case`: first a correctness check of the provider's
+forward against a reference (a fast number from a wrong setup is flagged in the row), then one step with
+the CUDA peak-memory counter reset (the bytes above what the inputs already hold), then the timing: a
+CUDA graph of the step replayed and timed with CUDA events (eager CUDA events when capture fails, the
+reason recorded), wall clock on a CPU. A provider that raises (out of memory, an unsupported shape) gives
+a row with `method` "error", NaN times and the error in `extra["error"]`: one failure never loses the
+other rows, and no row is silently missing. Each row is handed to `on_row` as it completes, so a caller
+can save the rows so far (`ResultFile.save(partial=True)`).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
+from hfkit.bench.results import ResultRow, check_choice, make_row, row_environment
+from hfkit.bench.timing import peak_memory, time_step
+
+__all__ = [
+    "DTYPES",
+    "MODES",
+    "PROFILES",
+    "BenchResult",
+    "Benchmark",
+    "Option",
+    "Prepared",
+    "ShapeCase",
+    "Skip",
+    "Steps",
+    "free_memory",
+    "max_abs_err",
+    "measure_case",
+    "pick_profile",
+    "run_benchmark",
+]
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MODES: tuple[str, ...] = ("fwd", "fwd+bwd")
+# smoke: tiny odd sizes (CPU, CI, the Triton interpreter); full: the AlphaFold sizes a GPU run measures.
+PROFILES: tuple[str, ...] = ("smoke", "full")
+
+
+class Skip(Exception):
+    """A provider that cannot run a case at all (a peer not installed, a layout it does not take); the
+    message is the reason, listed in `BenchResult.skipped`."""
+
+
+class Steps(NamedTuple):
+    """What `measure_case` runs for one case: `step` makes `calls` op calls (one per rotating input
+    set), `single` one call on the first set (for peak memory), `check` returns error figures."""
+
+    step: Callable[[], Any]
+    single: Callable[[], Any]
+    calls: int
+    check: Callable[[], dict[str, Any]] | None
+
+
+class Prepared(NamedTuple):
+    """A case's inputs at one dtype, shared by every provider and mode, and notes for every row."""
+
+    inputs: Any
+    extra: dict[str, Any]
+
+
+class Option(NamedTuple):
+    """A case-selection option of a benchmark's command line (`hfkit bench <name> --<flag>`): `kind` is
+    "ints" (a comma list of integers), "shapes" (AxBxC,...) or "names" (a comma list of `choices`)."""
+
+    flag: str
+    kind: str
+    help: str
+    choices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ShapeCase:
+    """A case that is just the input's shape (LayerNorm's x, softmax's logits)."""
+
+    shape: tuple[int, ...]
+
+    @property
+    def label(self) -> str:
+        return "x".join(map(str, self.shape))
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One op's benchmark as a table: its name (the op's name everywhere: `cases/<name>.py`,
+    `data/results/<gpu>/<name>.json`, `hfkit bench <name>`), providers, dtypes (the first
+    `default_dtypes` run unless asked), and how to build each piece.
+
+    - `cases(profile, **options)`: the cases (objects with `shape`, `label` and, where the row's op is
+      not `name`, `op`) for a profile, narrowed by the `options` of the command line;
+    - `prepare(case, dtype, device) -> Prepared`: inputs shared by every provider and mode;
+    - `provider(name, case, device)`: what `build` runs (raise `Skip` if it cannot run here);
+    - `build(case, impl, prepared, mode, dtype) -> Steps`;
+    - `cost(case, dtype, mode) -> (bytes, flops)`: minimum traffic and arithmetic of one call (flops
+      None for memory-bound ops);
+    - `gpu_warmup`/`gpu_reps`: timing defaults on a GPU (1 and 3 on a CPU).
+    """
+
+    name: str
+    description: str
+    providers: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    default_dtypes: tuple[str, ...]
+    cases: Callable[..., list[Any]]
+    prepare: Callable[[Any, str, torch.device], Prepared]
+    provider: Callable[[str, Any, torch.device], Any]
+    build: Callable[[Any, Any, Prepared, str, str], Steps]
+    cost: Callable[[Any, str, str], tuple[int, int | None]]
+    options: tuple[Option, ...] = ()
+    gpu_warmup: int = 5
+    gpu_reps: int = 20
+
+
+class BenchResult(NamedTuple):
+    """What a benchmark run returns: its rows, the ceilings they are percentages of, and the cases
+    or providers it skipped, each with its reason (e.g. a peer library that is not installed)."""
+
+    rows: list[ResultRow]
+    ceilings: Ceilings
+    skipped: list[str]
+
+
+def free_memory(device: torch.device) -> None:
+    """Drop unreachable tensors and return cached CUDA blocks, so the next case starts clean."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def max_abs_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| in float32 (0.0 for empty tensors)."""
+    if actual.numel() == 0:
+        return 0.0
+    return float((actual.detach().float() - expected.detach().float()).abs().max())
+
+
+def _short(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:300]}"
+
+
+def measure_case(
+    *,
+    env: dict[str, Any],
+    ceilings: Ceilings,
+    device: torch.device,
+    op: str,
+    provider: str,
+    mode: str,
+    shape: Sequence[int],
+    dtype: str,
+    nbytes: int,
+    flops: int | None,
+    build: Callable[[], Steps],
+    warmup: int,
+    reps: int,
+    extra: dict[str, Any] | None = None,
+) -> ResultRow:
+    """Check, measure peak memory and time one case; return its row (an error row if anything raised).
+
+    `build()` prepares the provider's inputs and returns the `Steps`; it runs inside the same guard, so
+    running out of memory while preparing also gives an error row. `check()` returns error figures
+    for `extra`, with `check_ok` False when the provider disagrees with the reference beyond its
+    dtype's rounding (the row is kept and a warning raised). `nbytes` is the minimum memory traffic of
+    one call, `flops` its arithmetic (None for memory-bound ops): the row reports GB/s and TFLOP/s from
+    the median time and percentages of `ceilings`.
+    """
+    extra = dict(extra or {})
+    error = timing = None
+    start = time.perf_counter()
+    try:
+        steps = build()
+        if steps.check is not None:
+            extra.update(steps.check())
+            if extra.get("check_ok") is False:
+                warnings.warn(
+                    f"{op} {provider} {dtype} {list(shape)}: output disagrees with the reference "
+                    f"({ {k: v for k, v in extra.items() if 'err' in k} }); row flagged check_ok=False",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        if device.type == "cuda":
+            # One call first: compilation, autotuning (trifast benchmarks its configs on first use) and
+            # lazy workspaces stay out of the peak. (On a CPU peak_memory's own call is the warm-up.)
+            steps.single()
+        # Seconds spent before timing: input layouts, the check, compilation and autotuning.
+        extra["setup_s"] = round(time.perf_counter() - start, 2)
+        peak, _ = peak_memory(steps.single, device)
+        timing, note = time_step(steps.step, device, steps.calls, warmup, reps)
+    except Exception as err:  # noqa: BLE001 - one failing provider (e.g. out of memory) must not end the run
+        error = _short(err)
+    if error is not None:
+        # Outside the except block: the traceback (and the tensors its frames hold) is gone by now.
+        steps = peak = None
+        free_memory(device)
+        extra["error"] = error
+        warnings.warn(
+            f"{op} {provider} {mode} {dtype} {list(shape)} failed: {error}", RuntimeWarning, stacklevel=2
+        )
+    elif note:
+        extra["note"] = note
+    return make_row(
+        env, timing, op=op, provider=provider, mode=mode, shape=shape, dtype=dtype, nbytes=nbytes,
+        flops=flops, ceilings=ceilings, peak_mem_bytes=peak, extra=extra,
+    )  # fmt: skip
+
+
+def _build(
+    bench: Benchmark,
+    case: Any,
+    impl: Any,
+    prepared: Prepared,
+    mode: str,
+    dtype: str,
+    failed: Exception | None,
+) -> Steps:
+    if failed is not None:  # preparing the inputs failed: every provider and mode gets the error row
+        raise failed
+    return bench.build(case, impl, prepared, mode, dtype)
+
+
+def run_benchmark(
+    bench: Benchmark,
+    cases: Sequence[Any],
+    device: torch.device | str | None = None,
+    *,
+    dtypes: Sequence[str] | None = None,
+    modes: Sequence[str] = MODES,
+    providers: Sequence[str] | None = None,
+    progress: bool = True,
+    ceilings: Ceilings | None = None,
+    command: str | None = None,
+    warmup: int | None = None,
+    reps: int | None = None,
+    on_row: Callable[[ResultRow], None] | None = None,
+) -> BenchResult:
+    """Measure every (case, dtype, provider, mode) of `bench` on `device` with `measure_case`.
+
+    `dtypes` default to `bench.default_dtypes`, `providers` to all of `bench.providers`; `warmup`/`reps`
+    to `bench.gpu_warmup`/`bench.gpu_reps` on a GPU and 1/3 on a CPU. Ceilings are measured first
+    unless given; `command` is stored in every row (default: this process's command line). A provider
+    that raises `Skip` is listed with its reason and its rows are left out; any other failure, in
+    preparing inputs too, gives error rows. Each row goes to `on_row` as soon as it is measured.
+    """
+    device = resolve_device(device)
+    on_cuda = device.type == "cuda"
+    dtypes = check_choice("dtypes", dtypes or bench.default_dtypes, bench.dtypes)
+    modes = check_choice("modes", modes, MODES)
+    providers = check_choice("providers", providers or bench.providers, bench.providers)
+    warmup = warmup if warmup is not None else (bench.gpu_warmup if on_cuda else 1)
+    reps = reps if reps is not None else (bench.gpu_reps if on_cuda else 3)
+    ceilings = ceilings or bench_ceilings(device)
+    env = row_environment(device, command)
+    rows: list[ResultRow] = []
+    skipped: list[str] = []
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(cases) * len(dtypes) * len(providers) * len(modes), disable=not progress)
+    bar.set_description(bench.name)
+    for case in cases:
+        for dtype in dtypes:
+            try:
+                prepared, failed = bench.prepare(case, dtype, device), None
+            except Exception as err:  # noqa: BLE001 - becomes an error row per provider and mode
+                prepared, failed = Prepared(None, {}), err
+            for provider in providers:
+                try:
+                    impl = bench.provider(provider, case, device)
+                except Skip as why:
+                    skipped.append(f"{case.label} {dtype}: {why}")
+                    bar.update(len(modes))
+                    continue
+                for mode in modes:
+                    bar.set_postfix_str(f"{case.label} {dtype} {mode} {provider}")
+                    nbytes, flops = bench.cost(case, dtype, mode)
+
+                    build = functools.partial(_build, bench, case, impl, prepared, mode, dtype, failed)
+                    row = measure_case(
+                        env=env, ceilings=ceilings, device=device, op=getattr(case, "op", bench.name),
+                        provider=provider, mode=mode, shape=case.shape, dtype=dtype, nbytes=nbytes,
+                        flops=flops, build=build, warmup=warmup, reps=reps,
+                        extra={**prepared.extra, **getattr(impl, "note", {})},
+                    )  # fmt: skip
+                    rows.append(row)
+                    if on_row is not None:
+                        on_row(row)
+                    free_memory(device)
+                    bar.update(1)
+            prepared = impl = None
+            free_memory(device)
+    bar.close()
+    return BenchResult(rows, ceilings, skipped)
+
+
+def pick_profile(profile: str, tables: Mapping[str, Any]) -> Any:
+    """`tables[profile]`, or ValueError naming the profiles there are."""
+    if profile not in tables:
+        raise ValueError(f"profile: expected one of {list(tables)}, got {profile!r}")
+    return tables[profile]
