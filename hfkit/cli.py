@@ -1,4 +1,5 @@
-"""The `hfkit` command line: `hfkit env`, `hfkit bench <name>` (every benchmark), `hfkit preprocess`.
+"""The `hfkit` command line: `hfkit env`, `hfkit bench <name>` (every benchmark), `hfkit preprocess`,
+`hfkit report`.
 
 `main(argv)` is the entry point of both the `hfkit` console script and `python -m hfkit`; it returns
 the exit status instead of calling `sys.exit`, so tests can call it directly.
