@@ -387,7 +387,7 @@ def _add_model_bench(bench_sub: argparse._SubParsersAction) -> None:
 def _cmd_report(args: argparse.Namespace) -> int:
     import difflib
 
-    from hfkit.bench.report import report_documents
+    from hfkit.viz.report import report_documents
 
     documents = report_documents(args.results, args.out, args.readme)
     if not args.check:

@@ -299,7 +299,7 @@ def test_figures_have_one_trace_per_provider_and_facet():
 
     rows = [
         _row(p, t, mode=m, dtype=d)
-        for p, t in (("torch", 3.0), ("hfkit", 1.0), ("compile", 2.0))
+        for p, t in (("eager", 3.0), ("hfkit", 1.0), ("compile", 2.0))
         for m in ("fwd", "fwd+bwd")
         for d in ("fp32", "bf16")
     ]
@@ -317,7 +317,7 @@ def test_layernorm_explorer_runs_on_click(monkeypatch):
     pytest.importorskip("plotly")
     from hfkit.viz import layernorm_explorer
 
-    explorer = layernorm_explorer("cpu", providers=("torch",))
+    explorer = layernorm_explorer("cpu", providers=("eager",))
     explorer.shape.value = (1, 256, 384)
     explorer.dtype.value = "fp32"
     explorer.button.click()

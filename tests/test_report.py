@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hfkit.bench.report import (
+from hfkit.bench.results import results_dir, rows_to_frame
+from hfkit.cli import main
+from hfkit.viz.report import (
     HEADLINE_END,
     HEADLINE_START,
     headline_markdown,
@@ -18,8 +20,6 @@ from hfkit.bench.report import (
     results_markdown,
     with_headline,
 )
-from hfkit.bench.results import results_dir, rows_to_frame
-from hfkit.cli import main
 
 REPO = results_dir().parents[1]
 

@@ -169,7 +169,7 @@ def test_notebook_results_failed_rows():
 def test_layernorm_explorer_shows_its_result_before_the_widget(displayed):
     from hfkit.viz import layernorm_explorer
 
-    explorer = layernorm_explorer("cpu", providers=("torch",))
+    explorer = layernorm_explorer("cpu", providers=("eager",))
     explorer.dtype.value = "fp32"
     table = explorer.run()
     assert explorer.output.outputs == ()  # run() computes; it draws into the widget on a click only
@@ -265,19 +265,19 @@ def test_layernorm_results_on_a_cpu_load_the_committed_results_or_say_how_to_mak
     from hfkit.viz.figures import layernorm_results
 
     shown = layernorm_results(CPU, smoke=True)
-    if (RESULTS / "h200" / "layernorm.json").exists():
+    if (RESULTS / "h200" / "layer_norm.json").exists():
         assert len(shown.frame) > 0 and set(shown.frame["op"]) == {"layer_norm"}
         assert "H200" in shown.label and "commit" in shown.notes[0]
     else:
-        assert shown.frame is None and "hfkit bench layernorm" in shown.notes[0]
+        assert shown.frame is None and "hfkit bench layer_norm" in shown.notes[0]
 
 
 def test_committed_kernels_and_kernel_results(tmp_path):
     from hfkit.viz.kernels import committed_kernels, kernel_results
 
     empty = committed_kernels(tmp_path)
-    assert empty.frame is None and empty.label is None and "hfkit bench attention" in empty.notes[0]
-    if not (RESULTS / "h200" / "attention.json").exists():
+    assert empty.frame is None and empty.label is None and "hfkit bench evoformer_attention" in empty.notes[0]
+    if not (RESULTS / "h200" / "evoformer_attention.json").exists():
         pytest.skip("no committed H200 kernel results")
     shown = kernel_results(CPU, smoke=True, source="h200")
     assert {"triangle_attention", "softmax"} <= set(shown.frame["op"])

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from hfkit.bench import bench_ceilings, layernorm_errors, summary_table
+from hfkit.bench.cases.layer_norm import HFAI_SHAPE
 from hfkit.bench.results import rows_to_frame, with_speedup
 from hfkit.viz.notebook import NotebookResults, render_into, show_static_then_widget
 
@@ -35,8 +36,18 @@ __all__ = [
 # `bench_ceilings`, `layernorm_errors` and `summary_table` (of LayerNorm rows) are re-exported for
 # notebook 00, which imports from viz only.
 
-PROVIDER_ORDER = ["torch", "compile", "hfkit"]
-PROVIDER_COLORS = {"torch": "#7f7f7f", "compile": "#1f77b4", "hfkit": "#d62728"}
+# A GPU run of notebook 00 at the smoke profile: five shapes of the census (the most frequent, the
+# largest, a small one and hfai.nn's own shape) at their real sizes, so the numbers stay measurements.
+GPU_SMOKE_SHAPES: tuple[tuple[int, ...], ...] = (
+    (1, 256, 256, 128),
+    (1, 4, 256, 256, 64),
+    (1, 256, 384),
+    (1, 256, 256),
+    HFAI_SHAPE,
+)
+
+PROVIDER_ORDER = ["eager", "compile", "hfkit"]
+PROVIDER_COLORS = {"eager": "#7f7f7f", "compile": "#1f77b4", "hfkit": "#d62728"}
 
 
 def _prepare(frame: pd.DataFrame) -> pd.DataFrame:
@@ -97,7 +108,7 @@ def pct_copy_bars(frame: pd.DataFrame, title: str | None = None) -> go.Figure:
     return fig
 
 
-def speedup_bars(frame: pd.DataFrame, baseline: str = "torch", title: str | None = None) -> go.Figure:
+def speedup_bars(frame: pd.DataFrame, baseline: str = "eager", title: str | None = None) -> go.Figure:
     """Grouped bars of speed-up over `baseline` (its p50 over each provider's p50); 1 is a dashed line."""
     data = with_speedup(_prepare(frame), baseline)
     data = data[data["provider"] != baseline]
@@ -119,12 +130,12 @@ class LayerNormExplorer:
     def __init__(
         self,
         device: torch.device | str | None = None,
-        providers: Sequence[str] = ("hfkit", "torch", "compile"),
+        providers: Sequence[str] = ("hfkit", "eager", "compile"),
     ) -> None:
         import ipywidgets as widgets
 
+        from hfkit.bench.cases.layer_norm import FULL_SHAPES
         from hfkit.bench.ceilings import resolve_device
-        from hfkit.bench.layernorm import FULL_SHAPES
 
         self.device = resolve_device(device)
         self.providers = tuple(providers)
@@ -153,8 +164,8 @@ class LayerNormExplorer:
     def run(self) -> pd.DataFrame:
         """Benchmark the selected shape and dtype now; return the summary table (kept as `last_table`,
         its time figure as `last_figure`)."""
+        from hfkit.bench.cases.layer_norm import run_layernorm_benchmark, smoke_shape
         from hfkit.bench.ceilings import bench_ceilings
-        from hfkit.bench.layernorm import run_layernorm_benchmark, smoke_shape
 
         shape = tuple(self.shape.value)
         on_cuda = self.device.type == "cuda"
@@ -188,7 +199,7 @@ class LayerNormExplorer:
 
 
 def layernorm_explorer(
-    device: torch.device | str | None = None, providers: Sequence[str] = ("hfkit", "torch", "compile")
+    device: torch.device | str | None = None, providers: Sequence[str] = ("hfkit", "eager", "compile")
 ) -> LayerNormExplorer:
     """Build the LayerNorm explorer (see `LayerNormExplorer`); display it in a notebook cell."""
     return LayerNormExplorer(device, providers)
@@ -196,13 +207,14 @@ def layernorm_explorer(
 
 def layernorm_results(device: torch.device, smoke: bool, ceilings: Any = None) -> NotebookResults:
     """The LayerNorm speed results notebook 00 shows: on a GPU, `run_layernorm_benchmark` now (`smoke`:
-    its quick subset; `ceilings` measured once by the caller); elsewhere the committed H200 results
-    (`data/results/h200/layernorm.json`), labelled with the command, commit and time that made them,
-    or a note on how to make them."""
+    the `GPU_SMOKE_SHAPES` subset, else the "full" profile; `ceilings` measured once by the caller);
+    elsewhere the committed H200 results (`data/results/h200/layer_norm.json`), labelled with the
+    command, commit and time that made them, or a note on how to make them."""
     from hfkit.bench import load_results, run_layernorm_benchmark
 
     if device.type == "cuda":
-        rows, _ = run_layernorm_benchmark(device, quick=smoke, ceilings=ceilings)
+        shapes = GPU_SMOKE_SHAPES if smoke else None
+        rows, _ = run_layernorm_benchmark(device, shapes=shapes, profile="full", ceilings=ceilings)
         name = ceilings.device_name if ceilings is not None else str(device)
         return NotebookResults(rows_to_frame(rows), f"LayerNorm on {name} (measured now)")
     try:
@@ -210,7 +222,7 @@ def layernorm_results(device: torch.device, smoke: bool, ceilings: Any = None) -
     except FileNotFoundError as err:
         note = (
             f"No committed H200 results to show ({err}).\n"
-            "Run `hfkit bench layernorm` on an H200 to create data/results/h200/layernorm.json."
+            "Run `hfkit bench layer_norm` on an H200 to create data/results/h200/layer_norm.json."
         )
         return NotebookResults(None, None, [note])
     first = frame.iloc[0]

@@ -39,6 +39,11 @@ __all__ = [
     "kernel_time_figure",
 ]
 
+# Notebook 04's GPU run: the full profile narrowed to its smaller sizes (N for attention and triangle
+# multiplication; the first MSA-row and the first triangle logits shape of `SOFTMAX_SHAPES`).
+QUICK_SIZES: tuple[int, ...] = (256, 512)
+QUICK_SOFTMAX_SHAPES: tuple[tuple[int, int, int, int], ...] = ((128, 8, 256, 256), (256, 4, 256, 256))
+
 PROVIDER_ORDER = ["hfkit", "eager", "compile", "sdpa", "trifast", "cuequivariance"]
 PROVIDER_COLORS = {
     "hfkit": "#d62728",
@@ -236,21 +241,33 @@ def kernel_explorer(frame: pd.DataFrame, title: str = "") -> KernelExplorer:
 
 def measure_kernels(device: torch.device, smoke: bool) -> NotebookResults:
     """Run a quick subset of the attention, softmax and triangle-multiplication benchmarks on `device`
-    (a GPU) now: the smaller sizes, every installed provider, one ceiling measurement shared by the
-    three; `smoke` keeps triangle multiplication to amp-bf16."""
-    from hfkit.bench import device_name
-    from hfkit.bench.attention import run_attention_benchmark
+    (a GPU) now: the full profile's smaller sizes (attention and triangle multiplication at N = 256
+    and 512, softmax at `QUICK_SOFTMAX_SHAPES`), every installed provider, one ceiling measurement
+    shared by the three; `smoke` keeps triangle multiplication to amp-bf16."""
+    from hfkit.bench import device_name, run_benchmark
+    from hfkit.bench.cases import evoformer_attention, softmax, triangle_multiplication
     from hfkit.bench.ceilings import bench_ceilings
     from hfkit.bench.kernels import kernel_frame
-    from hfkit.bench.softmax_bench import run_softmax_benchmark
-    from hfkit.bench.trimul import run_trimul_benchmark
 
     ceilings = bench_ceilings(device)
-    precisions = ("amp-bf16",) if smoke else ("amp-bf16", "bf16")
+    dtypes = ("amp-bf16",) if smoke else ("amp-bf16", "bf16")
     runs = [
-        run_attention_benchmark(device, quick=True, ceilings=ceilings),
-        run_softmax_benchmark(device, quick=True, ceilings=ceilings),
-        run_trimul_benchmark(device, quick=True, ceilings=ceilings, precisions=precisions),
+        run_benchmark(
+            evoformer_attention.BENCHMARK,
+            evoformer_attention.attention_cases("full", sizes=QUICK_SIZES),
+            device,
+            ceilings=ceilings,
+        ),
+        run_benchmark(
+            softmax.BENCHMARK, softmax.softmax_cases("full", QUICK_SOFTMAX_SHAPES), device, ceilings=ceilings
+        ),
+        run_benchmark(
+            triangle_multiplication.BENCHMARK,
+            triangle_multiplication.trimul_cases("full", sizes=QUICK_SIZES),
+            device,
+            ceilings=ceilings,
+            dtypes=dtypes,
+        ),
     ]
     frame = kernel_frame([row for run in runs for row in run.rows])
     frame["ceiling_copy_gbps"] = ceilings.copy_gbps
@@ -272,9 +289,10 @@ def committed_kernels(source: str | os.PathLike[str] | None = None) -> NotebookR
             None,
             None,
             [
-                f"No kernel results yet in {str(source)!r}: run `hfkit bench attention`, `hfkit bench "
-                "softmax` and `hfkit bench trimul` on an H200 to create data/results/h200/{attention,"
-                "softmax,triangle_multiplication}.json. The sections below are skipped."
+                f"No kernel results yet in {str(source)!r}: run `hfkit bench evoformer_attention`, "
+                "`hfkit bench softmax` and `hfkit bench triangle_multiplication` on an H200 to create "
+                "data/results/h200/{evoformer_attention,softmax,triangle_multiplication}.json. The sections "
+                "below are skipped."
             ],
         )
     commits = ", ".join(sorted({str(c)[:12] for c in frame["commit"]}))

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from hfkit.bench.layernorm import CENSUS_SHAPES
+from hfkit.bench.cases.layer_norm import CENSUS_SHAPES
 from hfkit.bench.model import summary_table
 from hfkit.viz.notebook import render_into, show_static_then_widget
 

@@ -15,6 +15,7 @@ it a CPU notebook runs each op's plain-torch reference, the documented CPU fallb
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import platform
 from dataclasses import dataclass, field
@@ -126,18 +127,25 @@ def resolve_profile(profile: str | None, has_gpu: bool) -> str:
     return profile
 
 
+def _installed_version(name: str) -> str:
+    # Read from the installed distribution's metadata, not by importing: importing triton fixes, for the
+    # whole process, whether its library functions are interpreted (TRITON_INTERPRET at that moment).
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def _versions() -> dict[str, str]:
     import torch
 
-    import hfkit
-
-    versions = {"hfkit": hfkit.__version__, "torch": torch.__version__, "python": platform.python_version()}
-    for name in ("triton", "plotly"):
-        try:
-            versions[name] = __import__(name).__version__
-        except ImportError:
-            versions[name] = "not installed"
-    return versions
+    return {
+        "hfkit": _installed_version("hfkit"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "triton": _installed_version("triton"),
+        "plotly": _installed_version("plotly"),
+    }
 
 
 def plotly_js_path() -> Path:
