@@ -22,10 +22,11 @@ from hfkit.bench.cases import softmax as softmax_bench
 from hfkit.bench.cases import triangle_multiplication as trimul_bench
 from hfkit.bench.cases.softmax import softmax_bytes, softmax_cases
 from hfkit.bench.cases.triangle_multiplication import TrimulCase, cueq_trimul, make_trimul_module
-from hfkit.bench.kernels import best_peer_table, kernel_frame, kernel_goals, load_kernel_results
+from hfkit.bench.kernels import best_peer_table, kernel_frame, load_kernel_results
 from hfkit.bench.peers import _import_reason, load_cuequivariance, load_trifast, peer_status
 from hfkit.bench.runner import Steps, measure_case, run_benchmark
 from hfkit.cli import main
+from hfkit.viz.kernels import kernel_goals
 
 CPU = torch.device("cpu")
 CEILINGS = Ceilings(copy_gbps=10.0, matmul_tflops=0.1, device_name="CPU (test)", matmul_dtype="fp32")

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hfkit.bench.sync_wait import evoformer_flops, lognormal_lengths, sync_wait
+from hfkit.viz.sync_wait import evoformer_flops, lognormal_lengths, sync_wait
 
 
 def test_flops_match_the_issue_estimate_and_grow_with_size():

@@ -140,15 +140,19 @@ def test_plotly_js_is_the_bundle_shipped_with_plotly():
 # --- panels: static outputs first, widget last; outputs set without capture --------------------------
 
 
-def test_render_into_sets_outputs_without_capturing():
+def test_render_into_sets_outputs_without_capturing(displayed, keep_renderer):
     import ipywidgets as widgets
 
+    notebook.use_report_renderer()  # what setup_notebook does first in every notebook
     out = widgets.Output()
     fig = go.Figure(go.Bar(y=[3]))
     render_into(out, "hello", pd.DataFrame({"a": [1]}), fig)
     kinds = [o["output_type"] for o in out.outputs]
     assert kinds == ["stream", "display_data", "display_data"]
     assert out.outputs[0]["text"] == "hello\n" and "text/html" in out.outputs[1]["data"]
+    # the figure is in the widget, not displayed into the cell
+    assert out.outputs[2]["data"]["application/vnd.plotly.v1+json"]["data"][0]["y"] == [3]
+    assert displayed == []
     assert out.msg_id == ""  # never captured: a headless executor gets nothing to send back
     render_into(out, "again")
     assert len(out.outputs) == 1

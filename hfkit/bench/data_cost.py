@@ -18,7 +18,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from hfkit.bench.results import ResultRow, make_row, row_environment
@@ -276,47 +275,3 @@ def loader_throughput(dataset: Any, workers: int, samples: int) -> float:
             start = time.perf_counter()
     assert start is not None
     return (samples - 1) / (time.perf_counter() - start)
-
-
-def sync_wait_table(
-    lengths: np.ndarray,
-    crop_sizes: Sequence[int],
-    ranks: Sequence[int],
-    n_seq: int = 128,
-    steps: int = 2000,
-    seed: int = 0,
-) -> Any:
-    """Wasted fraction and mean step cost of synchronous DDP for each (policy, crop size, ranks).
-
-    Policies: "no crop" (each protein at full length), "crop" (at most `crop` residues, no padding),
-    "crop + pad" (every sample padded to `crop`: equal cost, no waiting, padding computed instead).
-    Costs are Evoformer-block FLOPs (`evoformer_flops`) at `n_seq` MSA rows; `mean_step_rel` is the
-    mean step cost relative to one full `crop`-sized sample.
-    """
-    import pandas as pd
-
-    from hfkit.bench.sync_wait import evoformer_flops, sync_wait
-
-    rng = np.random.default_rng(seed)
-    rows = []
-    for crop in crop_sizes:
-        unit = float(evoformer_flops(crop, n_seq))
-        policies = {
-            "no crop": evoformer_flops(lengths, n_seq),
-            "crop": evoformer_flops(np.minimum(lengths, crop), n_seq),
-            "crop + pad": np.full(len(lengths), unit),
-        }
-        for policy, costs in policies.items():
-            for p in ranks:
-                r = sync_wait(costs, p, steps, rng)
-                rows.append(
-                    {
-                        "policy": policy,
-                        "crop": crop,
-                        "ranks": p,
-                        "wasted_fraction": r.wasted_fraction,
-                        "mean_step_rel": r.mean_step / unit,
-                        "p95_step_rel": r.p95_step / unit,
-                    }
-                )
-    return pd.DataFrame(rows)

@@ -1,6 +1,6 @@
 """Tables of the Evoformer kernel benchmarks' rows (evoformer_attention, softmax, triangle_multiplication):
 `kernel_frame` with readable columns, `best_peer_table` (hfkit against the fastest other provider),
-`kernel_goals`, `load_kernel_results`; and the correctness table of hfkit's kernels against their
+`load_kernel_results`; and the correctness table of hfkit's kernels against their
 references (`kernel_errors`).
 """
 
@@ -24,7 +24,6 @@ __all__ = [
     "best_peer_table",
     "kernel_errors",
     "kernel_frame",
-    "kernel_goals",
     "load_kernel_results",
 ]
 
@@ -194,60 +193,3 @@ def kernel_errors(
             got, want = (_grads(m, (z,), (tmask,), seed) for m in (swapped, module))
             add("triangle_multiplication", z.shape, dtype_name, ("y", "dz"), got, want, scale=4.0)
     return pd.DataFrame.from_records(records)
-
-
-def kernel_goals(results: pd.DataFrame | Sequence[ResultRow], ours: str = OURS) -> pd.DataFrame:
-    """Issue 4's benchmark goals against the rows at hand: triangle attention forward+backward (bf16)
-    at least 3x faster than the best peer at N=1024 and 2x at every N, with peak memory no higher than
-    trifast's; triangle multiplication forward+backward at N=1024 (outgoing, amp-bf16) within 5 ms;
-    fused softmax at 80% of the copy bandwidth or more. One line per goal and size, NaN where the rows
-    needed are missing."""
-    import pandas as pd
-
-    frame = kernel_frame(results)
-    best = best_peer_table(frame, ours)
-    records = []
-
-    def add(goal: str, case: str, measured: float, target: float, higher_is_better: bool) -> None:
-        met = (
-            None if measured != measured else (measured >= target if higher_is_better else measured <= target)
-        )
-        records.append({"goal": goal, "case": case, "measured": measured, "target": target, "met": met})
-
-    tri = best[(best["op"] == "triangle_attention") & (best["mode"] == "fwd+bwd") & (best["dtype"] == "bf16")]
-    for _, r in tri.iterrows():
-        target = 3.0 if r["case"] == "N=1024" else 2.0
-        add("triangle attention fwd+bwd: speed-up vs best peer", r["case"], r["speed-up"], target, True)
-    mem = frame[
-        (frame["op"] == "triangle_attention") & (frame["mode"] == "fwd+bwd") & (frame["dtype"] == "bf16")
-    ]
-    for case, group in mem.groupby("case", sort=False):
-        mine = group.loc[group["provider"] == ours, "peak_mib"]
-        peer = group.loc[group["provider"] == "trifast", "peak_mib"]
-        if len(mine) and len(peer):
-            add(
-                "triangle attention fwd+bwd: peak MiB vs trifast",
-                case,
-                float(mine.iloc[0]),
-                float(peer.iloc[0]),
-                False,
-            )
-    tm = frame[
-        (frame["op"] == "triangle_multiplication")
-        & (frame["provider"] == ours)
-        & (frame["mode"] == "fwd+bwd")
-        & (frame["dtype"] == "amp-bf16")
-        & (frame["case"] == "N=1024 outgoing")
-    ]
-    if len(tm):
-        add(
-            "triangle multiplication fwd+bwd ms (amp-bf16)",
-            "N=1024 outgoing",
-            float(tm["p50_ms"].iloc[0]),
-            5.0,
-            False,
-        )
-    sm = frame[(frame["op"] == "softmax") & (frame["provider"] == ours)]
-    for _, r in sm.iterrows():
-        add(f"softmax % of copy bandwidth ({r['dtype']} {r['mode']})", r["case"], r["pct_copy"], 80.0, True)
-    return pd.DataFrame.from_records(records, columns=["goal", "case", "measured", "target", "met"])

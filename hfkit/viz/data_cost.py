@@ -138,10 +138,10 @@ class DataCostExplorer:
         import pandas as pd
         import torch
 
-        from hfkit.bench.data_cost import loader_throughput, sample_times, sync_wait_table
-        from hfkit.bench.sync_wait import lognormal_lengths
+        from hfkit.bench.data_cost import loader_throughput, sample_times
         from hfkit.data.dataset import PreprocessedDataset
         from hfkit.data.msa_sampling import FeatureConfig
+        from hfkit.viz.sync_wait import lognormal_lengths, sync_wait_table
 
         base = FeatureConfig.af2_initial()
         config = replace(base, crop_size=int(crop))
@@ -278,8 +278,7 @@ def sample_time_mix(work_dir: str | Path, smoke: bool, config: Any) -> dict[str,
 def sync_wait_here(crops: tuple[int, ...] = (256, 384), smoke: bool = False) -> pd.DataFrame:
     """`sync_wait_table` for 20000 chain lengths from the log-normal model (seed 0) at 1 to 256 ranks
     and the given crop sizes; `smoke` simulates 500 steps instead of 4000."""
-    from hfkit.bench.data_cost import sync_wait_table
-    from hfkit.bench.sync_wait import lognormal_lengths
+    from hfkit.viz.sync_wait import lognormal_lengths, sync_wait_table
 
     lengths = lognormal_lengths(20000, np.random.default_rng(0))
     ranks = [1, 2, 4, 8, 16, 32, 64, 128, 256]

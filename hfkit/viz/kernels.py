@@ -5,16 +5,18 @@ of attention, softmax and triangle multiplication results, one per op, case, dty
 and draws one op in one dtype: lines over the problem size (the `case` column: "N=512",
 "S=132 N=256", ...), one colour per provider, fwd and fwd+bwd side by side. Failed rows (an error such
 as running out of memory) are left out of the charts and listed in the explorer's table.
-`kernel_results` gives the rows notebook 04 shows (measured now on a GPU, committed elsewhere) and
-`goal_sentences` says, per target, in how many cases it is reached.
+`kernel_results` gives the rows notebook 04 shows (measured now on a GPU, committed elsewhere),
+`kernel_goals` the table of the benchmarks' targets against them, and `goal_sentences` says, per
+target, in how many cases it is reached.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from hfkit.bench.kernels import best_peer_table, kernel_errors, kernel_goals
+from hfkit.bench.kernels import OURS, best_peer_table, kernel_errors, kernel_frame
 from hfkit.viz.notebook import NotebookResults, render_into, show_static_then_widget
 
 if TYPE_CHECKING:
@@ -22,18 +24,19 @@ if TYPE_CHECKING:
     import plotly.graph_objects as go
     import torch
 
-# `best_peer_table`, `kernel_errors` and `kernel_goals` are re-exported for notebook 04, which imports
-# from viz only.
+    from hfkit.bench.results import ResultRow
+
+# `best_peer_table` and `kernel_errors` are re-exported for notebook 04, which imports from viz only.
 __all__ = [
     "KernelExplorer",
     "best_peer_table",
     "kernel_errors",
-    "kernel_goals",
     "committed_kernels",
     "goal_sentences",
     "kernel_results",
     "measure_kernels",
     "kernel_explorer",
+    "kernel_goals",
     "kernel_memory_figure",
     "kernel_rate_figure",
     "kernel_time_figure",
@@ -312,6 +315,63 @@ def kernel_results(device: torch.device, smoke: bool, source: str | None = None)
 
 def _number(x: float) -> str:
     return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def kernel_goals(results: pd.DataFrame | Sequence[ResultRow], ours: str = OURS) -> pd.DataFrame:
+    """The kernel benchmarks' targets against the rows at hand: triangle attention forward+backward
+    (bf16) at least 3x faster than the best peer at N=1024 and 2x at every N, with peak memory no higher than
+    trifast's; triangle multiplication forward+backward at N=1024 (outgoing, amp-bf16) within 5 ms;
+    fused softmax at 80% of the copy bandwidth or more. One line per goal and size, NaN where the rows
+    needed are missing."""
+    import pandas as pd
+
+    frame = kernel_frame(results)
+    best = best_peer_table(frame, ours)
+    records = []
+
+    def add(goal: str, case: str, measured: float, target: float, higher_is_better: bool) -> None:
+        met = (
+            None if measured != measured else (measured >= target if higher_is_better else measured <= target)
+        )
+        records.append({"goal": goal, "case": case, "measured": measured, "target": target, "met": met})
+
+    tri = best[(best["op"] == "triangle_attention") & (best["mode"] == "fwd+bwd") & (best["dtype"] == "bf16")]
+    for _, r in tri.iterrows():
+        target = 3.0 if r["case"] == "N=1024" else 2.0
+        add("triangle attention fwd+bwd: speed-up vs best peer", r["case"], r["speed-up"], target, True)
+    mem = frame[
+        (frame["op"] == "triangle_attention") & (frame["mode"] == "fwd+bwd") & (frame["dtype"] == "bf16")
+    ]
+    for case, group in mem.groupby("case", sort=False):
+        mine = group.loc[group["provider"] == ours, "peak_mib"]
+        peer = group.loc[group["provider"] == "trifast", "peak_mib"]
+        if len(mine) and len(peer):
+            add(
+                "triangle attention fwd+bwd: peak MiB vs trifast",
+                case,
+                float(mine.iloc[0]),
+                float(peer.iloc[0]),
+                False,
+            )
+    tm = frame[
+        (frame["op"] == "triangle_multiplication")
+        & (frame["provider"] == ours)
+        & (frame["mode"] == "fwd+bwd")
+        & (frame["dtype"] == "amp-bf16")
+        & (frame["case"] == "N=1024 outgoing")
+    ]
+    if len(tm):
+        add(
+            "triangle multiplication fwd+bwd ms (amp-bf16)",
+            "N=1024 outgoing",
+            float(tm["p50_ms"].iloc[0]),
+            5.0,
+            False,
+        )
+    sm = frame[(frame["op"] == "softmax") & (frame["provider"] == ours)]
+    for _, r in sm.iterrows():
+        add(f"softmax % of copy bandwidth ({r['dtype']} {r['mode']})", r["case"], r["pct_copy"], 80.0, True)
+    return pd.DataFrame.from_records(records, columns=["goal", "case", "measured", "target", "met"])
 
 
 def goal_sentences(goals: pd.DataFrame) -> list[str]:

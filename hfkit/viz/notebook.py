@@ -240,15 +240,22 @@ def render_into(output: Any, *objects: Any) -> None:
     """
     from IPython.core.interactiveshell import InteractiveShell
 
+    formatter = InteractiveShell.instance().display_formatter
     shown = []
     for obj in objects:
         if isinstance(obj, str):
             shown.append(
                 {"output_type": "stream", "name": "stdout", "text": obj if obj.endswith("\n") else obj + "\n"}
             )
+            continue
+        if hasattr(obj, "_repr_mimebundle_"):
+            # IPython formats an object with `_ipython_display_` (a plotly figure) by letting it display
+            # itself, into the cell and not the widget; its mime bundle (from plotly's default renderer,
+            # the report renderer after `setup_notebook`) is asked for directly instead.
+            data, metadata = obj._repr_mimebundle_(), {}
         else:
-            data, metadata = InteractiveShell.instance().display_formatter.format(obj)
-            shown.append({"output_type": "display_data", "data": data, "metadata": metadata})
+            data, metadata = formatter.format(obj)
+        shown.append({"output_type": "display_data", "data": data, "metadata": metadata})
     output.outputs = tuple(shown)
 
 

@@ -5,16 +5,22 @@ all-reduce for the slowest one. `evoformer_flops` estimates one Evoformer block'
 the residue count and MSA depth (the AlphaFold 2 supplement's Algorithms 7-20, dense matmul terms
 only), and `sync_wait` simulates P ranks drawing samples: the step time is the maximum over ranks,
 and the wasted fraction is the idle time of the other ranks over the step. Cropping caps the residue
-count (and MSA sampling the depth), so it caps the slowest rank.
+count (and MSA sampling the depth), so it caps the slowest rank. `sync_wait_table` is notebook 01's
+table of it: the wasted fraction per cropping policy, crop size and rank count.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-__all__ = ["evoformer_flops", "SyncWait", "sync_wait", "lognormal_lengths"]
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["evoformer_flops", "SyncWait", "sync_wait", "lognormal_lengths", "sync_wait_table"]
 
 
 def evoformer_flops(
@@ -88,3 +94,45 @@ def sync_wait(costs: np.ndarray, ranks: int, steps: int, rng: np.random.Generato
         wasted_fraction=float(1.0 - work.sum() / step.sum()),
         p95_step=float(np.percentile(step, 95)),
     )
+
+
+def sync_wait_table(
+    lengths: np.ndarray,
+    crop_sizes: Sequence[int],
+    ranks: Sequence[int],
+    n_seq: int = 128,
+    steps: int = 2000,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """Wasted fraction and mean step cost of synchronous DDP for each (policy, crop size, ranks).
+
+    Policies: "no crop" (each protein at full length), "crop" (at most `crop` residues, no padding),
+    "crop + pad" (every sample padded to `crop`: equal cost, no waiting, padding computed instead).
+    Costs are Evoformer-block FLOPs (`evoformer_flops`) at `n_seq` MSA rows; `mean_step_rel` is the
+    mean step cost relative to one full `crop`-sized sample.
+    """
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for crop in crop_sizes:
+        unit = float(evoformer_flops(crop, n_seq))
+        policies = {
+            "no crop": evoformer_flops(lengths, n_seq),
+            "crop": evoformer_flops(np.minimum(lengths, crop), n_seq),
+            "crop + pad": np.full(len(lengths), unit),
+        }
+        for policy, costs in policies.items():
+            for p in ranks:
+                r = sync_wait(costs, p, steps, rng)
+                rows.append(
+                    {
+                        "policy": policy,
+                        "crop": crop,
+                        "ranks": p,
+                        "wasted_fraction": r.wasted_fraction,
+                        "mean_step_rel": r.mean_step / unit,
+                        "p95_step_rel": r.p95_step / unit,
+                    }
+                )
+    return pd.DataFrame(rows)
