@@ -420,6 +420,7 @@ def profile_sample(
             positions,
             mask,
             config.interface_threshold,
+            uniform_start=config.uniform_crop_start,
         )
         timings["crop"] = time.perf_counter() - t0
         t0 = time.perf_counter()
