@@ -1,12 +1,14 @@
 """Training-time feature transforms: raw per-chain arrays -> one fixed-size sample of model inputs.
 
 `process_features` reproduces the semantics of OpenFold's ensembled transforms
-(`input_pipeline.ensembled_transform_fns`, `data_transforms.py`) for one sample: MSA sampling with
-the query kept first (AF2 supplement section 1.2.7), masked-MSA (BERT) corruption of the sampled
-rows (1.2.7; the loss is 1.9.9), nearest-neighbour assignment of the extra MSA to cluster centres
-and per-cluster profiles (1.2.7), the `msa_feat` / `target_feat` / `extra_msa_*` inputs of Table 1
-(1.2.9), residue cropping (1.2.8, `crop.py`) and zero padding to the sizes in `FeatureConfig`.
-`FEATURE_SHAPES` is the output schema.
+(`input_pipeline.ensembled_transform_fns`, `data_transforms.py`) for one sample: block deletion of
+MSA rows in training (`block_delete_rows`), MSA sampling with the query kept first (AF2 supplement
+section 1.2.7), masked-MSA (BERT) corruption of the sampled rows (1.2.7; the loss is 1.9.9),
+nearest-neighbour assignment of the extra MSA to cluster centres and per-cluster profiles (1.2.7),
+the `msa_feat` / `target_feat` / `extra_msa_*` inputs of Table 1 (1.2.9), residue cropping (1.2.8,
+`crop.py`) and zero padding to the sizes in `FeatureConfig`. `FEATURE_SHAPES` is the output schema.
+`process_features_recycling` makes OpenFold's `max_recycling_iters + 1` samples of one example (one
+crop, the MSA drawn afresh for each), stacked.
 
 Cost. Everything runs on int8/int32 ids; no [N, L, 23] one-hot of the full MSA is ever built.
 Residues are cropped *first*, so every MSA-wide step touches crop_size columns, not L (see
