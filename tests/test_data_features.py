@@ -8,6 +8,7 @@ AlphaFold's training sizes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from hfkit.data.msa_sampling import (
     STRUCTURE_FEATURES,
     FeatureConfig,
     assign_clusters,
+    block_delete_rows,
     deletion_value,
     feature_shapes,
     mask_msa,
@@ -254,6 +256,8 @@ def check_sample(
     ],
 )
 def test_process_features_invariants(length: int, depth: int, config: FeatureConfig) -> None:
+    # The whole MSA is sampled (block deletion, which changes the depth, is tested on its own).
+    config = dataclasses.replace(config, block_delete_msa=False)
     raw = synthetic_raw(length * 1000 + depth, depth, length)
     for seed in range(4):
         out = process_features(raw, config, seed)
@@ -619,7 +623,7 @@ def test_crop_contiguous() -> None:
     g = torch.Generator().manual_seed(0)
     starts = set()
     for _ in range(200):
-        idx = crop_contiguous(50, 20, g)
+        idx = crop_contiguous(50, 20, g, uniform_start=True)
         assert idx.numel() == 20 and torch.equal(idx, torch.arange(int(idx[0]), int(idx[0]) + 20))
         starts.add(int(idx[0]))
     assert starts == set(range(31))  # every window start in [0, 50 - 20] occurs
@@ -695,12 +699,15 @@ def test_real_2q2k_raw_features() -> None:
 def test_real_2q2k_af2_initial_shapes_and_masks() -> None:
     raw = real_raw()
     config = FeatureConfig.af2_initial()
-    depth = int(raw["num_alignments"])
     for seed in range(3):
         out = process_features(raw, config, seed)
         assert out["msa_feat"].shape == (128, 256, 49)
         assert out["extra_msa"].shape == (1024, 256)
         assert out["target_feat"].shape == (256, 22)
+        # 70 residues are not cropped (nothing drawn), so block deletion makes the first draws.
+        depth = block_delete_rows(
+            int(raw["num_alignments"]), config, torch.Generator().manual_seed(seed)
+        ).numel()
         check_sample(out, config, res=70, clust=min(depth, 128), extra=max(depth - 128, 0))
         assert out["seq_mask"].sum() == 70 and out["msa_mask"][depth:].sum() == 0
         assert torch.equal(out["residue_index"][:70], torch.arange(70))
@@ -712,7 +719,9 @@ def test_real_2q2k_clusters_when_deeper_than_clusters() -> None:
     raw = real_raw()
     depth = int(raw["num_alignments"])
     has_ca = torch.from_numpy(raw["all_atom_mask"][:, 1]) > 0  # 45 of 70 residues are resolved
-    config = FeatureConfig(crop_size=30, max_msa_clusters=8, max_extra_msa=16, spatial_crop_prob=1.0)
+    config = FeatureConfig(
+        crop_size=30, max_msa_clusters=8, max_extra_msa=16, spatial_crop_prob=1.0, block_delete_msa=False
+    )
     crops = set()
     for seed in range(8):
         out = process_features(raw, config, seed)

@@ -215,7 +215,7 @@ def test_small_entry_follows_alphafold_rules() -> None:
     chain = structure.chains["X"]
     assert chain.sequence == "MMGSA"  # MSE -> M, SEP -> its parent S
     assert structure.release_date == "2009-01-01"  # earliest revision, not the first listed
-    assert structure.resolution == pytest.approx(2.05)  # AlphaFold: a later key overrides an earlier one
+    assert structure.resolution == pytest.approx(2.10)  # OpenFold: the first key that parses
     assert structure.method == "x-ray diffraction"
     check_chain_arrays(structure)
     mask, pos = chain.atom_mask, chain.atom_positions

@@ -4,8 +4,25 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["openfold_test_data_dir"]
+if TYPE_CHECKING:
+    from hfkit.data.parsers import ParseError
+
+__all__ = ["ParseError", "openfold_test_data_dir"]
+
+# Names exported from submodules, imported on first access so that `import hfkit.data` stays light
+# (the parsers pull in numpy; the package itself needs only the standard library).
+_LAZY = {"ParseError": "hfkit.data.parsers"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hfkit.data' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
 
 
 def openfold_test_data_dir() -> Path | None:

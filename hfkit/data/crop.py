@@ -1,6 +1,7 @@
 """Residue cropping for training: which residues of a chain a sample keeps, as sorted index tensors.
 
-`crop_contiguous` is AlphaFold's monomer crop (a random window, AF2 supplement section 1.2.8);
+`crop_contiguous` is AlphaFold's monomer crop (a random window, AF2 supplement section 1.2.8), its
+start drawn as OpenFold's `random_crop_to_size` draws it (or uniformly, as DeepMind's AlphaFold);
 `crop_spatial` is the spatial crop of AlphaFold-Multimer (Evans et al. 2021) as
 OpenFold implements it for multimers (`get_spatial_crop_idx`): the residues nearest, by CA distance,
 to a random target residue, which lies on an interface when the chains have one. `choose_crop`
@@ -24,11 +25,16 @@ def _randint(high: int, generator: torch.Generator) -> int:
     return int(torch.randint(high, (1,), generator=generator).item())
 
 
-def crop_contiguous(num_res: int, crop_size: int, generator: torch.Generator) -> torch.Tensor:
-    """Indices int64 [min(num_res, crop_size)] of a window with a uniform random start.
+def crop_contiguous(
+    num_res: int, crop_size: int, generator: torch.Generator, uniform_start: bool = False
+) -> torch.Tensor:
+    """Indices int64 [min(num_res, crop_size)] of a window with a random start in [0, n].
 
-    The start is uniform in [0, num_res - crop_size]; a chain no longer than `crop_size` is kept
-    whole (and nothing is drawn from `generator`).
+    n = num_res - crop_size. By default the start is drawn in OpenFold's two steps (its
+    `random_crop_to_size`): x uniform in [0, n], then the start uniform in [0, n - x], which favours
+    early starts (mean n/4); the same `generator` state gives OpenFold's start. `uniform_start`
+    draws it uniformly in [0, n] (mean n/2), as DeepMind's AlphaFold does. A chain no longer than
+    `crop_size` is kept whole (and nothing is drawn from `generator`).
     """
     if num_res < 1:
         raise ValueError(f"num_res: expected >= 1, got {num_res}")
@@ -36,7 +42,11 @@ def crop_contiguous(num_res: int, crop_size: int, generator: torch.Generator) ->
         raise ValueError(f"crop_size: expected >= 1, got {crop_size}")
     if num_res <= crop_size:
         return torch.arange(num_res)
-    start = _randint(num_res - crop_size + 1, generator)
+    slack = num_res - crop_size
+    if uniform_start:
+        start = _randint(slack + 1, generator)
+    else:
+        start = _randint(slack - _randint(slack + 1, generator) + 1, generator)
     return torch.arange(start, start + crop_size)
 
 
@@ -93,16 +103,17 @@ def choose_crop(
     positions: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
     interface_threshold: float = 10.0,
+    uniform_start: bool = False,
 ) -> torch.Tensor:
     """Sorted residue indices int64 [min(num_res, crop_size)]: spatial with `spatial_crop_prob`.
 
     Draws one uniform number to choose, then crops: `crop_spatial` when chosen and a structure
-    (`positions` [L, 37, 3], `mask` [L, 37]) is given, `crop_contiguous` otherwise. Chains no longer
-    than `crop_size` are kept whole and draw nothing.
+    (`positions` [L, 37, 3], `mask` [L, 37]) is given, `crop_contiguous` (with `uniform_start`)
+    otherwise. Chains no longer than `crop_size` are kept whole and draw nothing.
     """
     if num_res <= crop_size:
         return torch.arange(num_res)
     use_spatial = bool(torch.rand((), generator=generator) < spatial_crop_prob)
     if use_spatial and positions is not None and mask is not None:
         return crop_spatial(positions, mask, crop_size, generator, interface_threshold=interface_threshold)
-    return crop_contiguous(num_res, crop_size, generator)
+    return crop_contiguous(num_res, crop_size, generator, uniform_start)

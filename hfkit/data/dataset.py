@@ -10,11 +10,11 @@ AlphaFold work:
 - `PreprocessedDataset` reads the raw features of the chain from a record file written by
   `hfkit preprocess` (one mmap read, a CRC and a safetensors decode) and only samples them.
 
-Randomness (crop, MSA sampling, masking) comes from `sample_seed(seed, epoch, index)`, so a sample
-is reproducible whatever the worker that makes it; `set_epoch` changes it between epochs, also in
-persistent DataLoader workers (the epoch lives in shared memory). With `timings=True` each sample
-also holds `time.<stage>` 0-d float64 tensors (seconds); `profile_sample` times the stages of one
-sample in this process, for the data-cost notebook.
+Randomness (crop, block deletion, MSA sampling, masking) comes from `sample_seed(seed, epoch,
+index)`, so a sample is reproducible whatever the worker that makes it; `set_epoch` changes it
+between epochs, also in persistent DataLoader workers (the epoch lives in shared memory). With
+`timings=True` each sample also holds `time.<stage>` 0-d float64 tensors (seconds);
+`profile_sample` times the stages of one sample in this process, for the data-cost notebook.
 """
 
 from __future__ import annotations
@@ -420,6 +420,7 @@ def profile_sample(
             positions,
             mask,
             config.interface_threshold,
+            uniform_start=config.uniform_crop_start,
         )
         timings["crop"] = time.perf_counter() - t0
         t0 = time.perf_counter()

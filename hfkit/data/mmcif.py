@@ -3,7 +3,7 @@
 `parse_mmcif` reads a PDBx/mmCIF file through gemmi's C++ CIF reader and returns a `Structure`: its
 release date, resolution and method, and for every protein chain (by author chain id) the SEQRES
 sequence with the observed atoms placed in AlphaFold's 37-slot atom layout. It follows AlphaFold's
-`data/mmcif_parsing.py` (as OpenFold uses it):
+`data/mmcif_parsing.py` as OpenFold has it:
 
 - protein chains are the polymer entities of `_entity_poly_seq` with at least one monomer whose
   `_chem_comp.type` contains "peptide"; sequences come from `_entity_poly_seq` (SEQRES), one letter
@@ -13,9 +13,12 @@ sequence with the observed atoms placed in AlphaFold's 37-slot atom layout. It f
   SEQRES), so SEQRES residues without coordinates keep an all-zero mask;
 - of alternate locations (and duplicated atoms) the highest-occupancy one is kept, the first on ties
   (Biopython's choice); MSE's SE goes to SD's slot; atoms outside atom37 (hydrogens, OXT aside) drop;
-- release date: the earliest `_pdbx_audit_revision_history.revision_date`; resolution: the last
-  parseable of `_refine.ls_d_res_high`, `_em_3d_reconstruction.resolution`,
-  `_reflns.d_resolution_high` (AlphaFold's loop lets a later key override an earlier one), else 0.0.
+- arginines whose NH1 lies farther from CD than NH2 get the two swapped (OpenFold's fix of naming
+  errors in deposited arginines; `fix_arginine_naming=False` keeps the file's names);
+- release date: the earliest `_pdbx_audit_revision_history.revision_date`; resolution: the first
+  finite number of `_refine.ls_d_res_high`, `_em_3d_reconstruction.resolution`,
+  `_reflns.d_resolution_high`, in that order (OpenFold's `_get_header` stops at the first key that
+  parses), else 0.0.
 
 Deviations, where AlphaFold would crash or guess: a protein chain without any atom in the first model
 is left out; at a position modelled with two residue types (microheterogeneity) the atoms of the
@@ -106,6 +109,7 @@ _GEMMI_LOCATION = re.compile(r"^string:(\d+)(?::\d+\(\d+\))?(?: in [^:]*)?:\s*(.
 _INTEGER = re.compile(r"[+-]?\d{1,12}", re.ASCII)
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}", re.ASCII)
 _SD = ATOM_ORDER["SD"]
+_CD, _NH1, _NH2 = ATOM_ORDER["CD"], ATOM_ORDER["NH1"], ATOM_ORDER["NH2"]
 
 Category = dict[str, list]
 
@@ -224,7 +228,7 @@ def _floats(values: list[str | None], what: str, name: str) -> np.ndarray:
 
 
 def _header(cats: dict[str, Category]) -> tuple[float, str | None, str | None]:
-    """(resolution, release date, method) with AlphaFold's rules (see the module docstring)."""
+    """(resolution, release date, method) with OpenFold's rules (see the module docstring)."""
     resolution = 0.0
     for category, tag in _RESOLUTION_KEYS:
         values = cats[category].get(tag) or []
@@ -235,6 +239,7 @@ def _header(cats: dict[str, Category]) -> tuple[float, str | None, str | None]:
                 continue
             if np.isfinite(value):
                 resolution = value
+                break
 
     def dates(category: str, tag: str) -> list[str]:
         return [v for v in cats[category].get(tag) or [] if isinstance(v, str) and _DATE.fullmatch(v)]
@@ -257,12 +262,14 @@ def _chain_atoms(
     xyz: tuple[list, list, list],
     rows: np.ndarray,
     name: str,
+    fix_arginine_naming: bool,
 ) -> tuple[np.ndarray, np.ndarray]:
     """atom37 (positions [L, 37, 3], mask [L, 37]) of one chain from its atom records `rows`.
 
     Vectorized over atoms: each record gets a SEQRES position (by label_seq_id) and an atom37 slot;
     records of the wrong residue type (microheterogeneity) drop; of the records left for one
-    (position, slot) the highest-occupancy one wins, the first in the file on ties.
+    (position, slot) the highest-occupancy one wins, the first in the file on ties. With
+    `fix_arginine_naming`, arginines' NH1/NH2 are swapped where NH1 is the farther from CD.
     """
     length = len(monomers)
     positions = np.zeros((length, ATOM_TYPE_NUM, 3), dtype=np.float32)
@@ -305,15 +312,38 @@ def _chain_atoms(
         raise ParseError("_atom_site.Cartn: a coordinate overflows float32", name)
     positions[pos[chosen], slot[chosen]] = coords32
     mask[pos[chosen], slot[chosen]] = 1.0
+    if fix_arginine_naming:
+        residue_comp = np.empty(length, dtype=object)
+        residue_comp[pos[chosen]] = comp[chosen]  # one residue type per position (kept above)
+        _fix_arginine_naming(positions, mask, residue_comp == "ARG")
     return positions, mask
 
 
-def parse_mmcif(source: str | os.PathLike, *, text: str | None = None) -> Structure:
+def _fix_arginine_naming(positions: np.ndarray, mask: np.ndarray, is_arginine: np.ndarray) -> None:
+    """Swap NH1 and NH2 in place where an arginine's NH1 is farther from CD than its NH2.
+
+    positions float32 [L, 37, 3], mask [L, 37], is_arginine bool [L]. Only residues with CD, NH1 and
+    NH2 all observed are looked at; the distances are float32, as OpenFold's `get_atom_coords`
+    computes them, so the same residues swap.
+    """
+    observed = (mask[:, [_CD, _NH1, _NH2]] > 0).all(axis=1)
+    nh1_far = np.linalg.norm(positions[:, _NH1] - positions[:, _CD], axis=-1) > np.linalg.norm(
+        positions[:, _NH2] - positions[:, _CD], axis=-1
+    )
+    swap = np.flatnonzero(is_arginine & observed & nh1_far)
+    positions[swap, _NH1], positions[swap, _NH2] = positions[swap, _NH2], positions[swap, _NH1]
+
+
+def parse_mmcif(
+    source: str | os.PathLike, *, text: str | None = None, fix_arginine_naming: bool = True
+) -> Structure:
     """Parse an mmCIF file (or `text`, with `source` naming it) into a `Structure` of protein chains.
 
-    Semantics are AlphaFold's (module docstring): SEQRES sequences with MSE -> M and unknown -> X,
+    Semantics are OpenFold's (module docstring): SEQRES sequences with MSE -> M and unknown -> X,
     first model only, atoms aligned to SEQRES by label_seq_id, highest-occupancy alternate location,
-    author chain ids as keys, earliest revision date, resolution 0.0 when absent. `pdb_id` is
+    arginine NH1/NH2 named by distance to CD (`fix_arginine_naming=False`: as the file names them),
+    author chain ids as keys, earliest revision date, the first resolution key that parses, 0.0
+    when absent. `pdb_id` is
     `_entry.id` in lower case, else the file name's stem. A `.gz` path is decompressed. Raises
     ParseError with the file name (and the line, where gemmi gives one) for an unreadable or invalid
     CIF, missing atom records, bad numbers, or a file without protein chains that have coordinates.
@@ -323,14 +353,14 @@ def parse_mmcif(source: str | os.PathLike, *, text: str | None = None) -> Struct
         text = read_text(source)
     cats = _read_categories(text, name)
     try:
-        return _build_structure(cats, name)
+        return _build_structure(cats, name, fix_arginine_naming)
     except ValueError as e:
         if isinstance(e, ParseError):
             raise
         raise ParseError(str(e), name) from None
 
 
-def _build_structure(cats: dict[str, Category], name: str) -> Structure:
+def _build_structure(cats: dict[str, Category], name: str, fix_arginine_naming: bool) -> Structure:
     chains_seqres = _protein_chains(cats, name)
     if not chains_seqres:
         raise ParseError("no protein chains in the file", name)
@@ -364,7 +394,9 @@ def _build_structure(cats: dict[str, Category], name: str) -> Structure:
         chain_id = auth_asym[rows[0]] or asym_id
         if chain_id in chains:
             raise ParseError(f"author chain id {chain_id!r} is used by two protein chains", name)
-        positions, mask = _chain_atoms(monomers, nums, seq_ids, comps, atom_names, occupancy, xyz, rows, name)
+        positions, mask = _chain_atoms(
+            monomers, nums, seq_ids, comps, atom_names, occupancy, xyz, rows, name, fix_arginine_naming
+        )
         sequence = "".join(_one_letter(mon) for mon in monomers)
         chains[chain_id] = Chain(
             chain_id=chain_id,

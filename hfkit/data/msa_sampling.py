@@ -1,12 +1,14 @@
 """Training-time feature transforms: raw per-chain arrays -> one fixed-size sample of model inputs.
 
 `process_features` reproduces the semantics of OpenFold's ensembled transforms
-(`input_pipeline.ensembled_transform_fns`, `data_transforms.py`) for one sample: MSA sampling with
-the query kept first (AF2 supplement section 1.2.7), masked-MSA (BERT) corruption of the sampled
-rows (1.2.7; the loss is 1.9.9), nearest-neighbour assignment of the extra MSA to cluster centres
-and per-cluster profiles (1.2.7), the `msa_feat` / `target_feat` / `extra_msa_*` inputs of Table 1
-(1.2.9), residue cropping (1.2.8, `crop.py`) and zero padding to the sizes in `FeatureConfig`.
-`FEATURE_SHAPES` is the output schema.
+(`input_pipeline.ensembled_transform_fns`, `data_transforms.py`) for one sample: block deletion of
+MSA rows in training (`block_delete_rows`), MSA sampling with the query kept first (AF2 supplement
+section 1.2.7), masked-MSA (BERT) corruption of the sampled rows (1.2.7; the loss is 1.9.9),
+nearest-neighbour assignment of the extra MSA to cluster centres and per-cluster profiles (1.2.7),
+the `msa_feat` / `target_feat` / `extra_msa_*` inputs of Table 1 (1.2.9), residue cropping (1.2.8,
+`crop.py`) and zero padding to the sizes in `FeatureConfig`. `FEATURE_SHAPES` is the output schema.
+`process_features_recycling` makes OpenFold's `max_recycling_iters + 1` samples of one example (one
+crop, the MSA drawn afresh for each), stacked.
 
 Cost. Everything runs on int8/int32 ids; no [N, L, 23] one-hot of the full MSA is ever built.
 Residues are cropped *first*, so every MSA-wide step touches crop_size columns, not L (see
@@ -50,10 +52,12 @@ __all__ = [
     "TARGET_FEAT_DIM",
     "FeatureConfig",
     "assign_clusters",
+    "block_delete_rows",
     "deletion_value",
     "feature_shapes",
     "mask_msa",
     "process_features",
+    "process_features_recycling",
 ]
 
 # Symbolic dimensions of FEATURE_SHAPES (the names OpenFold's config uses).
@@ -100,6 +104,13 @@ class FeatureConfig:
     MSA profile, its own residue, or (the rest) the mask token. `cluster_all_extra=True` lets every
     non-sampled row vote into the cluster profiles as OpenFold does; False clusters only the
     `max_extra_msa` rows that are kept, which caps the cost for very deep MSAs (not OpenFold's).
+
+    The defaults are OpenFold's monomer training (`initial_training`): contiguous crops only
+    (`spatial_crop_prob` 0; OpenFold's monomer crop has no spatial mode, 0.5 is AlphaFold-Multimer's
+    mix), whose start is drawn in OpenFold's two steps (`uniform_crop_start=True`: uniform, as
+    DeepMind's AlphaFold draws it), and block deletion of MSA rows before sampling
+    (`block_delete_msa`: `num_blocks` blocks of `msa_fraction_per_block` of the rows, or a uniform
+    0..`num_blocks` of them with `randomize_num_blocks`; see `block_delete_rows`).
     """
 
     crop_size: int = 256
@@ -109,9 +120,14 @@ class FeatureConfig:
     masked_msa_profile_prob: float = 0.1
     masked_msa_same_prob: float = 0.1
     masked_msa_replace_fraction: float = 0.15
-    spatial_crop_prob: float = 0.5
+    spatial_crop_prob: float = 0.0
     interface_threshold: float = 10.0
     cluster_all_extra: bool = True
+    uniform_crop_start: bool = False
+    block_delete_msa: bool = True
+    msa_fraction_per_block: float = 0.3
+    num_blocks: int = 5
+    randomize_num_blocks: bool = False
 
     def __post_init__(self) -> None:
         for name in ("crop_size", "max_msa_clusters"):
@@ -119,12 +135,15 @@ class FeatureConfig:
                 raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
         if self.max_extra_msa < 0:
             raise ValueError(f"max_extra_msa: expected >= 0, got {self.max_extra_msa}")
+        if self.num_blocks < 0:
+            raise ValueError(f"num_blocks: expected >= 0, got {self.num_blocks}")
         for name in (
             "masked_msa_uniform_prob",
             "masked_msa_profile_prob",
             "masked_msa_same_prob",
             "masked_msa_replace_fraction",
             "spatial_crop_prob",
+            "msa_fraction_per_block",
         ):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}: expected a probability in [0, 1], got {getattr(self, name)}")
@@ -142,7 +161,8 @@ class FeatureConfig:
 
     @classmethod
     def af2_initial(cls) -> FeatureConfig:
-        """AlphaFold 2 initial training: crop 256, 128 clusters, 1024 extra rows."""
+        """AlphaFold 2 initial training (OpenFold's `initial_training`): crop 256, 128 clusters, 1024
+        extra rows; contiguous crops, block deletion of 5 blocks of 30% of the MSA rows."""
         return cls(crop_size=256, max_msa_clusters=128, max_extra_msa=1024)
 
     @classmethod
@@ -185,6 +205,32 @@ def deletion_value(deletions: torch.Tensor, out: torch.Tensor | None = None) -> 
     np.arctan(values, out=values)
     buffer.mul_(2.0 / math.pi)
     return out if direct else out.copy_(buffer)
+
+
+def block_delete_rows(num_seq: int, config: FeatureConfig, generator: torch.Generator) -> torch.Tensor:
+    """The rows of an MSA of `num_seq` rows that OpenFold's `block_delete_msa` keeps: sorted int64 [K].
+
+    Blocks of floor(num_seq * `msa_fraction_per_block`) consecutive rows (computed in float32, as
+    OpenFold does) start at `num_blocks` rows drawn uniformly from 1..num_seq-1 (with
+    `randomize_num_blocks`, first a uniform number of blocks in 0..num_blocks); blocks are clipped
+    to the MSA, may overlap, and never hold the query (row 0 is always kept). When a block would be
+    empty every row is kept and nothing is drawn. The draws are OpenFold's calls, made on
+    `generator`, so a generator seeded as OpenFold's global one deletes the same rows.
+    """
+    if num_seq < 1:
+        raise ValueError(f"num_seq: expected >= 1, got {num_seq}")
+    block_size = int(torch.floor(torch.tensor(num_seq, dtype=torch.float32) * config.msa_fraction_per_block))
+    if block_size == 0 or num_seq == 1:
+        return torch.arange(num_seq)
+    if config.randomize_num_blocks:
+        num_blocks = int(torch.randint(0, config.num_blocks + 1, (1,), generator=generator)[0])
+    else:
+        num_blocks = config.num_blocks
+    starts = torch.randint(1, num_seq, (num_blocks,), generator=generator)
+    deleted = (starts[:, None] + torch.arange(block_size)).clamp_(1, num_seq - 1)
+    keep = torch.ones(num_seq, dtype=torch.bool)
+    keep[deleted.view(-1)] = False
+    return keep.nonzero().view(-1)
 
 
 def mask_msa(
@@ -500,47 +546,121 @@ def process_features(
     raw: `make_raw_features` output (`aatype` [L], `msa` [N, L], `deletion_matrix` [N, L], optional
     `hhblits_profile` [L, 22] and structure). Steps, all drawn from one `torch.Generator` seeded with
     `seed`: crop residues (train only: spatial with `spatial_crop_prob` when a structure is present,
-    else contiguous); sample rows (query first, the others shuffled; the first `max_msa_clusters`
-    are cluster centres, the rest the extra MSA); BERT-corrupt the centres; assign extra rows to
-    their nearest centre; build `msa_feat` [N_clust, N_res, 49] (centre one-hot, deletions, cluster
-    profile and mean deletion), `target_feat` [N_res, 22], `extra_msa*` [N_extra, N_res] (the first
-    `max_extra_msa` extra rows), masks, and pad everything with zeros to (crop_size,
-    max_msa_clusters, max_extra_msa). With `train=False` nothing is cropped and N_res = L.
+    else contiguous, its start drawn as `uniform_crop_start` says); delete blocks of rows (train
+    only, with `block_delete_msa`: OpenFold's `block_delete_msa`, see `block_delete_rows`); sample
+    rows (query first, the others shuffled; the first `max_msa_clusters` are cluster centres, the
+    rest the extra MSA); BERT-corrupt the centres; assign extra rows to their nearest centre; build
+    `msa_feat` [N_clust, N_res, 49] (centre one-hot, deletions, cluster profile and mean deletion),
+    `target_feat` [N_res, 22], `extra_msa*` [N_extra, N_res] (the first `max_extra_msa` extra
+    rows), masks, and pad everything with zeros to (crop_size, max_msa_clusters, max_extra_msa).
+    With `train=False` nothing is cropped or deleted and N_res = L. The masking profile is the
+    HHblits profile of the whole MSA (before block deletion), as in OpenFold.
     Ids (`aatype`, `residue_index`, `true_msa`, `extra_msa`, `seq_length` = real residues) are
     int64, everything else float32; masks are 1 on real entries and 0 on padding.
     Cropping before clustering (OpenFold crops last) means the agreement of a row with a centre is
     counted over the cropped residues only; everything else is per column and unchanged by order.
     Cluster deletion sums are exact (integer counts below 2**24 per cluster and column); past that,
     or for fractional deletions, they round as float32 sums in raw row order.
+    `process_features_recycling` makes OpenFold's per-recycling-iteration samples.
     """
     generator = torch.Generator().manual_seed(int(seed))
-    aatype = _as_tensor(raw["aatype"])
-    msa = _as_tensor(raw["msa"])
-    deletions = _as_tensor(raw["deletion_matrix"])
-    num_res = aatype.shape[0]
-    if msa.dim() != 2 or msa.shape[1] != num_res or msa.shape[0] < 1:
-        raise ValueError(f"raw['msa']: expected [N >= 1, {num_res}], got {tuple(msa.shape)}")
-    if deletions.shape != msa.shape:
-        raise ValueError(f"raw['deletion_matrix']: expected {tuple(msa.shape)}, got {tuple(deletions.shape)}")
-    has_structure = "all_atom_positions" in raw
-    positions = _as_tensor(raw["all_atom_positions"]) if has_structure else None
-    atom_mask = _as_tensor(raw["all_atom_mask"]) if has_structure else None
+    inputs = _SampleInputs.from_raw(raw)
+    cols = _crop_columns(inputs, config, generator, train)
+    return _sample(raw, inputs, config, generator, cols, train)
 
-    # 1. Residue crop (AF2 1.2.8), first so that everything below touches crop_size columns only.
-    if train:
-        cols = choose_crop(
-            num_res,
-            config.crop_size,
-            generator,
-            config.spatial_crop_prob,
-            positions,
-            atom_mask,
-            config.interface_threshold,
+
+def process_features_recycling(
+    raw: Mapping[str, np.ndarray | torch.Tensor],
+    config: FeatureConfig,
+    seed: int,
+    max_recycling_iters: int = 3,
+    train: bool = True,
+) -> dict[str, torch.Tensor]:
+    """OpenFold's recycling samples: `max_recycling_iters + 1` samples stacked on a leading axis R.
+
+    Every tensor of `process_features` gets a leading axis: e.g. `msa_feat` [R, N_clust, N_res, 49],
+    `seq_length` [R]. As in OpenFold's `process_tensors_from_config` (with
+    `resample_msa_in_recycling`), all R samples share one residue crop, while block deletion, MSA
+    sampling, masking and clustering are drawn independently for each. Sample 0 equals
+    `process_features(raw, config, seed, train)`; the others continue the same generator. OpenFold
+    stacks the recycling axis last; hfkit's model takes no recycling axis, so this is opt-in (index
+    `[r]` gives the input of recycling iteration r).
+    """
+    if max_recycling_iters < 0:
+        raise ValueError(f"max_recycling_iters: expected >= 0, got {max_recycling_iters}")
+    generator = torch.Generator().manual_seed(int(seed))
+    inputs = _SampleInputs.from_raw(raw)
+    cols = _crop_columns(inputs, config, generator, train)
+    samples = [_sample(raw, inputs, config, generator, cols, train) for _ in range(max_recycling_iters + 1)]
+    return {key: torch.stack([sample[key] for sample in samples]) for key in samples[0]}
+
+
+@dataclass(frozen=True)
+class _SampleInputs:
+    """The raw arrays `process_features` reads, as tensors (zero-copy views), checked for shape."""
+
+    aatype: torch.Tensor  # [L]
+    msa: torch.Tensor  # [N, L]
+    deletions: torch.Tensor  # [N, L]
+    positions: torch.Tensor | None  # [L, 37, 3]
+    atom_mask: torch.Tensor | None  # [L, 37]
+
+    @classmethod
+    def from_raw(cls, raw: Mapping[str, np.ndarray | torch.Tensor]) -> _SampleInputs:
+        aatype = _as_tensor(raw["aatype"])
+        msa = _as_tensor(raw["msa"])
+        deletions = _as_tensor(raw["deletion_matrix"])
+        num_res = aatype.shape[0]
+        if msa.dim() != 2 or msa.shape[1] != num_res or msa.shape[0] < 1:
+            raise ValueError(f"raw['msa']: expected [N >= 1, {num_res}], got {tuple(msa.shape)}")
+        if deletions.shape != msa.shape:
+            raise ValueError(
+                f"raw['deletion_matrix']: expected {tuple(msa.shape)}, got {tuple(deletions.shape)}"
+            )
+        has_structure = "all_atom_positions" in raw
+        return cls(
+            aatype=aatype,
+            msa=msa,
+            deletions=deletions,
+            positions=_as_tensor(raw["all_atom_positions"]) if has_structure else None,
+            atom_mask=_as_tensor(raw["all_atom_mask"]) if has_structure else None,
         )
-        pad_res = config.crop_size
-    else:
-        cols = torch.arange(num_res)
-        pad_res = num_res
+
+
+def _crop_columns(
+    inputs: _SampleInputs, config: FeatureConfig, generator: torch.Generator, train: bool
+) -> torch.Tensor:
+    """The residues a sample keeps, sorted int64 [N_res]: a training crop, or all of them."""
+    num_res = inputs.aatype.shape[0]
+    if not train:
+        return torch.arange(num_res)
+    # Residue crop (AF2 1.2.8), first so that everything after touches crop_size columns only.
+    return choose_crop(
+        num_res,
+        config.crop_size,
+        generator,
+        config.spatial_crop_prob,
+        inputs.positions,
+        inputs.atom_mask,
+        config.interface_threshold,
+        uniform_start=config.uniform_crop_start,
+    )
+
+
+def _sample(
+    raw: Mapping[str, np.ndarray | torch.Tensor],
+    inputs: _SampleInputs,
+    config: FeatureConfig,
+    generator: torch.Generator,
+    cols: torch.Tensor,
+    train: bool,
+) -> dict[str, torch.Tensor]:
+    """`process_features` after the crop: the sample of the residues `cols`, drawn from `generator`."""
+    aatype, msa, deletions = inputs.aatype, inputs.msa, inputs.deletions
+    positions, atom_mask = inputs.positions, inputs.atom_mask
+    has_structure = positions is not None
+    num_res = aatype.shape[0]
+    pad_res = config.crop_size if train else num_res
     res = cols.numel()
     runs = _column_runs(cols)
     if "hhblits_profile" in raw:
@@ -548,7 +668,14 @@ def process_features(
     else:
         profile = torch.from_numpy(hhblits_profile(msa.numpy())).index_select(0, cols)
 
-    # 2. MSA sampling (OpenFold's sample_msa): the query stays row 0, the others are shuffled.
+    # 2. Block deletion (OpenFold's block_delete_msa, training only): whole runs of rows go, before
+    # sampling; the kept rows stay in raw order, so the steps below see a shallower MSA.
+    if train and config.block_delete_msa:
+        keep = block_delete_rows(msa.shape[0], config, generator)
+        if keep.numel() < msa.shape[0]:
+            msa, deletions = msa.index_select(0, keep), deletions.index_select(0, keep)
+
+    # 3. MSA sampling (OpenFold's sample_msa): the query stays row 0, the others are shuffled.
     num_seq = msa.shape[0]
     order = torch.cat(
         [torch.zeros(1, dtype=torch.int64), torch.randperm(num_seq - 1, generator=generator) + 1]
@@ -560,7 +687,7 @@ def process_features(
     # already in random order); with cluster_all_extra all extra rows vote, else only those.
     vote_rows = extra_rows if config.cluster_all_extra else extra_rows[:num_extra]
 
-    # 3. Masked MSA on the centres, before clustering so profiles do not leak the hidden residues.
+    # 4. Masked MSA on the centres, before clustering so profiles do not leak the hidden residues.
     # The rows go straight into the int32 buffer that becomes the clustering keys. When every
     # non-centre row votes (OpenFold's semantics), that is every row of the MSA in its raw order:
     # who votes, not in which order, decides the clusters, and sequential rows read 2x faster than
@@ -590,7 +717,7 @@ def process_features(
     true_msa = keys.index_select(0, centre_rows).sub_(offsets).long()
     centres, bert_mask = mask_msa(true_msa, profile, config, generator)
 
-    # 4. Nearest-neighbour clustering and cluster summaries (OpenFold's nearest_neighbor_clusters,
+    # 5. Nearest-neighbour clustering and cluster summaries (OpenFold's nearest_neighbor_clusters,
     # summarize_clusters): profile and mean deletion over each centre and its assigned rows.
     # The centres' rows of keys hold their corrupted ids.
     keys.index_copy_(0, centre_rows, (centres + offsets).to(torch.int32))
@@ -616,7 +743,7 @@ def process_features(
     counts = _scratch("counts", (num_clust * res * _KEY_STRIDE,), torch.float32).zero_()
     counts.index_add_(0, keys.view(-1), torch.ones(1).expand(keys.numel()))
 
-    # 5. msa_feat, every real entry written once into an uninitialised buffer: the centres' one-hot
+    # 6. msa_feat, every real entry written once into an uninitialised buffer: the centres' one-hot
     # (channels 0..22: zeroed, then a flat index_put_ of ones), has_deletion, deletion_value, the
     # cluster profile (counts / cluster size) and the deletion mean.
     msa_feat = torch.empty(out_msa, pad_res, MSA_FEAT_DIM)
@@ -633,7 +760,7 @@ def process_features(
     torch.div(profile_counts, sizes[:, None, None], out=feat[..., _PROFILE_CHANNELS])
     deletion_value(del_sum / sizes[:, None], out=feat[..., MSA_FEAT_DIM - 1])
 
-    # 6. The other outputs, written straight into zero-padded buffers.
+    # 7. The other outputs, written straight into zero-padded buffers.
     out: dict[str, torch.Tensor] = {}
     out["aatype"] = torch.zeros(pad_res, dtype=torch.int64)
     out["aatype"][:res] = aatype.index_select(0, cols)
