@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import hfkit
+import hfkit.model
 from hfkit.ops._triton import reference_on_cpu
 
 
@@ -270,3 +271,65 @@ def test_swapped_openfold_dropout_shares_its_mask_in_training(of) -> None:
     assert torch.allclose(y[kept], torch.full_like(y[kept], 2.0))
     assert 0 < kept.sum() < kept.numel()
     assert dropout.eval()(x) is x
+
+
+# --- checkpoints -------------------------------------------------------------------------------------
+
+HFKIT_SIZES = {k: v for k, v in SIZES.items() if k not in ("opm_first", "eps")}
+
+
+def _v1_to_v2(key: str) -> str:
+    """hfkit's (OpenFold v1) Evoformer key -> OpenFold >= 2.0's, to build v2 checkpoints by hand."""
+    for old, new in (
+        ("core.msa_transition", "msa_transition"),
+        ("core.outer_product_mean", "outer_product_mean"),
+        ("core.tri_", "pair_stack.tri_"),
+        ("core.pair_transition", "pair_stack.pair_transition"),
+    ):
+        key = key.replace(old, new)
+    return key
+
+
+# Parts of OpenFold's AlphaFold that hfkit does not have, as they appear in its checkpoints.
+OPENFOLD_ONLY = {
+    "template_embedder.template_pair_stack.blocks.0.tri_mul_out.linear_z.weight": (4, 4),
+    "structure_module.ipa.linear_q.weight": (4, 4),
+    "recycling_embedder.layer_norm_m.weight": (4,),
+    "aux_heads.plddt.linear_1.weight": (4, 4),
+}
+
+
+@pytest.mark.parametrize("mask_trans", [False, True])
+@pytest.mark.parametrize("stack", ["evoformer", "extra_msa"])
+def test_openfold_stack_checkpoint_loads_into_hfkit_and_gives_openfold_outputs(
+    of, monkeypatch, stack: str, mask_trans: bool
+) -> None:
+    """OpenFold's own v2-layout stack, saved as a training checkpoint (EMA weights under `module.`),
+    loads strictly into hfkit's stack, which then computes OpenFold's outputs (its `_mask_trans` and
+    the global attention's eps included)."""
+    extra = stack == "extra_msa"
+    monkeypatch.setattr(of.primitives, "attention_core", _plain_attention_core)
+    theirs = (_extra_msa_stack if extra else _evoformer_stack)(of, False).eval()
+    _redraw(theirs, seed=5)
+    ours_cls = hfkit.model.ExtraMSAStack if extra else hfkit.model.EvoformerStack
+    ours = ours_cls(**HFKIT_SIZES, **({} if extra else {"c_s": 8}), mask_trans=mask_trans).eval()
+    part = "extra_msa_stack." if extra else "evoformer."
+    weights = {f"module.{part}{k}": v.clone() for k, v in theirs.state_dict().items()}
+    weights.update({f"module.{k}": torch.zeros(shape) for k, shape in OPENFOLD_ONLY.items()})
+    ckpt = {"ema": {"params": weights, "decay": 0.999}, "state_dict": {}, "epoch": 3}
+
+    report = hfkit.model.load_openfold_state_dict(ours, ckpt, prefix=part)
+    assert report.container == "ema"
+    assert sorted(report.loaded) == sorted(ours.state_dict())
+    assert sorted(report.ignored) == sorted(OPENFOLD_ONLY)
+    assert report.missing == [] and report.unexpected == []
+    assert report.renamed > 0  # OpenFold's stack is in the v2 layout
+    theirs_v1 = hfkit.model.openfold_v2_to_v1_keys(theirs.state_dict())
+    assert all(torch.equal(v, theirs_v1[k]) for k, v in ours.state_dict().items())
+
+    m, z, msa_mask, pair_mask = _inputs(seed=6)
+    with torch.no_grad():
+        expected = theirs(m, z, msa_mask, pair_mask, chunk_size=None, _mask_trans=mask_trans)
+        actual = ours(m, z, msa_mask, pair_mask)
+    for a, e in zip(actual if not extra else [actual], expected if not extra else [expected], strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
