@@ -333,3 +333,28 @@ def test_openfold_stack_checkpoint_loads_into_hfkit_and_gives_openfold_outputs(
         actual = ours(m, z, msa_mask, pair_mask)
     for a, e in zip(actual if not extra else [actual], expected if not extra else [expected], strict=True):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("stack", ["evoformer", "extra_msa"])
+def test_swapped_openfold_stack_matches_in_chunked_inplace_inference(of, monkeypatch, stack: str) -> None:
+    """OpenFold's inference settings (chunk_size, inplace_safe: its triangle updates then return z
+    overwritten with z + update) give OpenFold's outputs after the swap (reference path)."""
+    extra = stack == "extra_msa"
+    monkeypatch.setattr(of.primitives, "attention_core", _plain_attention_core)
+    model = (_extra_msa_stack if extra else _evoformer_stack)(of, extra).eval()
+    _redraw(model, seed=8)
+    m, z, msa_mask, pair_mask = _inputs(seed=9)
+
+    def run(module):
+        with torch.no_grad():
+            out = module(
+                m.clone(), z.clone(), msa_mask, pair_mask, chunk_size=2, inplace_safe=True, _mask_trans=False
+            )
+        return out if isinstance(out, tuple) else (out,)
+
+    expected = run(model)
+    swapped = hfkit.to_hfkit(model, inplace=False)
+    with reference_on_cpu():
+        actual = run(swapped)
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
