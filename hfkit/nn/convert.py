@@ -121,8 +121,14 @@ def register_swap(
     _BY_HFKIT.setdefault(hfkit_cls, entry)
 
 
-def unregister_swap(torch_cls: type[nn.Module]) -> None:
-    """Remove the registration of `torch_cls` (for tests and for replacing a registration)."""
+def unregister_swap(torch_cls: type[nn.Module] | str) -> None:
+    """Remove the registration of `torch_cls`, or of a qualified class name registered by
+    `register_foreign_swap` (for tests and for replacing a registration)."""
+    if isinstance(torch_cls, str):
+        if _BY_QUALNAME.pop(torch_cls, None) is None:
+            raise ValueError(f"unregister_swap: qualified name {torch_cls!r} is not registered")
+        _drop_adapters(torch_cls)
+        return
     entry = _BY_TORCH.pop(torch_cls, None)
     if entry is None:
         raise ValueError(f"unregister_swap: torch_cls {_qualname(torch_cls)} is not registered")
@@ -167,6 +173,11 @@ def register_foreign_swap(
     if name in _BY_NAME:
         raise ValueError(f"register_foreign_swap: name {name!r} is already used by a registered swap")
     _BY_QUALNAME[qualname] = _ForeignSwap(name, check, dict(methods))
+    _drop_adapters(qualname)
+
+
+def _drop_adapters(qualname: str) -> None:
+    """Forget the adapters made for classes named `qualname` (their registration changed)."""
     for cls in [c for c in _FOREIGN_ENTRIES if _qualname(c) == qualname]:
         _BY_HFKIT.pop(_FOREIGN_ENTRIES.pop(cls).hfkit_cls, None)
 
@@ -406,7 +417,10 @@ def to_hfkit(
             if exclude_set is not None and entry.name in exclude_set:
                 return entry, None, "in exclude"
             if foreign is not None:
-                why = foreign.check(module)
+                try:
+                    why = foreign.check(module)
+                except AttributeError as err:  # another version of the class, without an attribute
+                    why = f"unknown layout ({err})"
                 if why:
                     return entry, None, f"skipped: {why}"
             return entry, entry.hfkit_cls, ""
