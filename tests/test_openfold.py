@@ -12,6 +12,7 @@ unswapped reference runs a plain softmax attention there.
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 import types
@@ -358,3 +359,21 @@ def test_swapped_openfold_stack_matches_in_chunked_inplace_inference(of, monkeyp
         actual = run(swapped)
     for a, e in zip(actual, expected, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_swapped_openfold_model_deepcopies_and_pickles(of, tmp_path) -> None:
+    model = hfkit.to_hfkit(_evoformer_stack(of, fused=True))
+    types_before = [type(mod) for mod in model.modules()]
+    for copied in (copy.deepcopy(model), _save_and_load(model, tmp_path / "model.pt")):
+        assert [type(mod) for mod in copied.modules()] == types_before
+        state = model.state_dict()
+        assert copied.state_dict().keys() == state.keys()
+        assert all(torch.equal(v, state[k]) for k, v in copied.state_dict().items())
+        assert [type(mod) for mod in hfkit.to_torch(copied).modules()] == [
+            type(mod) for mod in hfkit.to_torch(model, inplace=False).modules()
+        ]
+
+
+def _save_and_load(model: torch.nn.Module, path: Path) -> torch.nn.Module:
+    torch.save(model, path)
+    return torch.load(path, weights_only=False)

@@ -188,6 +188,7 @@ def _foreign_entry(cls: type[nn.Module], foreign: _ForeignSwap) -> _Swap:
     if entry is None:
         namespace = {
             **foreign.methods,
+            "__reduce_ex__": _reduce_adapter,
             "__module__": __name__,
             "__qualname__": f"Hfkit{cls.__name__}",
             "__doc__": f"{_qualname(cls)} whose forward runs hfkit ops (made by to_hfkit; same state).",
@@ -197,6 +198,21 @@ def _foreign_entry(cls: type[nn.Module], foreign: _ForeignSwap) -> _Swap:
         _FOREIGN_ENTRIES[cls] = entry
         _BY_HFKIT[adapter] = entry
     return entry
+
+
+def _reduce_adapter(module: nn.Module, protocol: int) -> tuple[object, ...]:
+    """Pickle and deepcopy an adapter by its foreign class (importable), not by the adapter class
+    (made at run time, so not importable): `_blank_adapter` makes it again on the way back."""
+    return _blank_adapter, (type(module).__bases__[0],), dict(module.__dict__)
+
+
+def _blank_adapter(cls: type[nn.Module]) -> nn.Module:
+    """An empty instance of the adapter of foreign class `cls` (its state is set after)."""
+    foreign = _BY_QUALNAME.get(_qualname(cls))
+    if foreign is None:
+        raise ValueError(f"to_hfkit: no foreign swap is registered for {_qualname(cls)}; import hfkit.nn")
+    adapter = _foreign_entry(cls, foreign).hfkit_cls
+    return adapter.__new__(adapter)
 
 
 def registered_ops() -> dict[str, tuple[type[nn.Module], type[nn.Module]]]:

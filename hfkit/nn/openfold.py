@@ -56,7 +56,8 @@ def _openfold_forward(module: nn.Module) -> object:
 
 
 def _linear_layout(module: nn.Module, name: str, shape: tuple[int, int] | None, bias: bool | None) -> str:
-    """ "" when `module.<name>` is a linear layer (`weight` [out, in], `bias` [out] or None as asked)."""
+    """Why `module.<name>` is not a linear layer of `shape` ([out, in]) with a bias [out] (`bias` True)
+    or without one (False); the empty string when it is."""
     lin = getattr(module, name, None)
     weight = getattr(lin, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -72,7 +73,8 @@ def _linear_layout(module: nn.Module, name: str, shape: tuple[int, int] | None, 
 
 
 def _norm_layout(module: nn.Module, name: str, size: int | None) -> str:
-    """ "" when `module.<name>` is a LayerNorm over one dim (`weight`, `bias` [size], float `eps`)."""
+    """Why `module.<name>` is not a LayerNorm over one dim (`weight`, `bias` [size], a float `eps`); the
+    empty string when it is."""
     ln = getattr(module, name, None)
     w, b, eps = (getattr(ln, attr, None) for attr in ("weight", "bias", "eps"))
     if not (isinstance(w, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(eps, float)):
