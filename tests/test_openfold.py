@@ -219,7 +219,7 @@ def test_to_hfkit_swaps_openfold_stacks_and_matches_them(of, monkeypatch, stack:
         a = actual_grads[name]
         assert (a is None) == (e is None), name
         if e is not None:
-            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4, msg=lambda msg, n=name: f"{n}: {msg}")
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5, msg=lambda msg, n=name: f"{n}: {msg}")
 
     back, back_report = hfkit.to_torch(swapped, report=True)
     assert {name: type(mod) for name, mod in back.named_modules()} == types_before
