@@ -377,3 +377,23 @@ def test_swapped_openfold_model_deepcopies_and_pickles(of, tmp_path) -> None:
 def _save_and_load(model: torch.nn.Module, path: Path) -> torch.nn.Module:
     torch.save(model, path)
     return torch.load(path, weights_only=False)
+
+
+@pytest.mark.parametrize("stack", ["evoformer", "extra_msa"])
+def test_swapped_bfloat16_openfold_stack_matches_to_bfloat16_rounding(of, monkeypatch, stack: str) -> None:
+    """OpenFold's stack cast to bfloat16 (its LayerNorm and Linear run bfloat16 inputs with bfloat16
+    parameters) keeps its dtype after the swap and agrees to bfloat16 rounding (reference path)."""
+    extra = stack == "extra_msa"
+    monkeypatch.setattr(of.primitives, "attention_core", _plain_attention_core)
+    model = (_extra_msa_stack if extra else _evoformer_stack)(of, False).eval()
+    _redraw(model, seed=3)
+    model = model.to(torch.bfloat16)
+    inputs = [t.to(torch.bfloat16) for t in _inputs(seed=4)]
+    with torch.no_grad():
+        expected = model(*inputs, chunk_size=None, _mask_trans=False)
+        swapped = hfkit.to_hfkit(model, inplace=False)
+        with reference_on_cpu():
+            actual = swapped(*inputs, chunk_size=None, _mask_trans=False)
+    for a, e in zip(*(o if isinstance(o, tuple) else (o,) for o in (actual, expected)), strict=True):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), e.float(), rtol=2e-2, atol=5e-2)
