@@ -210,7 +210,10 @@ def _blank_adapter(cls: type[nn.Module]) -> nn.Module:
     """An empty instance of the adapter of foreign class `cls` (its state is set after)."""
     foreign = _BY_QUALNAME.get(_qualname(cls))
     if foreign is None:
-        raise ValueError(f"to_hfkit: no foreign swap is registered for {_qualname(cls)}; import hfkit.nn")
+        raise ValueError(
+            f"to_hfkit: no foreign swap is registered for {_qualname(cls)}; import hfkit.nn before "
+            "unpickling a model swapped by to_hfkit"
+        )
     adapter = _foreign_entry(cls, foreign).hfkit_cls
     return adapter.__new__(adapter)
 
