@@ -17,6 +17,7 @@ from hfkit.model import (
     EvoformerStack,
     ModelConfig,
     distogram_loss,
+    load_openfold_state_dict,
     masked_msa_loss,
     openfold_v2_to_v1_keys,
     pseudo_beta,
@@ -436,3 +437,118 @@ def test_real_2q2k_training_lowers_loss() -> None:
         optimizer.step()
     last = eval_loss()
     assert last < first - 0.05, (first, last)
+
+
+# ----------------------------------------------------------------------------- OpenFold checkpoints
+
+
+def _openfold_v2_checkpoint(model: AlphaFoldLite, prefix: str) -> dict[str, torch.Tensor]:
+    """`model`'s weights as OpenFold >= 2.0 saves them (v2 names, `prefix` before every key), plus
+    parts of OpenFold's AlphaFold that hfkit does not have."""
+    out = {}
+    for key, value in model.state_dict().items():
+        key = key.replace("core.msa_transition", "msa_transition")
+        key = key.replace("core.outer_product_mean", "outer_product_mean")
+        key = re.sub(r"core\.(tri_|pair_transition)", r"pair_stack.\1", key)
+        out[prefix + key] = value.clone()
+    for key in OPENFOLD_ONLY_KEYS:
+        out[prefix + key] = torch.ones(3)
+    return out
+
+
+OPENFOLD_ONLY_KEYS = (
+    "template_embedder.template_pointwise_att.mha.linear_q.weight",
+    "structure_module.ipa.head_weights",
+    "recycling_embedder.linear.weight",
+    "aux_heads.plddt.linear_3.bias",
+    "aux_heads.experimentally_resolved.linear.weight",
+)
+
+
+@pytest.mark.parametrize(
+    ("wrap", "container"),
+    [
+        (lambda sd: sd, "plain"),
+        (lambda sd: {"ema": {"params": sd, "decay": 0.999}, "optimizer_states": []}, "ema"),
+        (lambda sd: {"state_dict": sd, "epoch": 1}, "state_dict"),
+    ],
+    ids=["plain", "ema", "lightning"],
+)
+@pytest.mark.parametrize("prefix", ["", "module.", "model.", "module.model."])
+def test_load_openfold_state_dict_reports_loaded_and_ignored_keys(wrap, container: str, prefix: str) -> None:
+    source = tiny_model(seed=1)
+    target = tiny_model(seed=2)
+    report = load_openfold_state_dict(target, wrap(_openfold_v2_checkpoint(source, prefix)))
+    assert sorted(report.loaded) == sorted(source.state_dict())
+    assert sorted(report.ignored) == sorted(OPENFOLD_ONLY_KEYS)
+    assert report.missing == [] and report.unexpected == []
+    assert report.renamed == sum(".core." in k for k in source.state_dict()) > 0
+    assert report.container == container
+    for key, value in target.state_dict().items():
+        assert torch.equal(value, source.state_dict()[key]), key
+    assert "loaded" in str(report) and "ignored 5 keys" in str(report)
+
+
+def test_load_openfold_state_dict_strict_names_missing_and_unexpected_keys() -> None:
+    source = tiny_model(seed=1)
+    ckpt = _openfold_v2_checkpoint(source, "")
+    del ckpt["evoformer.linear.weight"]
+    ckpt["evoformer.blocks.0.msa_att_row.mha.linear_q.extra"] = torch.ones(1)
+    target = tiny_model(seed=2)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(ValueError, match=r"missing 1 keys \['evoformer.linear.weight'\].*unexpected 1"):
+        load_openfold_state_dict(target, ckpt)
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())  # nothing loaded
+    report = load_openfold_state_dict(target, ckpt, strict=False)
+    assert report.missing == ["evoformer.linear.weight"]
+    assert report.unexpected == ["evoformer.blocks.0.msa_att_row.mha.linear_q.extra"]
+    assert torch.equal(target.state_dict()["evoformer.linear.weight"], before["evoformer.linear.weight"])
+    ckpt["evoformer.linear.weight"] = torch.ones(2, 2)
+    with pytest.raises(ValueError, match="evoformer.linear.weight: expected"):
+        load_openfold_state_dict(target, ckpt, strict=False)
+
+
+def test_load_openfold_state_dict_into_a_part_with_prefix() -> None:
+    source = tiny_model(seed=1)
+    stack = EvoformerStack.from_config(TINY)
+    ckpt = _openfold_v2_checkpoint(source, "module.")
+    report = load_openfold_state_dict(stack, ckpt, prefix="evoformer.")
+    assert sorted(report.loaded) == sorted(stack.state_dict())
+    v1_keys = openfold_v2_to_v1_keys({k.removeprefix("module."): v for k, v in ckpt.items()})
+    outside = [k for k in v1_keys if not k.startswith("evoformer.")]
+    assert sorted(report.ignored) == sorted(outside) and len(outside) > len(OPENFOLD_ONLY_KEYS)
+    for key, value in stack.state_dict().items():
+        assert torch.equal(value, source.evoformer.state_dict()[key])
+
+
+def test_mask_trans_option_has_openfold_meaning() -> None:
+    """`_mask_trans=False` (OpenFold's AlphaFold config): transition updates at masked positions are
+    not zeroed, except the extra-MSA blocks' MSA transition, which OpenFold always masks."""
+    assert ModelConfig()._mask_trans is False and ModelConfig.af2_initial()._mask_trans is False
+    for mask_trans in (False, True):
+        model = tiny_model(seed=3, _mask_trans=mask_trans)
+        for block in model.evoformer.blocks:
+            assert block.core.mask_msa_transition is mask_trans
+            assert block.core.mask_pair_transition is mask_trans
+        for block in model.extra_msa_stack.blocks:
+            assert block.core.mask_msa_transition is True
+            assert block.core.mask_pair_transition is mask_trans
+    core = tiny_model(seed=3, _mask_trans=False).evoformer.blocks[0].core.eval()
+    g = torch.Generator().manual_seed(0)
+    m, z = torch.randn(3, 5, TINY.c_m, generator=g), torch.randn(5, 5, TINY.c_z, generator=g)
+    msa_mask, pair_mask = torch.ones(3, 5), torch.ones(5, 5)
+    msa_mask[:, -1] = 0
+    pair_mask[-1] = 0
+    with torch.no_grad():
+        unmasked = core.msa_transition(m) + 0
+        m_out, _ = core(m, z, msa_mask, pair_mask)
+        expected_m = m + unmasked
+    torch.testing.assert_close(m_out, expected_m)
+    assert unmasked[:, -1].abs().sum() > 0
+
+
+def test_global_attention_eps_comes_from_the_config() -> None:
+    assert ModelConfig().global_attention_eps == 1e-8  # OpenFold's config
+    model = tiny_model(global_attention_eps=1e-3)
+    for block in model.extra_msa_stack.blocks:
+        assert block.msa_att_col.global_attention.eps == 1e-3

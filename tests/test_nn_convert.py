@@ -21,7 +21,7 @@ from torch import nn
 import hfkit
 import hfkit.nn.layer_norm as hfkit_ln_module
 from hfkit.nn import LayerNorm, SwapReport, register_swap, to_hfkit, to_torch
-from hfkit.nn.convert import ORIGINAL_CLS_ATTR, registered_ops, unregister_swap
+from hfkit.nn.convert import ORIGINAL_CLS_ATTR, register_foreign_swap, registered_ops, unregister_swap
 from hfkit.ops.layer_norm import uses_triton
 
 D = 8
@@ -516,3 +516,57 @@ def test_save_and_load_whole_module_and_state_dict(seed: int) -> None:
     assert_same_state(plain, snapshot(model))
     x = torch.randn(2, D)
     assert_close(model(x), plain(x))
+
+
+# A class of a package hfkit does not import, registered by qualified name (as OpenFold's are).
+ForeignNorm = type(
+    "ForeignNorm",
+    (nn.LayerNorm,),
+    {"__module__": "foreignpkg.layers", "forward": lambda self, x: nn.LayerNorm.forward(self, x)},
+)
+
+
+def _foreign_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return 2 * nn.functional.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+@pytest.fixture
+def foreign_registered():
+    check = lambda m: "" if m.weight is not None else "weight: expected a parameter, got None"
+    register_foreign_swap(
+        "foreignpkg.layers.ForeignNorm", "foreign.Norm", check, {"forward": _foreign_forward}
+    )
+    yield
+    unregister_swap("foreignpkg.layers.ForeignNorm")
+
+
+def test_foreign_class_is_swapped_by_qualified_name_and_restored(foreign_registered: None) -> None:
+    model = nn.Sequential(ForeignNorm(D), ForeignNorm(D, elementwise_affine=False), nn.Linear(D, D))
+    before = snapshot(model)
+    x = torch.randn(3, D)
+    model, report = to_hfkit(model, report=True)
+    adapter = type(model[0])
+    assert adapter is not ForeignNorm and issubclass(adapter, ForeignNorm)
+    assert type(model[1]) is ForeignNorm  # its layout check failed
+    assert report.counts() == {"foreign.Norm": 1}
+    assert report.skipped[0].reason == "skipped: weight: expected a parameter, got None"
+    torch.testing.assert_close(
+        model[0](x), 2 * nn.functional.layer_norm(x, (D,), model[0].weight, model[0].bias)
+    )
+    assert_same_state(model, before)
+    again = to_hfkit(nn.Sequential(ForeignNorm(D)))
+    assert type(again[0]) is adapter  # one adapter per class
+    model = to_torch(model)
+    assert [type(m) for m in model] == [ForeignNorm, ForeignNorm, nn.Linear]
+    assert_same_state(model, before)
+    _, report = to_hfkit(nn.Sequential(ForeignNorm(D)), exclude={"foreign.Norm"}, report=True)
+    assert report.counts("skipped") == {"foreign.Norm": 1}
+
+
+def test_unregistered_foreign_class_is_left_alone(foreign_registered: None) -> None:
+    unregister_swap("foreignpkg.layers.ForeignNorm")
+    model = to_hfkit(nn.Sequential(ForeignNorm(D)))
+    assert type(model[0]) is ForeignNorm
+    with pytest.raises(ValueError, match="qualified name"):
+        unregister_swap("foreignpkg.layers.ForeignNorm")
+    register_foreign_swap("foreignpkg.layers.ForeignNorm", "foreign.Norm", lambda m: "", {})  # for teardown

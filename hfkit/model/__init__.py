@@ -6,7 +6,8 @@ One file per component, named after OpenFold's: `primitives` (`linear`, gated `A
 (shared dropout, 1.11.6), `msa` (Alg. 7, 8, 19), `pair_transition` (Alg. 15),
 `outer_product_mean` (Alg. 10), `triangular_multiplicative_update` (Alg. 11, 12),
 `triangular_attention` (Alg. 13, 14), `evoformer` (Alg. 6, 9, 18), `embedders` (Alg. 3, 4), `heads` and
-`loss` (1.9.8, 1.9.9), `model` (`AlphaFoldLite`), `config` (`ModelConfig` presets).
+`loss` (1.9.8, 1.9.9), `model` (`AlphaFoldLite`), `config` (`ModelConfig` presets), `openfold_weights`
+(`load_openfold_state_dict`: OpenFold checkpoints).
 """
 
 from hfkit.model.config import ModelConfig
@@ -31,6 +32,7 @@ from hfkit.model.msa import (
     MSAColumnGlobalAttention,
     MSARowAttentionWithPairBias,
 )
+from hfkit.model.openfold_weights import LoadReport, load_openfold_state_dict
 from hfkit.model.outer_product_mean import OuterProductMean
 from hfkit.model.pair_transition import PairTransition
 from hfkit.model.primitives import Attention
@@ -59,6 +61,7 @@ __all__ = [
     "ExtraMSAStack",
     "GlobalAttention",
     "InputEmbedder",
+    "LoadReport",
     "MSAAttention",
     "MSAColumnAttention",
     "MSAColumnGlobalAttention",
@@ -75,6 +78,7 @@ __all__ = [
     "TriangleMultiplicationIncoming",
     "TriangleMultiplicationOutgoing",
     "build_extra_msa_feat",
+    "load_openfold_state_dict",
     "distogram_loss",
     "masked_msa_loss",
     "openfold_v2_to_v1_keys",

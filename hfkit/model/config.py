@@ -17,7 +17,11 @@ class ModelConfig:
 
     `checkpoint` recomputes each Evoformer block in backward (activation checkpointing);
     `chunk_size` (None: off) runs attention, transitions and the outer product mean that many rows
-    at a time (inference memory; results equal the unchunked ones).
+    at a time (inference memory; results equal the unchunked ones). `_mask_trans` is OpenFold's
+    option of that name: True multiplies the MSA and pair transitions' updates by the masks; False
+    (AlphaFold's and OpenFold's AlphaFold config) leaves them unmasked, except the extra-MSA blocks'
+    MSA transition, which OpenFold always masks. `global_attention_eps` is the extra-MSA global column
+    attention's eps (OpenFold's config: 1e-8).
     """
 
     c_m: int = 256
@@ -34,12 +38,14 @@ class ModelConfig:
     msa_dropout: float = 0.15
     pair_dropout: float = 0.25
     inf: float = 1e9
+    _mask_trans: bool = False
     # Extra-MSA stack (Alg. 18, 19); extra_no_blocks = 0 turns it off
     c_e: int = 64
     extra_c_hidden_msa_att: int = 8
     extra_no_heads_msa: int = 8
     extra_no_blocks: int = 4
     extra_msa_dim: int = MSA_NUM_CLASSES + 2
+    global_attention_eps: float = 1e-8
     # Input embedder (Alg. 3, 4)
     tf_dim: int = TARGET_FEAT_DIM
     msa_dim: int = MSA_FEAT_DIM

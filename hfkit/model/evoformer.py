@@ -50,7 +50,12 @@ class MSATransition(Transition):
 
 class EvoformerBlockCore(nn.Module):
     """Algorithm 6 lines 6-12: MSA transition, outer product mean, triangle updates and attention,
-    pair transition. Pair dropout is row-wise (column-wise for the ending-node attention)."""
+    pair transition. Pair dropout is row-wise (column-wise for the ending-node attention).
+
+    `mask_msa_transition` / `mask_pair_transition` multiply the transitions' updates by the MSA /
+    pair mask (OpenFold's `_mask_trans`; AlphaFold and OpenFold's AlphaFold config leave them
+    unmasked). Plain attributes, not state: they may be changed on a built module.
+    """
 
     def __init__(
         self,
@@ -63,8 +68,12 @@ class EvoformerBlockCore(nn.Module):
         transition_n: int,
         pair_dropout: float,
         inf: float = 1e9,
+        mask_msa_transition: bool = True,
+        mask_pair_transition: bool = True,
     ) -> None:
         super().__init__()
+        self.mask_msa_transition = mask_msa_transition
+        self.mask_pair_transition = mask_pair_transition
         self.msa_transition = MSATransition(c_m, transition_n)
         self.outer_product_mean = OuterProductMean(c_m, c_z, c_hidden_opm)
         self.tri_mul_out = TriangleMultiplicationOutgoing(c_z, c_hidden_mul)
@@ -83,7 +92,9 @@ class EvoformerBlockCore(nn.Module):
         pair_mask: torch.Tensor,
         chunk_size: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        m = m + self.msa_transition(m, mask=msa_mask, chunk_size=chunk_size)
+        msa_trans_mask = msa_mask if self.mask_msa_transition else None
+        pair_trans_mask = pair_mask if self.mask_pair_transition else None
+        m = m + self.msa_transition(m, mask=msa_trans_mask, chunk_size=chunk_size)
         z = z + self.outer_product_mean(m, mask=msa_mask, chunk_size=chunk_size)
         # `residual_add(z, u)` is z + dropout(u): one fused kernel once `to_hfkit` swaps the dropout.
         z = self.ps_dropout_row_layer.residual_add(z, self.tri_mul_out(z, mask=pair_mask))
@@ -94,13 +105,20 @@ class EvoformerBlockCore(nn.Module):
         z = self.ps_dropout_col_layer.residual_add(
             z, self.tri_att_end(z, mask=pair_mask, chunk_size=chunk_size)
         )
-        z = z + self.pair_transition(z, mask=pair_mask, chunk_size=chunk_size)
+        z = z + self.pair_transition(z, mask=pair_trans_mask, chunk_size=chunk_size)
         return m, z
 
 
 class EvoformerBlock(nn.Module):
     """One Evoformer block (Algorithm 6 lines 2-12): MSA row attention with pair bias (row-wise
-    dropout), MSA column attention, then `core`."""
+    dropout), MSA column attention, then `core`.
+
+    `mask_trans` (OpenFold's `_mask_trans`) masks both transitions' updates; `eps` is the global
+    column attention's (extra-MSA blocks only).
+    """
+
+    # OpenFold's ExtraMSABlock masks its MSA transition whatever `_mask_trans` says.
+    _msa_transition_always_masked = False
 
     def __init__(
         self,
@@ -116,10 +134,12 @@ class EvoformerBlock(nn.Module):
         msa_dropout: float,
         pair_dropout: float,
         inf: float = 1e9,
+        mask_trans: bool = True,
+        eps: float = 1e-8,
     ) -> None:
         super().__init__()
         self.msa_att_row = MSARowAttentionWithPairBias(c_m, c_z, c_hidden_msa_att, no_heads_msa, inf=inf)
-        self.msa_att_col = self._column_attention(c_m, c_hidden_msa_att, no_heads_msa, inf)
+        self.msa_att_col = self._column_attention(c_m, c_hidden_msa_att, no_heads_msa, inf, eps)
         self.msa_dropout_layer = DropoutRowwise(msa_dropout)
         self.core = EvoformerBlockCore(
             c_m=c_m,
@@ -131,10 +151,12 @@ class EvoformerBlock(nn.Module):
             transition_n=transition_n,
             pair_dropout=pair_dropout,
             inf=inf,
+            mask_msa_transition=mask_trans or self._msa_transition_always_masked,
+            mask_pair_transition=mask_trans,
         )
 
     @staticmethod
-    def _column_attention(c_m: int, c_hidden: int, no_heads: int, inf: float) -> nn.Module:
+    def _column_attention(c_m: int, c_hidden: int, no_heads: int, inf: float, eps: float) -> nn.Module:
         return MSAColumnAttention(c_m, c_hidden, no_heads, inf=inf)
 
     def forward(
@@ -158,7 +180,8 @@ class EvoformerStack(nn.Module):
     (`linear`, c_m -> c_s) from the first MSA row.
 
     With `checkpoint`, each block is recomputed in backward (torch.utils.checkpoint,
-    use_reentrant=False; the RNG state is replayed, so dropout masks match).
+    use_reentrant=False; the RNG state is replayed, so dropout masks match). `mask_trans` is
+    OpenFold's `_mask_trans` (see `EvoformerBlockCore`).
     """
 
     def __init__(
@@ -178,6 +201,7 @@ class EvoformerStack(nn.Module):
         pair_dropout: float,
         inf: float = 1e9,
         checkpoint: bool = False,
+        mask_trans: bool = True,
     ) -> None:
         super().__init__()
         self.checkpoint = checkpoint
@@ -195,6 +219,7 @@ class EvoformerStack(nn.Module):
                 msa_dropout=msa_dropout,
                 pair_dropout=pair_dropout,
                 inf=inf,
+                mask_trans=mask_trans,
             )
             for _ in range(no_blocks)
         )
@@ -219,6 +244,7 @@ class EvoformerStack(nn.Module):
             pair_dropout=config.pair_dropout,
             inf=config.inf,
             checkpoint=config.checkpoint,
+            mask_trans=config._mask_trans,
         )
 
     def forward(
@@ -261,15 +287,18 @@ def _run_blocks(
 
 class ExtraMSABlock(EvoformerBlock):
     """Algorithm 18 lines 2-12: an Evoformer block whose column attention is global (Algorithm 19),
-    cheap enough for thousands of extra MSA rows."""
+    cheap enough for thousands of extra MSA rows. Its MSA transition is always masked (as OpenFold's)."""
+
+    _msa_transition_always_masked = True
 
     @staticmethod
-    def _column_attention(c_m: int, c_hidden: int, no_heads: int, inf: float) -> nn.Module:
-        return MSAColumnGlobalAttention(c_m, c_hidden, no_heads, inf=inf)
+    def _column_attention(c_m: int, c_hidden: int, no_heads: int, inf: float, eps: float) -> nn.Module:
+        return MSAColumnGlobalAttention(c_m, c_hidden, no_heads, inf=inf, eps=eps)
 
 
 class ExtraMSAStack(nn.Module):
-    """Algorithm 18: `no_blocks` extra-MSA blocks; only the pair representation is kept."""
+    """Algorithm 18: `no_blocks` extra-MSA blocks; only the pair representation is kept. `mask_trans`
+    is OpenFold's `_mask_trans` (here: the pair transition only), `eps` the global attention's."""
 
     def __init__(
         self,
@@ -287,6 +316,8 @@ class ExtraMSAStack(nn.Module):
         pair_dropout: float,
         inf: float = 1e9,
         checkpoint: bool = False,
+        mask_trans: bool = True,
+        eps: float = 1e-8,
     ) -> None:
         super().__init__()
         self.checkpoint = checkpoint
@@ -304,6 +335,8 @@ class ExtraMSAStack(nn.Module):
                 msa_dropout=msa_dropout,
                 pair_dropout=pair_dropout,
                 inf=inf,
+                mask_trans=mask_trans,
+                eps=eps,
             )
             for _ in range(no_blocks)
         )
@@ -326,6 +359,8 @@ class ExtraMSAStack(nn.Module):
             pair_dropout=config.pair_dropout,
             inf=config.inf,
             checkpoint=config.checkpoint,
+            mask_trans=config._mask_trans,
+            eps=config.global_attention_eps,
         )
 
     def forward(

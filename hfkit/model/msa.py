@@ -93,9 +93,10 @@ class MSAColumnAttention(nn.Module):
 class GlobalAttention(nn.Module):
     """Global gated attention of Algorithm 19: one query per column (the masked mean over rows),
     one shared key/value head (`linear_q`, `linear_k`, `linear_v`, `linear_g`, `linear_o`, as
-    OpenFold's `primitives.GlobalAttention`). Plain torch: no fused kernel covers it."""
+    OpenFold's `primitives.GlobalAttention`). `eps` guards the mean over no kept rows (OpenFold's config
+    passes 1e-8). Plain torch."""
 
-    def __init__(self, c_in: int, c_hidden: int, no_heads: int, inf: float = 1e9, eps: float = 1e-10) -> None:
+    def __init__(self, c_in: int, c_hidden: int, no_heads: int, inf: float = 1e9, eps: float = 1e-8) -> None:
         super().__init__()
         self.c_hidden = c_hidden
         self.no_heads = no_heads
@@ -124,7 +125,7 @@ class MSAColumnGlobalAttention(nn.Module):
     """Algorithm 19: MSA global column-wise gated self-attention, used by the extra-MSA stack
     (`layer_norm_m`, `global_attention`)."""
 
-    def __init__(self, c_in: int, c_hidden: int, no_heads: int, inf: float = 1e9, eps: float = 1e-10) -> None:
+    def __init__(self, c_in: int, c_hidden: int, no_heads: int, inf: float = 1e9, eps: float = 1e-8) -> None:
         super().__init__()
         self.layer_norm_m = nn.LayerNorm(c_in)
         self.global_attention = GlobalAttention(c_in, c_hidden, no_heads, inf=inf, eps=eps)

@@ -2,12 +2,14 @@
 
 Each fused module subclasses a plain module of `hfkit.model` or of torch and registers its swap when
 its file is imported; this package imports them all, so `to_hfkit` sees every registered op once
-`hfkit.nn` is imported. The plain classes that the swaps replace (`Attention`, the shared dropouts)
-are re-exported from `hfkit.model` so that each pair can be imported from one place.
+`hfkit.nn` is imported (`hfkit.nn.openfold` registers OpenFold's own classes by name). The plain
+classes that the swaps replace (`Attention`, the shared dropouts) are re-exported from `hfkit.model`
+so that each pair can be imported from one place.
 """
 
 from hfkit.model.dropout import DropoutColumnwise, DropoutRowwise, SharedDropout
 from hfkit.model.primitives import Attention
+from hfkit.nn import openfold as _openfold  # noqa: F401  (importing it registers OpenFold's swaps)
 from hfkit.nn.attention import EvoformerAttention
 from hfkit.nn.convert import SwapReport, register_swap, to_hfkit, to_torch
 from hfkit.nn.fused import FusedDropoutColumnwise, FusedDropoutRowwise, FusedSharedDropout

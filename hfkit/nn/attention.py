@@ -12,13 +12,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from hfkit.model.primitives import Attention
 from hfkit.nn.convert import register_swap
 from hfkit.ops.evoformer_attention import evoformer_attention
 from hfkit.ops.gated_linear import gated_linear
 
-__all__ = ["EvoformerAttention"]
+__all__ = [
+    "EvoformerAttention",
+    "fused_gated_attention",
+    "gated_output",
+    "map_attention_biases",
+]
 
 
 class EvoformerAttention(Attention):
@@ -36,26 +42,61 @@ class EvoformerAttention(Attention):
         self, q_x: torch.Tensor, kv_x: torch.Tensor, biases: Sequence[torch.Tensor] | None = None
     ) -> torch.Tensor:
         biases = self._check(q_x, kv_x, biases)
-        q, k, v = self._project(q_x, kv_x)
-        lead = q_x.dim() - 2
-        mapped = _map_biases(biases, lead) if lead <= 2 and q_x.shape[:-2] == kv_x.shape[:-2] else None
+        mapped = map_attention_biases(q_x, kv_x, biases)
         if mapped is None:
+            q, k, v = self._project(q_x, kv_x)
             return self._wrap_up(self._attend_reference(q, k, v, biases), q_x)
-        pair, key = mapped
-        # [*, N, H, C] -> [B, S, H, N, C]: a strided view, the kernels take any strides.
-        to5 = lambda t: t.reshape((1,) * (2 - lead) + tuple(t.shape)).transpose(-2, -3)
-        o = evoformer_attention(to5(q), to5(k), to5(v), pair, key_bias=key)
-        o = o.transpose(-2, -3).reshape(q.shape)
-        return self._wrap_up(o, q_x)
+        return fused_gated_attention(self, q_x, kv_x, mapped)
 
     def _wrap_up(self, o: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
-        """`Attention._wrap_up` as `hfkit.ops.gated_linear`: the gate `sigmoid(linear_g(q_x)) * o` is one
-        fused kernel, and the backward recomputes it instead of keeping it for linear_o's weight
-        gradient. linear_o's parameters are read directly (its forward hooks, if any, do not run)."""
-        o = o.flatten(-2)
-        if self.linear_g is None:
-            return self.linear_o(o)
-        return gated_linear(self.linear_g(q_x), o, self.linear_o.weight, self.linear_o.bias)
+        """`Attention._wrap_up` as `hfkit.ops.gated_linear` (see `gated_output`)."""
+        return gated_output(self, o, q_x)
+
+
+def map_attention_biases(
+    q_x: torch.Tensor, kv_x: torch.Tensor, biases: list[torch.Tensor]
+) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    """OpenFold's attention biases for q_x [*, Q, c], kv_x [*, K, c] as `evoformer_attention`'s
+    (pair bias [B, S, H, Q, K] or None, key bias [B, S, K] or None); None when they do not map (more
+    than two leading dims, leading dims of q_x and kv_x that differ, a bias with more dims than the
+    logits, a mask bias that requires grad)."""
+    lead = q_x.dim() - 2
+    if lead > 2 or q_x.shape[:-2] != kv_x.shape[:-2]:
+        return None
+    return _map_biases(biases, lead)
+
+
+def fused_gated_attention(
+    module: nn.Module,
+    q_x: torch.Tensor,
+    kv_x: torch.Tensor,
+    mapped: tuple[torch.Tensor | None, torch.Tensor | None],
+) -> torch.Tensor:
+    """OpenFold's gated attention of `module` (an `Attention` of hfkit or of OpenFold: `linear_q`,
+    `linear_k`, `linear_v`, `linear_g` or None, `linear_o`, `no_heads`) on q_x [*, Q, c_q],
+    kv_x [*, K, c_k] with the biases `mapped` by `map_attention_biases`, through
+    `hfkit.ops.evoformer_attention` and `gated_output` -> [*, Q, c_q]."""
+    h = module.no_heads
+    q = module.linear_q(q_x).unflatten(-1, (h, -1))
+    k = module.linear_k(kv_x).unflatten(-1, (h, -1))
+    v = module.linear_v(kv_x).unflatten(-1, (h, -1))
+    lead = q_x.dim() - 2
+    pair, key = mapped
+    # [*, N, H, C] -> [B, S, H, N, C]: a strided view, the kernels take any strides.
+    to5 = lambda t: t.reshape((1,) * (2 - lead) + tuple(t.shape)).transpose(-2, -3)
+    o = evoformer_attention(to5(q), to5(k), to5(v), pair, key_bias=key)
+    o = o.transpose(-2, -3).reshape(q.shape)
+    return gated_output(module, o, q_x)
+
+
+def gated_output(module: nn.Module, o: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
+    """`linear_o(sigmoid(linear_g(q_x)) * o)` for o [*, Q, H, c_hidden] as `hfkit.ops.gated_linear`: the
+    gate is one fused kernel, and the backward recomputes it instead of keeping it for linear_o's weight
+    gradient. linear_o's parameters are read directly (its forward hooks, if any, do not run)."""
+    o = o.flatten(-2)
+    if module.linear_g is None:
+        return module.linear_o(o)
+    return gated_linear(module.linear_g(q_x), o, module.linear_o.weight, module.linear_o.bias)
 
 
 def _map_biases(

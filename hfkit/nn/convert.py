@@ -1,9 +1,12 @@
 """Module swapping: `to_hfkit(model)` puts hfkit modules in place of torch ones; `to_torch` undoes it.
 
 A registry maps each torch module class to its hfkit replacement (`register_swap`); each `hfkit.nn`
-module registers itself when its file is imported. Both directions share the original Parameter,
-buffer and hook objects, so `state_dict()` keys and values never change, and both return a
-`SwapReport` on request that lists every swapped or skipped module.
+module registers itself when its file is imported. Classes of other packages that hfkit must not import
+(OpenFold's) are registered by qualified class name (`register_foreign_swap`): on first sight of such a
+class `to_hfkit` checks the module's parameter layout and makes an adapter subclass of that very class
+whose methods run hfkit ops. Both directions share the original Parameter, buffer and hook objects, so
+`state_dict()` keys and values never change, and both return a `SwapReport` on request that lists
+every swapped or skipped module.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ __all__ = [
     "SwapReport",
     "SwapRow",
     "rebuild_as",
+    "register_foreign_swap",
     "register_swap",
     "registered_ops",
     "to_hfkit",
@@ -117,8 +121,14 @@ def register_swap(
     _BY_HFKIT.setdefault(hfkit_cls, entry)
 
 
-def unregister_swap(torch_cls: type[nn.Module]) -> None:
-    """Remove the registration of `torch_cls` (for tests and for replacing a registration)."""
+def unregister_swap(torch_cls: type[nn.Module] | str) -> None:
+    """Remove the registration of `torch_cls`, or of a qualified class name registered by
+    `register_foreign_swap` (for tests and for replacing a registration)."""
+    if isinstance(torch_cls, str):
+        if _BY_QUALNAME.pop(torch_cls, None) is None:
+            raise ValueError(f"unregister_swap: qualified name {torch_cls!r} is not registered")
+        _drop_adapters(torch_cls)
+        return
     entry = _BY_TORCH.pop(torch_cls, None)
     if entry is None:
         raise ValueError(f"unregister_swap: torch_cls {_qualname(torch_cls)} is not registered")
@@ -130,6 +140,82 @@ def unregister_swap(torch_cls: type[nn.Module]) -> None:
             if other.hfkit_cls is entry.hfkit_cls:
                 _BY_HFKIT[entry.hfkit_cls] = other
                 break
+
+
+@dataclass(frozen=True)
+class _ForeignSwap:
+    name: str
+    check: Callable[[nn.Module], str]
+    methods: dict[str, Callable[..., object]]
+
+
+_BY_QUALNAME: dict[str, _ForeignSwap] = {}  # "package.module.Class" -> how to swap it
+_FOREIGN_ENTRIES: dict[type[nn.Module], _Swap] = {}  # foreign class -> its entry (adapter made once)
+
+
+def register_foreign_swap(
+    qualname: str,
+    name: str,
+    check: Callable[[nn.Module], str],
+    methods: dict[str, Callable[..., object]],
+) -> None:
+    """Register a swap for the class whose `module.qualname` is `qualname`, without importing it.
+
+    `to_hfkit` swaps a module whose class has exactly that qualified name when `check(module)` returns
+    "" (else it skips the module and reports the returned reason): the replacement is an instance of an
+    adapter subclass of the module's own class, made once per class, whose namespace is `methods`
+    (e.g. `{"forward": fn}`); it shares all state (`rebuild_as`), so the adapter may only override
+    methods. `to_torch` restores the original class. `name` is the op name for `include`/`exclude`
+    and reports (e.g. "openfold.Attention"). Registering the same qualname again replaces it.
+    """
+    if not isinstance(qualname, str) or "." not in qualname:
+        raise ValueError(f"register_foreign_swap: qualname must be 'package.module.Class', got {qualname!r}")
+    if name in _BY_NAME:
+        raise ValueError(f"register_foreign_swap: name {name!r} is already used by a registered swap")
+    _BY_QUALNAME[qualname] = _ForeignSwap(name, check, dict(methods))
+    _drop_adapters(qualname)
+
+
+def _drop_adapters(qualname: str) -> None:
+    """Forget the adapters made for classes named `qualname` (their registration changed)."""
+    for cls in [c for c in _FOREIGN_ENTRIES if _qualname(c) == qualname]:
+        _BY_HFKIT.pop(_FOREIGN_ENTRIES.pop(cls).hfkit_cls, None)
+
+
+def _foreign_entry(cls: type[nn.Module], foreign: _ForeignSwap) -> _Swap:
+    """The entry for foreign class `cls`, with its adapter subclass (made on first use)."""
+    entry = _FOREIGN_ENTRIES.get(cls)
+    if entry is None:
+        namespace = {
+            **foreign.methods,
+            "__reduce_ex__": _reduce_adapter,
+            "__module__": __name__,
+            "__qualname__": f"Hfkit{cls.__name__}",
+            "__doc__": f"{_qualname(cls)} whose forward runs hfkit ops (made by to_hfkit; same state).",
+        }
+        adapter = type(f"Hfkit{cls.__name__}", (cls,), namespace)
+        entry = _Swap(foreign.name, cls, adapter, rebuild_as, rebuild_as)
+        _FOREIGN_ENTRIES[cls] = entry
+        _BY_HFKIT[adapter] = entry
+    return entry
+
+
+def _reduce_adapter(module: nn.Module, protocol: int) -> tuple[object, ...]:
+    """Pickle and deepcopy an adapter by its foreign class (importable), not by the adapter class
+    (made at run time, so not importable): `_blank_adapter` makes it again on the way back."""
+    return _blank_adapter, (type(module).__bases__[0],), dict(module.__dict__)
+
+
+def _blank_adapter(cls: type[nn.Module]) -> nn.Module:
+    """An empty instance of the adapter of foreign class `cls` (its state is set after)."""
+    foreign = _BY_QUALNAME.get(_qualname(cls))
+    if foreign is None:
+        raise ValueError(
+            f"to_hfkit: no foreign swap is registered for {_qualname(cls)}; import hfkit.nn before "
+            "unpickling a model swapped by to_hfkit"
+        )
+    adapter = _foreign_entry(cls, foreign).hfkit_cls
+    return adapter.__new__(adapter)
 
 
 def registered_ops() -> dict[str, tuple[type[nn.Module], type[nn.Module]]]:
@@ -218,10 +304,11 @@ def _check_ops(arg: str, names: Iterable[str] | None) -> frozenset[str] | None:
     if isinstance(names, str):  # a bare "LayerNorm" would otherwise iterate as letters
         names = {names}
     names = frozenset(names)
-    unknown = names - _BY_NAME.keys()
+    known = _BY_NAME.keys() | {f.name for f in _BY_QUALNAME.values()}
+    unknown = names - known
     if unknown:
         raise ValueError(
-            f"to_hfkit: {arg} holds unknown op names {sorted(unknown)}; registered: {sorted(_BY_NAME)}"
+            f"to_hfkit: {arg} holds unknown op names {sorted(unknown)}; registered: {sorted(known)}"
         )
     return names
 
@@ -324,7 +411,9 @@ def to_hfkit(
     `include` / `exclude` are sets of registered op names (e.g. `{"LayerNorm"}`; unknown names raise
     ValueError): only ops in `include` (default: all) and not in `exclude` are swapped; modules left
     out by them are listed as skipped. Subclasses of a registered class are never swapped (their
-    forward may differ) and are listed as skipped. Replacements share the original Parameters,
+    forward may differ) and are listed as skipped. Classes registered by qualified name
+    (`register_foreign_swap`, e.g. OpenFold's) are swapped when their parameter layout checks out,
+    and listed as skipped with the reason otherwise. Replacements share the original Parameters,
     buffers, child modules, hooks and `training` flag, so `state_dict()` is unchanged; a module shared
     under several names stays one shared module. With `inplace=False` the model is deep-copied first
     and left untouched. Returns the model (a new object when the root itself was swapped), or
@@ -338,11 +427,21 @@ def to_hfkit(
     def decide(module: nn.Module) -> tuple[_Swap, type[nn.Module] | None, str] | None:
         cls = type(module)
         entry = _BY_TORCH.get(cls)
+        foreign = None if entry is not None else _BY_QUALNAME.get(_qualname(cls))
+        if foreign is not None:
+            entry = _foreign_entry(cls, foreign)
         if entry is not None:
             if include_set is not None and entry.name not in include_set:
                 return entry, None, "not in include"
             if exclude_set is not None and entry.name in exclude_set:
                 return entry, None, "in exclude"
+            if foreign is not None:
+                try:
+                    why = foreign.check(module)
+                except AttributeError as err:  # another version of the class, without an attribute
+                    why = f"unknown layout ({err})"
+                if why:
+                    return entry, None, f"skipped: {why}"
             return entry, entry.hfkit_cls, ""
         if cls in _BY_HFKIT:
             return None  # already an hfkit module

@@ -9,7 +9,10 @@ Importing this file registers both swaps used by `hfkit.to_hfkit`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+from torch import nn
 
 from hfkit.model.triangular_multiplicative_update import (
     TriangleMultiplicationIncoming as _PlainIncoming,
@@ -21,21 +24,20 @@ from hfkit.model.triangular_multiplicative_update import TriangleMultiplicativeU
 from hfkit.nn.convert import register_swap
 from hfkit.ops.triangle_multiplication import triangle_multiplication
 
-__all__ = ["TriangleMultiplicationIncoming", "TriangleMultiplicationOutgoing", "fused_triangle_update"]
+__all__ = [
+    "TriangleMultiplicationIncoming",
+    "TriangleMultiplicationOutgoing",
+    "fused_triangle_update",
+    "triangle_update_from_parts",
+]
 
 
 def fused_triangle_update(
     module: TriangleMultiplicativeUpdate, z: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`module`'s update of z [*, N, N, C_z] (mask [*, N, N]) through `hfkit.ops.triangle_multiplication`.
-
-    The five input projections are concatenated for the op's single matmul (a [4 C_h + C_z, C_z]
-    copy of the weights per call, small next to the pair tensor). LayerNorms with different eps run
-    the module's plain forward.
-    """
-    ln_in, ln_out = module.layer_norm_in, module.layer_norm_out
-    if ln_in.eps != ln_out.eps:
-        return TriangleMultiplicativeUpdate.forward(module, z, mask)
+    """`module`'s update of z [*, N, N, C_z] (mask [*, N, N]) through `hfkit.ops.triangle_multiplication`
+    (see `triangle_update_from_parts`). LayerNorms with different eps, or projections of which only some
+    have a bias, run the module's plain forward."""
     projections = (
         module.linear_a_p,
         module.linear_a_g,
@@ -43,15 +45,48 @@ def fused_triangle_update(
         module.linear_b_g,
         module.linear_g,
     )
-    proj_weight = torch.cat([lin.weight for lin in projections])
-    biases = [lin.bias for lin in projections]
-    proj_bias = None if any(b is None for b in biases) else torch.cat(biases)
-    if proj_bias is None and any(b is not None for b in biases):
-        return TriangleMultiplicativeUpdate.forward(module, z, mask)
+    out = triangle_update_from_parts(
+        z,
+        mask,
+        module.layer_norm_in,
+        module.layer_norm_out,
+        [lin.weight for lin in projections],
+        [lin.bias for lin in projections],
+        module.linear_z,
+        module.outgoing,
+    )
+    return TriangleMultiplicativeUpdate.forward(module, z, mask) if out is None else out
+
+
+def triangle_update_from_parts(
+    z: torch.Tensor,
+    mask: torch.Tensor | None,
+    layer_norm_in: nn.Module,
+    layer_norm_out: nn.Module,
+    proj_weights: Sequence[torch.Tensor],
+    proj_biases: Sequence[torch.Tensor | None],
+    linear_z: nn.Linear,
+    outgoing: bool,
+) -> torch.Tensor | None:
+    """The triangle multiplicative update of z [*, N, N, C_z] (mask [*, N, N] or None) through
+    `hfkit.ops.triangle_multiplication`, from its parts: the two LayerNorms (`weight`, `bias`, `eps`),
+    the five projections' weights [C_h|C_z, C_z] and biases in the order a_p, a_g, b_p, b_g, g, and
+    `linear_z`. The projections are concatenated for the op's single matmul (a [4 C_h + C_z, C_z] copy
+    of the weights per call, small next to the pair tensor). None when the op does not cover the
+    parts (LayerNorms with different eps; only some projections with a bias)."""
+    if layer_norm_in.eps != layer_norm_out.eps:
+        return None
+    if any(b is None for b in proj_biases):
+        if any(b is not None for b in proj_biases):
+            return None
+        proj_bias = None
+    else:
+        proj_bias = torch.cat(list(proj_biases))
+    proj_weight = torch.cat(list(proj_weights))
     return triangle_multiplication(
-        z, mask, ln_in.weight, ln_in.bias, proj_weight, proj_bias,
-        ln_out.weight, ln_out.bias, module.linear_z.weight, module.linear_z.bias,
-        outgoing=module.outgoing, eps=ln_in.eps,
+        z, mask, layer_norm_in.weight, layer_norm_in.bias, proj_weight, proj_bias,
+        layer_norm_out.weight, layer_norm_out.bias, linear_z.weight, linear_z.bias,
+        outgoing=outgoing, eps=layer_norm_in.eps,
     )  # fmt: skip
 
 
