@@ -11,7 +11,7 @@ backward, optimizer), CUDA-synchronised on GPU and wall clock on CPU.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from hfkit.model import ModelConfig
 __all__ = [
     "PHASES",
     "GraphedStep",
+    "batch_stream",
     "graphed_step",
     "lr_schedule",
     "make_optimizer",
@@ -183,9 +184,12 @@ def train_step(
     }
 
 
-def _batches(loader: Iterable[Mapping[str, Any]] | None, config: ModelConfig, seed: int):
-    """Batches forever: the loader's, epoch after epoch (set_epoch on its dataset where it has one),
-    or synthetic ones when loader is None."""
+def batch_stream(
+    loader: Iterable[Mapping[str, Any]] | None, config: ModelConfig, seed: int = 0
+) -> Iterator[Mapping[str, Any]]:
+    """Batches forever: the loader's, epoch after epoch (`set_epoch(epoch)` on its dataset where it
+    has one), or `synthetic_batch(config, seed=seed + i)` for i = 0, 1, ... when loader is None.
+    Raises ValueError when the loader yields nothing in an epoch."""
     if loader is None:
         step = 0
         while True:
@@ -237,7 +241,7 @@ def train(
         optimizer = make_optimizer(model)
         if scheduler is None:
             scheduler = make_scheduler(optimizer)
-    batches = _batches(loader, model.config, seed)
+    batches = batch_stream(loader, model.config, seed)
     records: list[dict[str, Any]] = []
     bar = tqdm(total=steps, disable=not progress, desc="train")
     try:

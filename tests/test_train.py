@@ -307,3 +307,36 @@ def test_graphed_step_refills_buffers_and_redraws_dropout_cuda() -> None:
     step = graphed_step(model, make_optimizer(model, lr=0.0), batches[0])
     losses = {step(batches[0]).item() for _ in range(3)}
     assert len(losses) == 3
+
+
+def test_cli_train_synthetic(capsys: pytest.CaptureFixture[str]) -> None:
+    from hfkit.cli import main
+
+    # --ops torch: hfkit's Triton kernels would run under the interpreter here (minutes)
+    argv = ["train", "--synthetic", "--preset", "tiny", "--ops", "torch"]
+    assert main([*argv, "--steps", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny" in out and "eager" in out and "synthetic batches" in out
+    assert "over 2 steps" in out
+    for phase in ("data", "copy", "forward", "backward", "optimizer", "total"):
+        assert f"\n  {phase} " in out, phase
+    assert main([*argv, "--steps", "1", "--graphed"]) == 2  # no GPU here
+    assert "needs the model on a CUDA device" in capsys.readouterr().err
+
+
+def test_cli_train_records(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hfkit.cli import main
+    from hfkit.data.preprocess import preprocess
+    from hfkit.data.synthetic import write_synthetic_dataset
+
+    src, records = tmp_path / "src", tmp_path / "records"
+    write_synthetic_dataset(src, n_chains=2, length=40, depth=12, seed=1)
+    summary = preprocess(src / "mmcifs", src / "alignments", records, workers=0, progress=False)
+    assert summary.ok
+    argv = ["train", "--records", str(records), "--preset", "tiny", "--steps", "2", "--ops", "torch"]
+    assert main([*argv, "--bf16", "--checkpointing", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert f"records {records}" in out and "checkpointing True, bf16" in out
+    assert "over 2 steps" in out
+    assert main(["train", "--records", str(tmp_path / "absent"), "--preset", "tiny", "--steps", "1"]) == 2
+    assert "does not exist" in capsys.readouterr().err
