@@ -492,7 +492,8 @@ class GraphedStep:
         self.optimizer.zero_grad(set_to_none=True)
         self._graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(self._graph):
+            # thread_local: a DataLoader's pin-memory thread may allocate pinned memory meanwhile.
+            with torch.cuda.graph(self._graph, capture_error_mode="thread_local"):
                 total, parts = self._forward_loss(self._static, cache_casts=False)
                 total.backward()
                 self.grad_norm = self._clip_and_step()

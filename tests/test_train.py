@@ -246,6 +246,33 @@ def test_graphed_step_bf16_and_checkpointing_run_eagerly() -> None:
     assert losses[-1] < losses[0]
 
 
+def test_graphed_step_undoes_its_warm_up() -> None:
+    """What the CUDA path does around capture, checked on the CPU: after warm-up steps, parameters
+    and the optimizer state are as before, in the same tensor objects (the graph holds them), and
+    state the warm-up created is Adam's initial zeros."""
+    torch.manual_seed(0)
+    model = AlphaFoldLite(TINY)
+    batch = synthetic_batch(TINY)
+    opt = make_optimizer(model)
+    step = graphed_step(model, opt, batch)
+    for fresh in (True, False):
+        before = [p.detach().clone() for p in model.parameters()]
+        state_before = {p: {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+        snapshot = step._snapshot()
+        for _ in range(2):
+            step(batch)
+        tensors = {id(v) for s in opt.state.values() for v in s.values()}
+        step._restore(snapshot)
+        assert {id(v) for s in opt.state.values() for v in s.values()} == tensors
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+        assert len(opt.state) > 0
+        for p, state in opt.state.items():
+            for key, value in state.items():
+                expected = torch.zeros_like(value) if fresh else state_before[p][key]
+                assert torch.equal(value, expected), key
+        step(batch)  # the second round starts from existing state
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -286,6 +313,27 @@ def test_graphed_step_matches_eager_cuda(checkpoint: bool, autocast_dtype: torch
         torch.testing.assert_close(p, q, **tol, msg=name)
     assert graph_opt.param_groups[0]["lr"].device.type == "cuda"
     assert float(graph_opt.param_groups[0]["lr"]) == pytest.approx(1e-3)
+
+
+@needs_cuda
+def test_graphed_step_with_hfkit_ops_matches_eager_cuda() -> None:
+    """The swapped model (hfkit's Triton kernels inside the graph), bf16 and checkpointed."""
+    from hfkit.nn.convert import to_hfkit
+
+    config = TINY.replace(checkpoint=True, msa_dropout=0.0, pair_dropout=0.0)
+    batches = [synthetic_batch(config, seed=40 + i) for i in range(3)]
+    torch.manual_seed(0)
+    eager_model = to_hfkit(AlphaFoldLite(config).cuda())
+    graph_model = copy.deepcopy(eager_model)
+    steps = [
+        graphed_step(m, make_optimizer(m), batches[0], autocast_dtype=torch.bfloat16, graphed=graphed)
+        for m, graphed in ((eager_model, False), (graph_model, True))
+    ]
+    for batch in batches:
+        eager_loss, graph_loss = (step(batch).item() for step in steps)
+        assert graph_loss == pytest.approx(eager_loss, rel=2e-2)
+    for (name, p), q in zip(graph_model.named_parameters(), eager_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3, msg=name)
 
 
 @needs_cuda
