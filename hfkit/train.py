@@ -1,5 +1,7 @@
 """Training: AlphaFold's optimiser, learning-rate schedule and gradient clipping, one timed step, a
-loop over a DataLoader, and synthetic batches for when no real data is given.
+loop over a DataLoader, synthetic batches for when no real data is given, and `graphed_step`: the
+whole step (forward, loss, backward, clipping, Adam) captured as a CUDA graph and called from the
+user's own loop, eager where there is no GPU.
 
 AF2 supplement 1.11.3: Adam (lr 1e-3, β1 0.9, β2 0.999, ε 1e-6); the learning rate rises linearly
 from 0 over the first 1000 steps, stays constant, and is multiplied by 0.95 after 50k steps
