@@ -554,8 +554,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 pin_memory=device.type == "cuda",
                 drop_last=True,
+                persistent_workers=args.workers > 0,
+                # forked workers would inherit this process's CUDA state
+                multiprocessing_context="spawn" if device.type == "cuda" and args.workers > 0 else None,
             )
-        batches = batch_stream(loader, config, args.seed)
+        batches = batch_stream(loader, config, args.seed, args.batch_size)
         t0 = time.perf_counter()
         example = next(batches)
         first_data = time.perf_counter() - t0
@@ -578,7 +581,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     print(
         f"hfkit train: {args.preset} ({sum(p.numel() for p in model.parameters()):,} parameters, "
         f"checkpointing {args.checkpointing}, {'bf16' if args.bf16 else 'fp32'}, ops {args.ops}) "
-        f"on {device}, {mode}; {source}; setup {setup:.2f} s"
+        f"on {device}, {mode}; {source}, batch size {args.batch_size}; setup {setup:.2f} s"
     )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -187,15 +187,15 @@ def train_step(
 
 
 def batch_stream(
-    loader: Iterable[Mapping[str, Any]] | None, config: ModelConfig, seed: int = 0
+    loader: Iterable[Mapping[str, Any]] | None, config: ModelConfig, seed: int = 0, batch_size: int = 1
 ) -> Iterator[Mapping[str, Any]]:
     """Batches forever: the loader's, epoch after epoch (`set_epoch(epoch)` on its dataset where it
-    has one), or `synthetic_batch(config, seed=seed + i)` for i = 0, 1, ... when loader is None.
-    Raises ValueError when the loader yields nothing in an epoch."""
+    has one), or `synthetic_batch(config, batch_size, seed=seed + i)` for i = 0, 1, ... when loader
+    is None. Raises ValueError when the loader yields nothing in an epoch."""
     if loader is None:
         step = 0
         while True:
-            yield synthetic_batch(config, seed=seed + step)
+            yield synthetic_batch(config, batch_size, seed=seed + step)
             step += 1
     epoch = 0
     while True:

@@ -362,9 +362,9 @@ def test_cli_train_synthetic(capsys: pytest.CaptureFixture[str]) -> None:
 
     # --ops torch: hfkit's Triton kernels would run under the interpreter here (minutes)
     argv = ["train", "--synthetic", "--preset", "tiny", "--ops", "torch"]
-    assert main([*argv, "--steps", "2", "--no-progress"]) == 0
+    assert main([*argv, "--steps", "2", "--batch-size", "2", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "tiny" in out and "eager" in out and "synthetic batches" in out
+    assert "tiny" in out and "eager" in out and "synthetic batches, batch size 2" in out
     assert "over 2 steps" in out
     for phase in ("data", "copy", "forward", "backward", "optimizer", "total"):
         assert f"\n  {phase} " in out, phase
