@@ -416,15 +416,14 @@ class GraphedStep:
     def _prepare_optimizer(self) -> None:
         """Make the optimizer capturable in place: each group's lr a 0-d tensor on the model's device
         (the schedule fills it between replays; a Python float would be frozen into the graph),
-        `capturable` on unless the group is fused, and step counters on the device."""
+        `capturable` on, and step counters on the device."""
         if not isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW):
             raise ValueError(
                 f"optimizer: expected torch.optim.Adam or AdamW for a CUDA graph, got "
                 f"{type(self.optimizer).__name__}"
             )
         for group in self.optimizer.param_groups:
-            if not group.get("fused"):
-                group["capturable"] = True
+            group["capturable"] = True  # fused groups too: step() checks the flag during capture
             lr = group["lr"]
             if not isinstance(lr, torch.Tensor):
                 group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=self.device)
