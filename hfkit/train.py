@@ -416,7 +416,8 @@ class GraphedStep:
     def _prepare_optimizer(self) -> None:
         """Make the optimizer capturable in place: each group's lr a 0-d tensor on the model's device
         (the schedule fills it between replays; a Python float would be frozen into the graph),
-        `capturable` on, and step counters on the device."""
+        `capturable` on, the multi-tensor (foreach) update unless the group is fused, and step
+        counters on the device."""
         if not isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW):
             raise ValueError(
                 f"optimizer: expected torch.optim.Adam or AdamW for a CUDA graph, got "
@@ -424,6 +425,10 @@ class GraphedStep:
             )
         for group in self.optimizer.param_groups:
             group["capturable"] = True  # fused groups too: step() checks the flag during capture
+            if not group.get("fused"):
+                # The multi-tensor path: the single-tensor capturable path makes NaN (0 / 0) from
+                # parameters without gradient while lr is 0, as at AlphaFold's first step.
+                group["foreach"] = True
             lr = group["lr"]
             if not isinstance(lr, torch.Tensor):
                 group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=self.device)

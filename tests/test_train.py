@@ -273,6 +273,64 @@ def test_graphed_step_undoes_its_warm_up() -> None:
         step(batch)  # the second round starts from existing state
 
 
+def test_graphed_step_capture_flow_with_cuda_mocked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path's Python on the CPU, torch.cuda's streams and graphs mocked (the "capture" runs
+    eagerly, a replay does nothing): the optimizer is made capturable with a tensor lr, the capture
+    starts from the restored parameters and zeroed optimizer state, and a call refills the static
+    buffers, replays once and fills the lr tensor from the schedule."""
+    import contextlib
+    import importlib
+
+    adam_module = importlib.import_module("torch.optim.adam")  # torch.optim.adam names the function
+    events: list[str] = []
+    torch.manual_seed(0)
+    model = AlphaFoldLite(TINY)
+    batch = synthetic_batch(TINY)
+    opt = make_optimizer(model)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    class Stream:
+        def __init__(self, *args: object) -> None: ...
+
+        def wait_stream(self, other: object) -> None: ...
+
+    class Graph:
+        def replay(self) -> None:
+            events.append("replay")
+
+    @contextlib.contextmanager
+    def capture(graph: Graph, capture_error_mode: str):
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+        assert opt.state and all(not v.any() for s in opt.state.values() for v in s.values())
+        assert all(p.grad is None for p in model.parameters())
+        events.append(f"capture {capture_error_mode}")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    monkeypatch.setattr(adam_module, "_get_capturable_supported_devices", lambda *a, **k: ["cpu"])
+    step = graphed_step(model, opt, batch, scheduler=make_scheduler(opt, warmup=2), graphed=False)
+    step.graphed = True  # the model is on the CPU: take the CUDA path by hand
+    step._capture(batch, warmup_steps=2)
+    assert events == ["capture thread_local"]
+    lr = opt.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and float(lr) == 0.0
+    assert opt.param_groups[0]["capturable"] and opt.param_groups[0]["foreach"]
+    assert step.loss is not None and set(step.parts) == {"distogram", "masked_msa"}
+    other = synthetic_batch(TINY, seed=7)
+    loss = step(other)
+    assert events[-1] == "replay" and loss is step.loss
+    assert all(torch.equal(step._static[k], other[k]) for k in other)
+    assert opt.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(5e-4)
+    with pytest.raises(ValueError, match="msa_feat"):
+        step(dict(other, msa_feat=other["msa_feat"][..., :-1]))
+    assert events.count("replay") == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
