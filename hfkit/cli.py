@@ -487,7 +487,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "--preset",
         choices=["tiny", "af2_initial", "af2_finetune"],
         default="af2_initial",
-        help="model config",
+        help="model config (default af2_initial)",
     )
     p.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
     mode = p.add_mutually_exclusive_group()
@@ -497,9 +497,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         action="store_const",
         const=True,
         default=None,
-        help="one CUDA graph a step",
+        help="one CUDA graph a step (default on a GPU)",
     )
-    mode.add_argument("--eager", dest="graphed", action="store_const", const=False, help="no CUDA graph")
+    mode.add_argument(
+        "--eager", dest="graphed", action="store_const", const=False, help="no CUDA graph (default on a CPU)"
+    )
     p.add_argument("--checkpointing", action="store_true", help="recompute each block in backward")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
     p.add_argument(
