@@ -142,6 +142,39 @@ def _device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def _forward_loss(
+    model: nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    autocast_dtype: torch.dtype | None,
+    cache_casts: bool = True,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`model.loss(batch, model(batch))` under `torch.autocast(autocast_dtype)` when given. Without
+    `cache_casts` autocast casts each weight afresh at each use (the same values): a CUDA graph
+    capture would otherwise allocate and free its cache inside the graph."""
+    with torch.autocast(
+        _device_of(model).type,
+        dtype=autocast_dtype,
+        enabled=autocast_dtype is not None,
+        cache_enabled=cache_casts,
+    ):
+        outputs = model(batch)
+        return model.loss(batch, outputs)
+
+
+def _clip_and_step(
+    params: list[nn.Parameter], optimizer: torch.optim.Optimizer, clip: float | None
+) -> torch.Tensor:
+    """Clip the gradients' global norm to `clip` (None: no clipping), step the optimizer -> the norm
+    before clipping. Neither reads a value back to the host, so both can be captured in a graph."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if clip is not None:
+        grad_norm = nn.utils.clip_grad_norm_(params, clip)
+    else:
+        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    optimizer.step()
+    return grad_norm.detach()
+
+
 def train_step(
     model: nn.Module,
     batch: Mapping[str, torch.Tensor],
@@ -161,19 +194,12 @@ def train_step(
     model.train()
     lr = optimizer.param_groups[0]["lr"]
     t0 = _clock(device)
-    with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        outputs = model(batch)
-        total, parts = model.loss(batch, outputs)
+    total, parts = _forward_loss(model, batch, autocast_dtype)
     t1 = _clock(device)
     optimizer.zero_grad(set_to_none=True)
     total.backward()
     t2 = _clock(device)
-    params = [p for p in model.parameters() if p.grad is not None]
-    if clip is not None:
-        grad_norm = nn.utils.clip_grad_norm_(params, clip)
-    else:
-        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-    optimizer.step()
+    grad_norm = _clip_and_step(list(model.parameters()), optimizer, clip)
     if scheduler is not None:
         scheduler.step()
     t3 = _clock(device)
@@ -391,27 +417,10 @@ class GraphedStep:
     def _forward_loss(
         self, batch: Mapping[str, torch.Tensor], cache_casts: bool
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        # Autocast's cache of cast weights would be allocated and freed inside the capture; the graph
-        # path casts afresh instead (the same values).
-        with torch.autocast(
-            self.device.type,
-            dtype=self.autocast_dtype,
-            enabled=self.autocast_dtype is not None,
-            cache_enabled=cache_casts,
-        ):
-            outputs = self.model(batch)
-            return self.model.loss(batch, outputs)
+        return _forward_loss(self.model, batch, self.autocast_dtype, cache_casts)
 
     def _clip_and_step(self) -> torch.Tensor:
-        """Clip the gradients' global norm to `clip_norm`, step the optimizer -> the norm before
-        clipping. Neither reads a value back to the host, so both can be captured."""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if self.clip_norm is not None:
-            grad_norm = nn.utils.clip_grad_norm_(self.params, self.clip_norm)
-        else:
-            grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        self.optimizer.step()
-        return grad_norm.detach()
+        return _clip_and_step(self.params, self.optimizer, self.clip_norm)
 
     def _prepare_optimizer(self) -> None:
         """Make the optimizer capturable in place: each group's lr a 0-d tensor on the model's device

@@ -244,6 +244,8 @@ def test_graphed_step_checks_its_arguments() -> None:
         graphed_step(model, opt, batch, warmup_steps=0)
     with pytest.raises(ValueError, match="example_batch"):
         graphed_step(model, opt, {"name": ["x"]})
+    sgd = graphed_step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, clip_norm=None)
+    assert math.isfinite(sgd(batch).item()) and float(sgd.grad_norm) > 0  # eager: any optimizer
 
 
 def test_graphed_step_bf16_and_checkpointing_run_eagerly() -> None:
