@@ -407,12 +407,20 @@ def test_graphed_step_with_hfkit_ops_matches_eager_cuda() -> None:
 
 
 @needs_cuda
-def test_graphed_step_refills_buffers_and_redraws_dropout_cuda() -> None:
+@pytest.mark.parametrize("ops", ["torch", "hfkit"])
+def test_graphed_step_refills_buffers_and_redraws_dropout_cuda(ops: str) -> None:
     """lr 0 keeps the parameters fixed: another batch gives another loss (the static buffers are
-    refilled), and with dropout on, the same batch gives another loss each replay."""
+    refilled), and with dropout on (torch's or hfkit's fused dropout, whose seed is drawn on the
+    device), the same batch gives another loss each replay."""
+    from hfkit.nn.convert import to_hfkit
+
+    def build(config: ModelConfig) -> AlphaFoldLite:
+        model = perturbed(AlphaFoldLite(config)).cuda()
+        return to_hfkit(model) if ops == "hfkit" else model
+
     batches = [synthetic_batch(TINY, seed=30 + i) for i in range(2)]  # on the CPU: copied in
     torch.manual_seed(0)
-    model = perturbed(AlphaFoldLite(TINY.replace(msa_dropout=0.0, pair_dropout=0.0))).cuda()
+    model = build(TINY.replace(msa_dropout=0.0, pair_dropout=0.0))
     step = graphed_step(model, make_optimizer(model, lr=0.0), batches[0])
     first, second, first_again = (step(b).item() for b in (batches[0], batches[1], batches[0]))
     assert first != second
@@ -421,7 +429,7 @@ def test_graphed_step_refills_buffers_and_redraws_dropout_cuda() -> None:
     assert loss.data_ptr() == step(batches[0]).data_ptr()  # the static output, overwritten
 
     torch.manual_seed(0)
-    model = perturbed(AlphaFoldLite(TINY)).cuda()  # dropout 0.15 (MSA) and 0.25 (pair)
+    model = build(TINY)  # dropout 0.15 (MSA) and 0.25 (pair)
     step = graphed_step(model, make_optimizer(model, lr=0.0), batches[0])
     losses = {step(batches[0]).item() for _ in range(3)}
     assert len(losses) == 3
