@@ -473,6 +473,148 @@ def _add_comms_bench(bench_sub: argparse._SubParsersAction) -> None:
     comms.set_defaults(func=_cmd_bench_comms)
 
 
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    """`hfkit train`: AlphaFoldLite trained from preprocessed records or synthetic batches through
+    `hfkit.train.graphed_step`."""
+    p = sub.add_parser(
+        "train",
+        help="train AlphaFoldLite from preprocessed records or synthetic batches (a CUDA-graph step on GPUs)",
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--records", default=None, help="folder written by `hfkit preprocess`")
+    source.add_argument("--synthetic", action="store_true", help="random batches of the preset's sizes")
+    p.add_argument(
+        "--preset",
+        choices=["tiny", "af2_initial", "af2_finetune"],
+        default="af2_initial",
+        help="model config (default af2_initial)",
+    )
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--graphed",
+        dest="graphed",
+        action="store_const",
+        const=True,
+        default=None,
+        help="one CUDA graph a step (default on a GPU)",
+    )
+    mode.add_argument(
+        "--eager", dest="graphed", action="store_const", const=False, help="no CUDA graph (default on a CPU)"
+    )
+    p.add_argument("--checkpointing", action="store_true", help="recompute each block in backward")
+    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
+    p.add_argument(
+        "--ops", choices=["hfkit", "torch"], default="hfkit", help="hfkit: fused ops via to_hfkit (default)"
+    )
+    p.add_argument("--batch-size", type=int, default=1, help="samples a step (default 1)")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader processes for --records (0: here)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AlphaFold's base learning rate (default 1e-3)")
+    p.add_argument("--lr-warmup", type=int, default=1000, help="learning-rate warm-up steps (default 1000)")
+    p.add_argument("--seed", type=int, default=0, help="parameters, sampling and dropout seed")
+    p.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: the GPU if any)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_train)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    import statistics
+    import time
+
+    import torch
+    from tqdm.auto import tqdm
+
+    from hfkit.model import AlphaFoldLite, ModelConfig
+    from hfkit.nn.convert import to_hfkit
+    from hfkit.train import batch_stream, graphed_step, make_optimizer, make_scheduler
+
+    if args.steps < 1 or args.batch_size < 1:
+        print(
+            f"hfkit train: --steps and --batch-size: expected >= 1, got {args.steps} and {args.batch_size}",
+            file=sys.stderr,
+        )
+        return 2
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    config = getattr(ModelConfig, args.preset)().replace(checkpoint=args.checkpointing)
+    torch.manual_seed(args.seed)
+    model = AlphaFoldLite(config).to(device)
+    if args.ops == "hfkit":
+        to_hfkit(model)
+    optimizer = make_optimizer(model, lr=args.lr)
+    scheduler = make_scheduler(optimizer, warmup=args.lr_warmup)
+    try:
+        loader = None
+        if args.records is not None:
+            from hfkit.data.dataset import PreprocessedDataset, make_dataloader
+
+            dataset = PreprocessedDataset(args.records, config.feature_config(), seed=args.seed)
+            loader = make_dataloader(
+                dataset,
+                batch_size=args.batch_size,
+                workers=args.workers,
+                shuffle=True,
+                seed=args.seed,
+                pin_memory=device.type == "cuda",
+                drop_last=True,
+                persistent_workers=args.workers > 0,
+                # forked workers would inherit this process's CUDA state
+                multiprocessing_context="spawn" if device.type == "cuda" and args.workers > 0 else None,
+            )
+        batches = batch_stream(loader, config, args.seed, args.batch_size)
+        t0 = time.perf_counter()
+        example = next(batches)
+        first_data = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        step = graphed_step(
+            model,
+            optimizer,
+            example,
+            autocast_dtype=torch.bfloat16 if args.bf16 else None,
+            scheduler=scheduler,
+            graphed=args.graphed,
+            timed=True,
+        )
+        setup = time.perf_counter() - t0
+    except (FileNotFoundError, ValueError) as err:
+        print(f"hfkit train: {err}", file=sys.stderr)
+        return 2
+    mode = "CUDA graph" if step.graphed else "eager"
+    source = f"records {args.records}" if args.records else "synthetic batches"
+    print(
+        f"hfkit train: {args.preset} ({sum(p.numel() for p in model.parameters()):,} parameters, "
+        f"checkpointing {args.checkpointing}, {'bf16' if args.bf16 else 'fp32'}, ops {args.ops}) "
+        f"on {device}, {mode}; {source}, batch size {args.batch_size}; setup {setup:.2f} s"
+    )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times: dict[str, list[float]] = {}
+    losses = []
+    bar = tqdm(total=args.steps, disable=args.no_progress, desc="train")
+    try:
+        for i in range(args.steps):
+            t0 = time.perf_counter()
+            batch = example if i == 0 else next(batches)
+            data = first_data if i == 0 else time.perf_counter() - t0
+            losses.append(step(batch).item())
+            for phase, seconds in {"data": data, **step.last_times}.items():
+                times.setdefault(phase, []).append(seconds)
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", s=f"{sum(step.last_times.values()):.3f}")
+    finally:
+        bar.close()
+    # An eager run's first step pays one-off costs (kernel compilation, allocator growth).
+    skip = 1 if args.steps > 1 else 0
+    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {args.steps} steps")
+    print(f"seconds per step, median of steps {skip + 1}..{args.steps}:")
+    for phase, values in times.items():
+        print(f"  {phase:<10} {statistics.median(values[skip:]):.4f}")
+    step_times = [sum(values) for values in zip(*(v[skip:] for v in times.values()), strict=True)]
+    print(f"  {'total':<10} {statistics.median(step_times):.4f}")
+    if device.type == "cuda":
+        print(f"peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     from hfkit.bench.cases import NAMES
 
@@ -516,6 +658,7 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--no-progress", action="store_true", help="no progress bar")
     pre.set_defaults(func=_cmd_preprocess)
     _add_report(sub)
+    _add_train(sub)
     return parser
 
 
