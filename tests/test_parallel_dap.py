@@ -1,0 +1,253 @@
+"""Dynamic Axial Parallelism on gloo (2 and 4 CPU ranks): the autograd collectives' forwards and
+backwards equal their single-process equivalents; `to_dap` of an Evoformer block gives the outputs and
+every parameter and input gradient of the single-process block (float64: 1e-10 relative, float32: 1e-5),
+with N and S not divisible by the group size, masked residues and MSA rows (fully masked ones included),
+chunking, and a 2 x 2 dp x dap layout; a dead rank gives a clear error within the group's timeout."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hfkit.model import EvoformerBlock, ModelConfig
+from hfkit.parallel import RankError, spawn_local
+from hfkit.parallel.dap import (
+    all_to_all,
+    dap_groups,
+    gather,
+    pad_to_multiple,
+    reduce_grad,
+    scatter,
+    to_dap,
+)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-300) -> float:
+    """max |a - b| relative to max |b|, or to `floor` where that is larger."""
+    return float((a - b).abs().max() / b.abs().max().clamp_min(floor))
+
+
+def _errors(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, float]:
+    """`_rel` of each entry. A gradient that is zero in exact arithmetic (msa_att_row.layer_norm_z.bias:
+    it shifts all of a query's logits alike, and softmax ignores that) holds only rounding noise, so
+    each entry is compared against at least 1e-3 of the largest magnitude among all entries."""
+    assert got.keys() == expected.keys()
+    floor = 1e-3 * max(float(v.abs().max()) for v in expected.values())
+    return {key: _rel(got[key], expected[key], floor) for key in expected}
+
+
+# ---- collectives -------------------------------------------------------------------------------------
+
+
+def _collective_errors(rank: int) -> dict[str, float]:
+    """For each collective: the relative error of its forward and of its input gradient against the
+    single-process equivalent (a weighted sum as the loss, the same weights on every rank)."""
+    p, torch_dtype = dist.get_world_size(), torch.float64
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4 * p, 2 * p, 5, generator=g, dtype=torch_dtype)
+    w = torch.randn(3, 4 * p, 2 * p, 5, generator=g, dtype=torch_dtype)
+    errors: dict[str, float] = {}
+
+    # scatter: the full tensor on every rank; the loss is the sum over ranks of the local parts' terms,
+    # each rank's backward sees only its own part's term: the gathered gradient is the full one, w.
+    xs = x.clone().requires_grad_()
+    part = scatter(xs, 1, None)
+    errors["scatter fwd"] = _rel(part, x.chunk(p, 1)[rank])
+    (part * w.chunk(p, 1)[rank]).sum().backward()
+    errors["scatter bwd"] = _rel(xs.grad, w)
+
+    # gather, partial: rank r's loss uses the whole result with its own weights w * (r + 1); the
+    # single-process gradient of the summed loss is w * sum_r (r + 1), this rank's part of it.
+    xl = x.chunk(p, 2)[rank].clone().requires_grad_()
+    whole = gather(xl, 2, None, partial=True)
+    errors["gather fwd"] = _rel(whole, x)
+    (whole * w * (rank + 1)).sum().backward()
+    total = sum(r + 1 for r in range(p))
+    errors["gather partial bwd"] = _rel(xl.grad, (w * total).chunk(p, 2)[rank])
+
+    # gather, replicated: every rank computes the same loss; its gradient is this rank's part of w.
+    xl = x.chunk(p, 2)[rank].clone().requires_grad_()
+    (gather(xl, 2, None, partial=False) * w).sum().backward()
+    errors["gather replicated bwd"] = _rel(xl.grad, w.chunk(p, 2)[rank])
+
+    # all_to_all: rows (dim 1) sharded -> columns (dim 2) sharded; backward the inverse.
+    xr = x.chunk(p, 1)[rank].clone().requires_grad_()
+    cols = all_to_all(xr, 2, 1, None)
+    errors["all_to_all fwd"] = _rel(cols, x.chunk(p, 2)[rank])
+    (cols * w.chunk(p, 2)[rank]).sum().backward()
+    errors["all_to_all bwd"] = _rel(xr.grad, w.chunk(p, 1)[rank])
+    back = all_to_all(cols.detach(), 1, 2, None)
+    errors["all_to_all inverse"] = _rel(back, x.chunk(p, 1)[rank])
+
+    # reduce_grad: identity forward; the gradient summed over ranks.
+    xp = x.clone().requires_grad_()
+    (reduce_grad(xp, None) * w * (rank + 1)).sum().backward()
+    errors["reduce_grad bwd"] = _rel(xp.grad, w * total)
+
+    # padding: zeros appended up to the multiple.
+    odd = x[:, :5]
+    padded = pad_to_multiple(odd, 1, 4)
+    errors["pad shape"] = float(padded.shape[1] != 8)
+    errors["pad values"] = _rel(padded[:, :5], odd) + float(padded[:, 5:].abs().max())
+    return errors
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_collectives_forward_and_backward_exact(nprocs: int) -> None:
+    for errors in spawn_local(_collective_errors, nprocs, timeout_s=60):
+        assert set(errors) >= {"scatter bwd", "gather partial bwd", "all_to_all bwd", "reduce_grad bwd"}
+        assert max(errors.values()) <= 1e-12, errors
+
+
+# ---- Evoformer block -----------------------------------------------------------------------------------
+
+
+def _block(dtype: torch.dtype) -> EvoformerBlock:
+    """The tiny config's block, every parameter perturbed (its zero-initialised output projections would
+    otherwise hide most of the computation), dropout off."""
+    c = ModelConfig.tiny()
+    torch.manual_seed(0)
+    block = EvoformerBlock(
+        c_m=c.c_m,
+        c_z=c.c_z,
+        c_hidden_msa_att=c.c_hidden_msa_att,
+        c_hidden_opm=c.c_hidden_opm,
+        c_hidden_mul=c.c_hidden_mul,
+        c_hidden_pair_att=c.c_hidden_pair_att,
+        no_heads_msa=c.no_heads_msa,
+        no_heads_pair=c.no_heads_pair,
+        transition_n=c.transition_n,
+        msa_dropout=0.0,
+        pair_dropout=0.0,
+    ).to(dtype)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return block
+
+
+def _inputs(n_seq: int, n_res: int, masked: bool, dtype: torch.dtype, seed: int = 1) -> tuple:
+    """m, z, msa_mask, pair_mask, and the loss weights for m and z (the same on every rank)."""
+    c = ModelConfig.tiny()
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randn(n_seq, n_res, c.c_m, generator=g, dtype=dtype)
+    z = torch.randn(n_res, n_res, c.c_z, generator=g, dtype=dtype)
+    msa_mask = torch.ones(n_seq, n_res, dtype=dtype)
+    seq_mask = torch.ones(n_res, dtype=dtype)
+    if masked:
+        msa_mask = (torch.rand(n_seq, n_res, generator=g) > 0.2).to(dtype)
+        msa_mask[-1] = 0  # a padded MSA row: all its residues masked
+        seq_mask[-1] = 0  # a padded residue
+        msa_mask[:, -1] = 0
+    pair_mask = seq_mask[:, None] * seq_mask[None, :]
+    wm = torch.randn(m.shape, generator=g, dtype=dtype)
+    wz = torch.randn(z.shape, generator=g, dtype=dtype)
+    return m, z, msa_mask, pair_mask, wm, wz
+
+
+def _outputs_and_grads(module, m, z, msa_mask, pair_mask, wm, wz, chunk_size=None) -> dict:
+    """Outputs, input gradients and parameter gradients of loss = <m_out, wm> + <z_out, wz>."""
+    module.zero_grad()
+    m = m.clone().requires_grad_()
+    z = z.clone().requires_grad_()
+    m_out, z_out = module(m, z, msa_mask, pair_mask, chunk_size=chunk_size)
+    ((m_out * wm).sum() + (z_out * wz).sum()).backward()
+    out = {"m": m_out.detach(), "z": z_out.detach(), "grad m": m.grad, "grad z": z.grad}
+    out.update({f"grad {name}": p.grad.clone() for name, p in module.named_parameters()})
+    return out
+
+
+def _block_errors(
+    rank: int, n_seq: int, n_res: int, masked: bool, dtype: torch.dtype, chunk_size: int | None
+) -> dict[str, float]:
+    """Relative error of every output and gradient of the DAP block against the single-process block."""
+    block = _block(dtype)
+    args = _inputs(n_seq, n_res, masked, dtype)
+    expected = _outputs_and_grads(block, *args)
+    dap = to_dap(block, None)
+    assert dap.state_dict().keys() == block.state_dict().keys()
+    assert all(a is b for a, b in zip(dap.parameters(), block.parameters(), strict=True))
+    got = _outputs_and_grads(dap, *args, chunk_size=chunk_size)
+    return _errors(got, expected)
+
+
+@pytest.mark.parametrize(
+    ("nprocs", "n_seq", "n_res", "masked", "dtype", "chunk_size"),
+    [
+        (2, 4, 6, False, torch.float64, None),
+        (2, 5, 7, True, torch.float64, 2),
+        (4, 5, 7, True, torch.float64, None),
+        (2, 5, 7, True, torch.float32, None),
+    ],
+)
+def test_dap_block_equals_single_process(
+    nprocs: int, n_seq: int, n_res: int, masked: bool, dtype: torch.dtype, chunk_size: int | None
+) -> None:
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    results = spawn_local(_block_errors, nprocs, n_seq, n_res, masked, dtype, chunk_size, timeout_s=90)
+    for errors in results:
+        assert len(errors) > 4 + 30  # outputs, input gradients and every parameter's gradient
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= tol, (worst, errors[worst])
+
+
+def test_to_dap_rejects_other_modules() -> None:
+    with pytest.raises(TypeError, match="module: expected an EvoformerBlock"):
+        to_dap(torch.nn.Linear(2, 2))
+
+
+def _dp_dap_errors(rank: int) -> dict[str, float]:
+    """2 x 2: two data-parallel replicas, each a DAP group of 2 on its own sample; gradients summed over
+    the DAP group (by the block) and averaged over the dp group equal one process's mean-loss gradients."""
+    groups = dap_groups(2, timeout=timedelta(seconds=60))
+    assert (groups.dap_size, groups.dp_size) == (2, 2)
+    assert (groups.dap_rank, groups.dp_rank) == (rank % 2, rank // 2)
+    dtype = torch.float64
+    block = _block(dtype)
+    samples = [_inputs(4, 5, True, dtype, seed=s) for s in (1, 2)]
+    expected = [_outputs_and_grads(block, *sample) for sample in samples]
+    dap = to_dap(block, groups.dap)
+    got = _outputs_and_grads(dap, *samples[groups.dp_rank])
+    want = dict(expected[groups.dp_rank])
+    for key in got:
+        if key.startswith("grad ") and key not in ("grad m", "grad z"):
+            dist.all_reduce(got[key], group=groups.dp)
+            got[key] /= groups.dp_size
+            want[key] = (expected[0][key] + expected[1][key]) / 2
+    return _errors(got, want)
+
+
+def test_dp_times_dap_layout() -> None:
+    for errors in spawn_local(_dp_dap_errors, 4, timeout_s=120):
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= 1e-10, (worst, errors[worst])
+
+
+def _dead_rank(rank: int, timeout_s: float) -> tuple[str, str, float]:
+    """Rank 0's error type, message and the seconds it took, after rank 1 dies before the forward."""
+    groups = dap_groups(2, timeout=timedelta(seconds=timeout_s))
+    dap = to_dap(_block(torch.float64), groups.dap)
+    args = _inputs(4, 6, False, torch.float64)
+    if rank == 1:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        dap(*args[:4])
+    except RuntimeError as e:
+        return (type(e).__name__, str(e), time.monotonic() - start)
+    return ("no error", "", time.monotonic() - start)
+
+
+def test_dead_rank_fails_within_timeout() -> None:
+    timeout_s = 5.0
+    results = spawn_local(_dead_rank, 2, timeout_s, timeout_s=30, return_exceptions=True)
+    kind, message, elapsed = results[0]
+    assert kind == "RuntimeError", results
+    assert "DAP" in message and "group of 2" in message, message
+    assert elapsed < timeout_s + 2.0
+    assert isinstance(results[1], RankError) and results[1].type_name == "ProcessDied"
