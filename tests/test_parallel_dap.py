@@ -1,8 +1,10 @@
 """Dynamic Axial Parallelism on gloo (2 and 4 CPU ranks): the autograd collectives' forwards and
-backwards equal their single-process equivalents; `to_dap` of an Evoformer block gives the outputs and
-every parameter and input gradient of the single-process block (float64: 1e-10 relative, float32: 1e-5),
-with N and S not divisible by the group size, masked residues and MSA rows (fully masked ones included),
-chunking, and a 2 x 2 dp x dap layout; a dead rank gives a clear error within the group's timeout."""
+backwards equal their single-process equivalents; `to_dap` of an Evoformer block, a 2-block
+EvoformerStack and a 2-block ExtraMSAStack gives the outputs and every parameter and input gradient of
+the single-process module (float64: 1e-10 relative, float32: 1e-5), with N and S not divisible by the
+group size, masked residues and MSA rows (fully masked ones included), chunking, checkpointing, dropout
+(same seed on every rank), and a 2 x 2 dp x dap layout; a dead rank gives a clear error within the
+group's timeout."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hfkit.model import EvoformerBlock, ModelConfig
+from hfkit.model import EvoformerBlock, EvoformerStack, ExtraMSAStack, ModelConfig
 from hfkit.parallel import RankError, spawn_local
 from hfkit.parallel.dap import (
     all_to_all,
@@ -107,73 +109,85 @@ def test_collectives_forward_and_backward_exact(nprocs: int) -> None:
 # ---- Evoformer block -----------------------------------------------------------------------------------
 
 
-def _block(dtype: torch.dtype) -> EvoformerBlock:
-    """The tiny config's block, every parameter perturbed (its zero-initialised output projections would
-    otherwise hide most of the computation), dropout off."""
-    c = ModelConfig.tiny()
-    torch.manual_seed(0)
-    block = EvoformerBlock(
-        c_m=c.c_m,
-        c_z=c.c_z,
-        c_hidden_msa_att=c.c_hidden_msa_att,
-        c_hidden_opm=c.c_hidden_opm,
-        c_hidden_mul=c.c_hidden_mul,
-        c_hidden_pair_att=c.c_hidden_pair_att,
-        no_heads_msa=c.no_heads_msa,
-        no_heads_pair=c.no_heads_pair,
-        transition_n=c.transition_n,
-        msa_dropout=0.0,
-        pair_dropout=0.0,
-    ).to(dtype)
+def _config(dropout: bool = False) -> ModelConfig:
+    rate = {} if dropout else {"msa_dropout": 0.0, "pair_dropout": 0.0}
+    return ModelConfig.tiny().replace(extra_no_blocks=2, **rate)
+
+
+def _perturbed(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`module` in `dtype` with every parameter perturbed (its zero-initialised output projections would
+    otherwise hide most of the computation)."""
+    module = module.to(dtype)
     with torch.no_grad():
-        for p in block.parameters():
+        for p in module.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    return block
+    return module
 
 
-def _inputs(n_seq: int, n_res: int, masked: bool, dtype: torch.dtype, seed: int = 1) -> tuple:
-    """m, z, msa_mask, pair_mask, and the loss weights for m and z (the same on every rank)."""
-    c = ModelConfig.tiny()
+def _block(dtype: torch.dtype, dropout: bool = False) -> EvoformerBlock:
+    """The tiny config's first Evoformer block, perturbed; dropout off unless `dropout`."""
+    torch.manual_seed(0)
+    return _perturbed(EvoformerStack.from_config(_config(dropout)).blocks[0], dtype)
+
+
+def _inputs(n_seq: int, n_res: int, masked: bool, dtype: torch.dtype, seed: int = 1, c_m: int = 16) -> tuple:
+    """m [n_seq, n_res, c_m], z, msa_mask, pair_mask (the same on every rank); with `masked`, random
+    masked entries plus a padded MSA row and a padded residue (all their entries masked)."""
     g = torch.Generator().manual_seed(seed)
-    m = torch.randn(n_seq, n_res, c.c_m, generator=g, dtype=dtype)
-    z = torch.randn(n_res, n_res, c.c_z, generator=g, dtype=dtype)
+    m = torch.randn(n_seq, n_res, c_m, generator=g, dtype=dtype)
+    z = torch.randn(n_res, n_res, ModelConfig.tiny().c_z, generator=g, dtype=dtype)
     msa_mask = torch.ones(n_seq, n_res, dtype=dtype)
     seq_mask = torch.ones(n_res, dtype=dtype)
     if masked:
         msa_mask = (torch.rand(n_seq, n_res, generator=g) > 0.2).to(dtype)
-        msa_mask[-1] = 0  # a padded MSA row: all its residues masked
-        seq_mask[-1] = 0  # a padded residue
+        msa_mask[-1] = 0
+        seq_mask[-1] = 0
         msa_mask[:, -1] = 0
     pair_mask = seq_mask[:, None] * seq_mask[None, :]
-    wm = torch.randn(m.shape, generator=g, dtype=dtype)
-    wz = torch.randn(z.shape, generator=g, dtype=dtype)
-    return m, z, msa_mask, pair_mask, wm, wz
+    return m, z, msa_mask, pair_mask
 
 
-def _outputs_and_grads(module, m, z, msa_mask, pair_mask, wm, wz, chunk_size=None) -> dict:
-    """Outputs, input gradients and parameter gradients of loss = <m_out, wm> + <z_out, wz>."""
+def _outputs_and_grads(module, m, z, msa_mask, pair_mask, chunk_size=None, seed=None) -> dict:
+    """Outputs, input gradients and parameter gradients of a fixed random weighting of the outputs
+    (the same weights on every rank). `seed`: the generator's seed just before the forward (dropout)."""
     module.zero_grad()
     m = m.clone().requires_grad_()
     z = z.clone().requires_grad_()
-    m_out, z_out = module(m, z, msa_mask, pair_mask, chunk_size=chunk_size)
-    ((m_out * wm).sum() + (z_out * wz).sum()).backward()
-    out = {"m": m_out.detach(), "z": z_out.detach(), "grad m": m.grad, "grad z": z.grad}
+    if seed is not None:
+        torch.manual_seed(seed)
+    outputs = module(m, z, msa_mask, pair_mask, chunk_size=chunk_size)
+    outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
+    g = torch.Generator().manual_seed(7)
+    loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() for o in outputs)
+    loss.backward()
+    out = {f"out {i}": o.detach() for i, o in enumerate(outputs)}
+    out.update({"grad m": m.grad, "grad z": z.grad})
     out.update({f"grad {name}": p.grad.clone() for name, p in module.named_parameters()})
     return out
+
+
+def _compare(module: torch.nn.Module, args: tuple, **kwargs) -> dict[str, float]:
+    """Errors of `to_dap(module)` (default group) against `module` itself, after checking that they
+    share their parameters and state_dict keys."""
+    expected = _outputs_and_grads(module, *args, seed=kwargs.get("seed"))
+    dap = to_dap(module, None)
+    assert dap.state_dict().keys() == module.state_dict().keys()
+    assert all(a is b for a, b in zip(dap.parameters(), module.parameters(), strict=True))
+    return _errors(_outputs_and_grads(dap, *args, **kwargs), expected)
 
 
 def _block_errors(
     rank: int, n_seq: int, n_res: int, masked: bool, dtype: torch.dtype, chunk_size: int | None
 ) -> dict[str, float]:
     """Relative error of every output and gradient of the DAP block against the single-process block."""
-    block = _block(dtype)
-    args = _inputs(n_seq, n_res, masked, dtype)
-    expected = _outputs_and_grads(block, *args)
-    dap = to_dap(block, None)
-    assert dap.state_dict().keys() == block.state_dict().keys()
-    assert all(a is b for a, b in zip(dap.parameters(), block.parameters(), strict=True))
-    got = _outputs_and_grads(dap, *args, chunk_size=chunk_size)
-    return _errors(got, expected)
+    return _compare(_block(dtype), _inputs(n_seq, n_res, masked, dtype), chunk_size=chunk_size)
+
+
+def _assert_within(results: list[dict[str, float]], tol: float, min_entries: int) -> None:
+    for errors in results:
+        assert len(errors) >= min_entries  # outputs, input gradients and every parameter's gradient
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= tol, (worst, errors[worst])
 
 
 @pytest.mark.parametrize(
@@ -190,10 +204,47 @@ def test_dap_block_equals_single_process(
 ) -> None:
     tol = 1e-10 if dtype == torch.float64 else 1e-5
     results = spawn_local(_block_errors, nprocs, n_seq, n_res, masked, dtype, chunk_size, timeout_s=90)
-    for errors in results:
-        assert len(errors) > 4 + 30  # outputs, input gradients and every parameter's gradient
-        worst = max(errors, key=errors.get)
-        assert errors[worst] <= tol, (worst, errors[worst])
+    _assert_within(results, tol, 4 + 30)
+
+
+def _dropout_errors(rank: int) -> dict[str, float]:
+    """Dropout on (training mode), every rank seeding its generator alike before the forward, as one
+    process does: the shared-dimension masks are then one process's (N and S divide by the group)."""
+    block = _block(torch.float64, dropout=True).train()
+    assert block.msa_dropout_layer.rate > 0 and block.core.ps_dropout_row_layer.rate > 0
+    args = _inputs(4, 6, True, torch.float64)
+    errors = _compare(block, args, seed=3)
+    # The dropout is live: another seed gives another result.
+    other = _outputs_and_grads(block, *args, seed=4)
+    same = _outputs_and_grads(block, *args, seed=3)
+    errors["different seed differs"] = float(torch.equal(other["out 1"], same["out 1"]))
+    return errors
+
+
+def test_dap_block_with_dropout_equals_single_process_given_the_same_seed() -> None:
+    _assert_within(spawn_local(_dropout_errors, 2, timeout_s=90), 1e-10, 4 + 30)
+
+
+def _stack_errors(rank: int, extra: bool, recompute: bool) -> dict[str, float]:
+    """A 2-block EvoformerStack (outputs m, z, s) or ExtraMSAStack (output z) against one process."""
+    torch.manual_seed(0)
+    config = _config().replace(checkpoint=recompute)
+    if extra:
+        stack = _perturbed(ExtraMSAStack.from_config(config), torch.float64)
+        args = _inputs(6, 7, True, torch.float64, c_m=config.c_e)
+    else:
+        stack = _perturbed(EvoformerStack.from_config(config), torch.float64)
+        args = _inputs(5, 7, True, torch.float64)
+    assert len(stack.blocks) == 2
+    return _compare(stack, args)
+
+
+@pytest.mark.parametrize(
+    ("nprocs", "extra", "recompute"), [(2, False, False), (4, False, True), (2, True, True), (4, True, False)]
+)
+def test_dap_stacks_equal_single_process(nprocs: int, extra: bool, recompute: bool) -> None:
+    results = spawn_local(_stack_errors, nprocs, extra, recompute, timeout_s=120)
+    _assert_within(results, 1e-10, 3 + 2 * 30)
 
 
 def test_to_dap_rejects_other_modules() -> None:
@@ -237,7 +288,7 @@ def _dead_rank(rank: int, timeout_s: float) -> tuple[str, str, float]:
         os._exit(3)
     start = time.monotonic()
     try:
-        dap(*args[:4])
+        dap(*args)
     except RuntimeError as e:
         return (type(e).__name__, str(e), time.monotonic() - start)
     return ("no error", "", time.monotonic() - start)

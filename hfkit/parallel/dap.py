@@ -45,13 +45,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
 
-from hfkit.model.evoformer import EvoformerBlock
-from hfkit.model.msa import MSAColumnAttention
+from hfkit.model.evoformer import EvoformerBlock, EvoformerStack, ExtraMSAStack
+from hfkit.model.msa import MSAColumnAttention, MSAColumnGlobalAttention
 from hfkit.model.primitives import attend_rows, chunk_apply, mask_bias
 
 __all__ = [
     "DAPEvoformerBlock",
+    "DAPEvoformerStack",
+    "DAPExtraMSAStack",
     "DAPGroups",
     "all_to_all",
     "dap_groups",
@@ -257,6 +260,20 @@ def _attention_biases(
     return mask_bias(mask.to(dtype), inf) + key_pad.to(dtype)
 
 
+def _global_attention(ga: nn.Module, m: torch.Tensor, mask: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+    """`GlobalAttention.forward` (Algorithm 19) of `ga` on m [*, N_res, S, C], mask [*, N_res, S], with
+    the padding bias pad [S] added to the key bias: its own bias cannot tell padded rows from masked
+    ones, which matters for a column whose rows are all masked."""
+    q = (m * mask[..., None]).sum(-2) / (mask.sum(-1)[..., None] + ga.eps)
+    q = ga.linear_q(q).unflatten(-1, (ga.no_heads, ga.c_hidden)) * ga.c_hidden**-0.5
+    k = ga.linear_k(m)
+    v = ga.linear_v(m)
+    a = torch.matmul(q, k.transpose(-1, -2)) + (ga.inf * (mask - 1.0) + pad)[..., None, :]
+    o = torch.matmul(torch.softmax(a, dim=-1), v)
+    g = torch.sigmoid(ga.linear_g(m)).unflatten(-1, (ga.no_heads, ga.c_hidden))
+    return ga.linear_o((o.unsqueeze(-3) * g).flatten(-2))
+
+
 class _ShardedEvoformerBlock(nn.Module):
     """The sharded computation of one Evoformer block over the block's own submodules."""
 
@@ -303,11 +320,7 @@ class _ShardedEvoformerBlock(nn.Module):
 
         # MSA column attention: m to columns of N (whole S), attention along S within each column.
         m = all_to_all(m, -2, -3, g)
-        col = self.msa_att_col._msa_att
-        pad_s = _key_pad_bias(n_seq, s_pad, m, col.inf)
-        m_t = col.layer_norm_m(m.transpose(-2, -3))
-        biases = [_attention_biases(msa_mask_cols.transpose(-1, -2), pad_s, col.inf, dtype)]
-        m = m + attend_rows(col.mha, m_t, biases, chunk_size).transpose(-2, -3)
+        m = m + self._column_attention(m, msa_mask_cols, n_seq, chunk_size)
 
         core = self.core
         m = m + core.msa_transition(
@@ -331,6 +344,25 @@ class _ShardedEvoformerBlock(nn.Module):
             z, mask=pair_mask_rows if core.mask_pair_transition else None, chunk_size=chunk_size
         )
         return m, z
+
+    def _column_attention(
+        self, m: torch.Tensor, mask_cols: torch.Tensor, n_seq: int, chunk_size: int | None
+    ) -> torch.Tensor:
+        """m by columns [*, S, N/P, C_m], its mask [*, S, N/P] -> column attention's update (gated
+        self-attention, or the extra-MSA stack's global attention), S rows beyond n_seq padding."""
+        x_t, mask_t = m.transpose(-2, -3), mask_cols.transpose(-1, -2)
+        if isinstance(self.msa_att_col, MSAColumnAttention):
+            att = self.msa_att_col._msa_att
+            pad_s = _key_pad_bias(n_seq, m.shape[-3], m, att.inf)
+            biases = [_attention_biases(mask_t, pad_s, att.inf, m.dtype)]
+            return attend_rows(att.mha, att.layer_norm_m(x_t), biases, chunk_size).transpose(-2, -3)
+        ga = self.msa_att_col.global_attention
+        pad_s = _key_pad_bias(n_seq, m.shape[-3], m, ga.inf)
+        x_t = self.msa_att_col.layer_norm_m(x_t)
+        out = chunk_apply(
+            lambda x_, mask_: _global_attention(ga, x_, mask_, pad_s), [x_t, mask_t], [-3, -2], -3, chunk_size
+        )
+        return out.transpose(-2, -3)
 
     def _outer_product_mean(
         self, m: torch.Tensor, mask_cols: torch.Tensor, mask: torch.Tensor, chunk_size: int | None
@@ -377,12 +409,44 @@ class _ShardedEvoformerBlock(nn.Module):
         return attend_rows(mod.mha, x, biases, chunk_size)
 
 
+def _shard_inputs(
+    m: torch.Tensor, z: torch.Tensor, msa_mask: torch.Tensor, pair_mask: torch.Tensor, group: ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full inputs (the same on every rank) padded to multiples of the group size: this rank's MSA rows
+    and pair rows, and the whole padded masks."""
+    size = dist.get_world_size(group)
+    n_seq, n_res = m.shape[-3], m.shape[-2]
+    if z.shape[-3:-1] != (n_res, n_res) or msa_mask.shape[-2:] != (n_seq, n_res):
+        raise ValueError(
+            f"m, z, msa_mask: expected [*, S, N, C_m], [*, N, N, C_z], [*, S, N], got {tuple(m.shape)}, "
+            f"{tuple(z.shape)}, {tuple(msa_mask.shape)}"
+        )
+    if pair_mask.shape[-2:] != (n_res, n_res):
+        raise ValueError(f"pair_mask: expected [*, {n_res}, {n_res}], got {tuple(pair_mask.shape)}")
+    m = pad_to_multiple(pad_to_multiple(m, -3, size), -2, size)
+    z = pad_to_multiple(pad_to_multiple(z, -3, size), -2, size)
+    msa_mask = pad_to_multiple(pad_to_multiple(msa_mask, -2, size), -1, size)
+    pair_mask = pad_to_multiple(pad_to_multiple(pair_mask, -2, size), -1, size)
+    return scatter(m, -3, group), scatter(z, -3, group), msa_mask, pair_mask
+
+
+def _unshard(x: torch.Tensor, rows: int, cols: int, group: ProcessGroup) -> torch.Tensor:
+    """This rank's rows of a padded [*, R_p, C_p, C] gathered whole on every rank and unpadded to
+    [*, rows, cols, C]. Every rank then computes the same from it (backward: this rank's part)."""
+    return gather(x, -3, group, partial=False)[..., :rows, :cols, :]
+
+
 class DAPEvoformerBlock(nn.Module):
-    """An `EvoformerBlock` run with DAP over `group`; its submodules are the block's own (same
-    parameters, same state_dict keys). See the module docstring for the layout."""
+    """An `EvoformerBlock` or `ExtraMSABlock` run with DAP over `group`; its submodules are the block's
+    own (same parameters, same state_dict keys). See the module docstring for the layout."""
 
     def __init__(self, block: EvoformerBlock, group: ProcessGroup = None) -> None:
         super().__init__()
+        if not isinstance(block.msa_att_col, (MSAColumnAttention, MSAColumnGlobalAttention)):
+            raise TypeError(
+                "block.msa_att_col: expected MSAColumnAttention or MSAColumnGlobalAttention, got "
+                f"{type(block.msa_att_col).__name__}"
+            )
         self.msa_att_row = block.msa_att_row
         self.msa_att_col = block.msa_att_col
         self.msa_dropout_layer = block.msa_dropout_layer
@@ -436,36 +500,132 @@ class DAPEvoformerBlock(nn.Module):
         """The single-process block's signature and result: m [*, S, N, C_m], z [*, N, N, C_z],
         msa_mask [*, S, N], pair_mask [*, N, N], the same on every rank -> (m, z) whole on every rank.
         Pads to multiples of the group size, shards, runs `forward_sharded`, gathers and unpads."""
-        size = dist.get_world_size(self.group)
         n_seq, n_res = m.shape[-3], m.shape[-2]
-        if z.shape[-3:-1] != (n_res, n_res) or msa_mask.shape[-2:] != (n_seq, n_res):
-            raise ValueError(
-                f"m, z, msa_mask: expected [*, S, N, C_m], [*, N, N, C_z], [*, S, N], got {tuple(m.shape)}, "
-                f"{tuple(z.shape)}, {tuple(msa_mask.shape)}"
-            )
-        m = pad_to_multiple(pad_to_multiple(m, -3, size), -2, size)
-        z = pad_to_multiple(pad_to_multiple(z, -3, size), -2, size)
-        msa_mask = pad_to_multiple(pad_to_multiple(msa_mask, -2, size), -1, size)
-        pair_mask = pad_to_multiple(pad_to_multiple(pair_mask, -2, size), -1, size)
-        m, z = self.forward_sharded(
-            scatter(m, -3, self.group),
-            scatter(z, -3, self.group),
-            msa_mask,
-            pair_mask,
-            n_seq,
-            n_res,
-            chunk_size,
+        m, z, msa_mask, pair_mask = _shard_inputs(m, z, msa_mask, pair_mask, self.group)
+        m, z = self.forward_sharded(m, z, msa_mask, pair_mask, n_seq, n_res, chunk_size)
+        return _unshard(m, n_seq, n_res, self.group), _unshard(z, n_res, n_res, self.group)
+
+
+def _run_sharded_blocks(
+    blocks: nn.ModuleList,
+    m: torch.Tensor,
+    z: torch.Tensor,
+    msa_mask: torch.Tensor,
+    pair_mask: torch.Tensor,
+    n_seq: int,
+    n_res: int,
+    chunk_size: int | None,
+    recompute: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`forward_sharded` of each DAP block in order; with `recompute` (and autograd on) each under a
+    non-reentrant checkpoint (its collectives run again in backward, in the same order on every rank)."""
+    recompute = recompute and torch.is_grad_enabled()
+    for block in blocks:
+        args = (m, z, msa_mask, pair_mask, n_seq, n_res, chunk_size)
+        if recompute:
+            m, z = checkpoint(block.forward_sharded, *args, use_reentrant=False)
+        else:
+            m, z = block.forward_sharded(*args)
+    return m, z
+
+
+class DAPEvoformerStack(nn.Module):
+    """An `EvoformerStack` run with DAP over `group`: its blocks as `DAPEvoformerBlock`s and its own
+    `linear` (same parameters, same state_dict keys). The inputs are padded and sharded once, the blocks
+    run on shards, and the outputs are gathered once; s = linear(m[0]) is computed whole on every rank."""
+
+    def __init__(self, stack: EvoformerStack, group: ProcessGroup = None) -> None:
+        super().__init__()
+        self.checkpoint = stack.checkpoint
+        self.blocks = nn.ModuleList(DAPEvoformerBlock(b, group) for b in stack.blocks)
+        self.linear = stack.linear
+        self.group = group
+
+    def forward_sharded(
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        n_seq: int | None = None,
+        n_res: int | None = None,
+        chunk_size: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks on shards (layout as `DAPEvoformerBlock.forward_sharded`) -> (m, z) shards; the
+        single projection is left to the caller (it needs MSA row 0, which rank 0 holds)."""
+        return _run_sharded_blocks(
+            self.blocks, m, z, msa_mask, pair_mask, n_seq, n_res, chunk_size, self.checkpoint
         )
-        m = gather(m, -3, self.group, partial=False)[..., :n_seq, :n_res, :]
-        z = gather(z, -3, self.group, partial=False)[..., :n_res, :n_res, :]
-        return m, z
+
+    def forward(
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        chunk_size: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As `EvoformerStack.forward`, with the same full inputs on every rank: m [*, S, N, C_m],
+        z [*, N, N, C_z], msa_mask [*, S, N], pair_mask [*, N, N] -> (m, z, s [*, N, C_s]) whole."""
+        n_seq, n_res = m.shape[-3], m.shape[-2]
+        m, z, msa_mask, pair_mask = _shard_inputs(m, z, msa_mask, pair_mask, self.group)
+        m, z = self.forward_sharded(m, z, msa_mask, pair_mask, n_seq, n_res, chunk_size)
+        m = _unshard(m, n_seq, n_res, self.group)
+        return m, _unshard(z, n_res, n_res, self.group), self.linear(m[..., 0, :, :])
+
+
+class DAPExtraMSAStack(nn.Module):
+    """An `ExtraMSAStack` run with DAP over `group` (its blocks as `DAPEvoformerBlock`s with global
+    column attention; same parameters, same state_dict keys); returns z whole on every rank."""
+
+    def __init__(self, stack: ExtraMSAStack, group: ProcessGroup = None) -> None:
+        super().__init__()
+        self.checkpoint = stack.checkpoint
+        self.blocks = nn.ModuleList(DAPEvoformerBlock(b, group) for b in stack.blocks)
+        self.group = group
+
+    def forward_sharded(
+        self,
+        a: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        n_seq: int | None = None,
+        n_res: int | None = None,
+        chunk_size: int | None = None,
+    ) -> torch.Tensor:
+        """The blocks on shards (layout as `DAPEvoformerBlock.forward_sharded`) -> this rank's z rows."""
+        return _run_sharded_blocks(
+            self.blocks, a, z, msa_mask, pair_mask, n_seq, n_res, chunk_size, self.checkpoint
+        )[1]
+
+    def forward(
+        self,
+        a: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        chunk_size: int | None = None,
+    ) -> torch.Tensor:
+        """As `ExtraMSAStack.forward`, with the same full inputs on every rank: a [*, S_extra, N, C_e],
+        z [*, N, N, C_z], msa_mask [*, S_extra, N], pair_mask [*, N, N] -> z [*, N, N, C_z] whole."""
+        n_seq, n_res = a.shape[-3], a.shape[-2]
+        a, z, msa_mask, pair_mask = _shard_inputs(a, z, msa_mask, pair_mask, self.group)
+        z = self.forward_sharded(a, z, msa_mask, pair_mask, n_seq, n_res, chunk_size)
+        return _unshard(z, n_res, n_res, self.group)
 
 
 def to_dap(module: nn.Module, group: ProcessGroup = None) -> nn.Module:
     """`module` run with Dynamic Axial Parallelism over `group` (default: the default group), sharing
-    its parameters. Supported: `EvoformerBlock` with (non-global) `MSAColumnAttention`."""
-    if isinstance(module, EvoformerBlock) and isinstance(module.msa_att_col, MSAColumnAttention):
+    its parameters (same state_dict): an `EvoformerBlock` or `ExtraMSABlock` (-> `DAPEvoformerBlock`),
+    an `EvoformerStack` (-> `DAPEvoformerStack`) or an `ExtraMSAStack` (-> `DAPExtraMSAStack`)."""
+    if isinstance(module, EvoformerBlock):
         return DAPEvoformerBlock(module, group)
+    if isinstance(module, EvoformerStack):
+        return DAPEvoformerStack(module, group)
+    if isinstance(module, ExtraMSAStack):
+        return DAPExtraMSAStack(module, group)
     raise TypeError(
-        f"module: expected an EvoformerBlock with MSAColumnAttention, got {type(module).__name__}"
+        "module: expected an EvoformerBlock, ExtraMSABlock, EvoformerStack or ExtraMSAStack, got "
+        f"{type(module).__name__}"
     )
