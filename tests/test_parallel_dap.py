@@ -124,10 +124,12 @@ def _perturbed(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return module
 
 
-def _block(dtype: torch.dtype, dropout: bool = False) -> EvoformerBlock:
-    """The tiny config's first Evoformer block, perturbed; dropout off unless `dropout`."""
+def _block(dtype: torch.dtype, dropout: bool = False, extra: bool = False) -> EvoformerBlock:
+    """The tiny config's first Evoformer block (with `extra`: extra-MSA block), perturbed; dropout off
+    unless `dropout`."""
     torch.manual_seed(0)
-    return _perturbed(EvoformerStack.from_config(_config(dropout)).blocks[0], dtype)
+    stack = (ExtraMSAStack if extra else EvoformerStack).from_config(_config(dropout))
+    return _perturbed(stack.blocks[0], dtype)
 
 
 def _inputs(n_seq: int, n_res: int, masked: bool, dtype: torch.dtype, seed: int = 1, c_m: int = 16) -> tuple:
@@ -177,10 +179,18 @@ def _compare(module: torch.nn.Module, args: tuple, **kwargs) -> dict[str, float]
 
 
 def _block_errors(
-    rank: int, n_seq: int, n_res: int, masked: bool, dtype: torch.dtype, chunk_size: int | None
+    rank: int,
+    n_seq: int,
+    n_res: int,
+    masked: bool,
+    dtype: torch.dtype,
+    chunk_size: int | None,
+    extra: bool,
 ) -> dict[str, float]:
     """Relative error of every output and gradient of the DAP block against the single-process block."""
-    return _compare(_block(dtype), _inputs(n_seq, n_res, masked, dtype), chunk_size=chunk_size)
+    c_m = ModelConfig.tiny().c_e if extra else ModelConfig.tiny().c_m
+    args = _inputs(n_seq, n_res, masked, dtype, c_m=c_m)
+    return _compare(_block(dtype, extra=extra), args, chunk_size=chunk_size)
 
 
 def _assert_within(results: list[dict[str, float]], tol: float, min_entries: int) -> None:
@@ -191,19 +201,26 @@ def _assert_within(results: list[dict[str, float]], tol: float, min_entries: int
 
 
 @pytest.mark.parametrize(
-    ("nprocs", "n_seq", "n_res", "masked", "dtype", "chunk_size"),
+    ("nprocs", "n_seq", "n_res", "masked", "dtype", "chunk_size", "extra"),
     [
-        (2, 4, 6, False, torch.float64, None),
-        (2, 5, 7, True, torch.float64, 2),
-        (4, 5, 7, True, torch.float64, None),
-        (2, 5, 7, True, torch.float32, None),
+        (2, 4, 6, False, torch.float64, None, False),
+        (2, 5, 7, True, torch.float64, 2, False),
+        (4, 5, 7, True, torch.float64, None, False),
+        (2, 5, 7, True, torch.float32, None, False),
+        (4, 6, 7, True, torch.float64, 3, True),
     ],
 )
 def test_dap_block_equals_single_process(
-    nprocs: int, n_seq: int, n_res: int, masked: bool, dtype: torch.dtype, chunk_size: int | None
+    nprocs: int,
+    n_seq: int,
+    n_res: int,
+    masked: bool,
+    dtype: torch.dtype,
+    chunk_size: int | None,
+    extra: bool,
 ) -> None:
     tol = 1e-10 if dtype == torch.float64 else 1e-5
-    results = spawn_local(_block_errors, nprocs, n_seq, n_res, masked, dtype, chunk_size, timeout_s=90)
+    results = spawn_local(_block_errors, nprocs, n_seq, n_res, masked, dtype, chunk_size, extra, timeout_s=90)
     _assert_within(results, tol, 4 + 30)
 
 
