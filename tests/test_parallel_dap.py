@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hfkit.model import EvoformerBlock, EvoformerStack, ExtraMSAStack, ModelConfig
+from hfkit.nn import EvoformerAttention, to_hfkit
 from hfkit.parallel import RankError, spawn_local
 from hfkit.parallel.dap import (
     all_to_all,
@@ -319,3 +320,16 @@ def test_dead_rank_fails_within_timeout() -> None:
     assert "DAP" in message and "group of 2" in message, message
     assert elapsed < timeout_s + 2.0
     assert isinstance(results[1], RankError) and results[1].type_name == "ProcessDied"
+
+
+def _fused_errors(rank: int) -> dict[str, float]:
+    """A block with hfkit's fused modules swapped in (Triton kernels; the interpreter on CPU): the DAP
+    block runs the fused attention, layer norm, outer product, transitions and dropout-add on its shards
+    and agrees with the swapped single-process block to float32 rounding."""
+    block = to_hfkit(_block(torch.float32))
+    assert isinstance(block.msa_att_row.mha, EvoformerAttention)
+    return _compare(block, _inputs(3, 5, True, torch.float32))
+
+
+def test_dap_block_with_fused_ops_equals_single_process() -> None:
+    _assert_within(spawn_local(_fused_errors, 2, timeout_s=240), 1e-5, 4 + 30)
