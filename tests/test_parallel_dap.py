@@ -297,13 +297,17 @@ def test_dp_times_dap_layout() -> None:
         assert errors[worst] <= 1e-10, (worst, errors[worst])
 
 
-def _dead_rank(rank: int, timeout_s: float) -> tuple[str, str, float]:
-    """Rank 0's error type, message and the seconds it took, after rank 1 dies before the forward."""
+def _dead_rank(rank: int, timeout_s: float, how: str) -> tuple[str, str, float]:
+    """Rank 0's error type, message and the seconds it took, after rank 1 dies (`how` = "exit") or
+    stalls past the group's timeout ("stall") before the forward."""
     groups = dap_groups(2, timeout=timedelta(seconds=timeout_s))
     dap = to_dap(_block(torch.float64), groups.dap)
     args = _inputs(4, 6, False, torch.float64)
     if rank == 1:
-        os._exit(3)
+        if how == "exit":
+            os._exit(3)
+        time.sleep(2 * timeout_s)
+        return ("stalled", "", 0.0)
     start = time.monotonic()
     try:
         dap(*args)
@@ -312,14 +316,16 @@ def _dead_rank(rank: int, timeout_s: float) -> tuple[str, str, float]:
     return ("no error", "", time.monotonic() - start)
 
 
-def test_dead_rank_fails_within_timeout() -> None:
-    timeout_s = 5.0
-    results = spawn_local(_dead_rank, 2, timeout_s, timeout_s=30, return_exceptions=True)
+@pytest.mark.parametrize("how", ["exit", "stall"])
+def test_dead_rank_fails_within_timeout(how: str) -> None:
+    timeout_s = 4.0
+    results = spawn_local(_dead_rank, 2, timeout_s, how, timeout_s=30, return_exceptions=True)
     kind, message, elapsed = results[0]
     assert kind == "RuntimeError", results
-    assert "DAP" in message and "group of 2" in message, message
+    assert "DAP all_gather failed on rank 0 of a group of 2" in message, message
     assert elapsed < timeout_s + 2.0
-    assert isinstance(results[1], RankError) and results[1].type_name == "ProcessDied"
+    if how == "exit":
+        assert isinstance(results[1], RankError) and results[1].type_name == "ProcessDied"
 
 
 def _fused_errors(rank: int) -> dict[str, float]:
