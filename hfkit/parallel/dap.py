@@ -22,10 +22,15 @@ Pieces:
   `all_to_all` (backward: the inverse all-to-all), `reduce_grad` (identity; backward: all-reduce sum,
   used for parameters, whose gradient each rank computes from its shard alone), and `pad_to_multiple`.
   Every collective runs under its group's timeout and a failure names the collective and the group.
-- `to_dap(block, group)`: a `DAPEvoformerBlock` sharing the block's submodules (same state_dict).
-  Called with full inputs on every rank it returns the single-process outputs, and after backward every
-  rank holds the full parameter and input gradients; `forward_sharded` takes inputs already padded and
-  sharded.
+- `to_dap(module, group)`: an `EvoformerBlock` or `ExtraMSABlock` (-> `DAPEvoformerBlock`), an
+  `EvoformerStack` or an `ExtraMSAStack` run with DAP, sharing the module's submodules (same
+  state_dict). Called with full inputs on every rank it returns the single-process outputs, and after
+  backward every rank holds the full parameter and input gradients. `forward_sharded` takes inputs
+  already padded and sharded (stacks shard once, not per block). The submodules' own layers run on
+  the shards, so modules swapped by `hfkit.nn.to_hfkit` run their fused kernels there (attention, layer
+  norm, outer product, transitions, dropout-add); triangle multiplication's matmul is split around the
+  gather here, so that one runs its projections as plain torch. `chunk_size` chunks as in one process,
+  and stacks honour their `checkpoint` switch (the collectives run again in backward).
 
 Padding: padded residues and MSA rows are masked (mask 0) and, as attention keys, get a bias of -inf
 on top of the mask's, so that a row whose real keys are all masked still attends uniformly to exactly
