@@ -15,8 +15,9 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from test_model import perturbed, random_batch
 
-from hfkit.model import EvoformerBlock, EvoformerStack, ExtraMSAStack, ModelConfig
+from hfkit.model import AlphaFoldLite, EvoformerBlock, EvoformerStack, ExtraMSAStack, ModelConfig
 from hfkit.nn import EvoformerAttention, to_hfkit
 from hfkit.parallel import RankError, spawn_local
 from hfkit.parallel.dap import (
@@ -326,6 +327,33 @@ def test_dead_rank_fails_within_timeout(how: str) -> None:
     assert elapsed < timeout_s + 2.0
     if how == "exit":
         assert isinstance(results[1], RankError) and results[1].type_name == "ProcessDied"
+
+
+def _alphafold_errors(rank: int) -> dict[str, float]:
+    """The tiny AlphaFoldLite (extra-MSA stack, 2 Evoformer blocks, heads) on a batch with padded
+    residues: every output, the loss and every parameter gradient equal to one process's."""
+    model = perturbed(AlphaFoldLite(_config()).double())
+    batch = random_batch(0, num_res=7, num_seq=5, real_res=6, num_extra=6)
+    results = {}
+    for name, module in (("single", model), ("dap", to_dap(model, None))):
+        module.zero_grad()
+        outputs = module(batch)
+        loss = model.loss(batch, outputs)[0]
+        loss.backward()
+        results[name] = {f"out {k}": v.detach() for k, v in outputs.items()}
+        results[name]["loss"] = loss.detach()
+        # Parameters the loss does not reach have no gradient, in one process as with DAP.
+        grads = {f"grad {n}": p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[name].update(grads)
+    dap = to_dap(model, None)
+    assert dap.state_dict().keys() == model.state_dict().keys()
+    assert type(dap.evoformer).__name__ == "DAPEvoformerStack"
+    assert type(model.evoformer).__name__ == "EvoformerStack"  # the original is left as it was
+    return _errors(results["dap"], results["single"])
+
+
+def test_dap_alphafold_equals_single_process() -> None:
+    _assert_within(spawn_local(_alphafold_errors, 2, timeout_s=120), 1e-10, 5 + 60)
 
 
 def _fused_errors(rank: int) -> dict[str, float]:

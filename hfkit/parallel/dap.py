@@ -42,6 +42,7 @@ group size (padding changes the masks' shapes, hence the draws).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -53,6 +54,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from hfkit.model.evoformer import EvoformerBlock, EvoformerStack, ExtraMSAStack
+from hfkit.model.model import AlphaFoldLite
 from hfkit.model.msa import MSAColumnAttention, MSAColumnGlobalAttention
 from hfkit.model.primitives import attend_rows, chunk_apply, mask_bias
 
@@ -620,10 +622,28 @@ class DAPExtraMSAStack(nn.Module):
         return _unshard(z, n_res, n_res, self.group)
 
 
+def _dap_alphafold(model: AlphaFoldLite, group: ProcessGroup) -> AlphaFoldLite:
+    """A shallow copy of `model` whose `evoformer` and `extra_msa_stack` run with DAP; every other
+    submodule (embedders, heads) is the model's own and runs whole on every rank."""
+    dap = copy.copy(model)
+    # Own registries, so that setting the stacks below leaves `model`'s untouched.
+    dap._modules = dict(model._modules)
+    dap._parameters = dict(model._parameters)
+    dap._buffers = dict(model._buffers)
+    dap.evoformer = DAPEvoformerStack(model.evoformer, group)
+    if model.extra_msa_stack is not None:
+        dap.extra_msa_stack = DAPExtraMSAStack(model.extra_msa_stack, group)
+    return dap
+
+
 def to_dap(module: nn.Module, group: ProcessGroup = None) -> nn.Module:
     """`module` run with Dynamic Axial Parallelism over `group` (default: the default group), sharing
     its parameters (same state_dict): an `EvoformerBlock` or `ExtraMSABlock` (-> `DAPEvoformerBlock`),
-    an `EvoformerStack` (-> `DAPEvoformerStack`) or an `ExtraMSAStack` (-> `DAPExtraMSAStack`)."""
+    an `EvoformerStack` (-> `DAPEvoformerStack`), an `ExtraMSAStack` (-> `DAPExtraMSAStack`) or an
+    `AlphaFoldLite` (-> an `AlphaFoldLite` whose two stacks are those; embedders and heads run whole
+    on every rank)."""
+    if isinstance(module, AlphaFoldLite):
+        return _dap_alphafold(module, group)
     if isinstance(module, EvoformerBlock):
         return DAPEvoformerBlock(module, group)
     if isinstance(module, EvoformerStack):
@@ -631,6 +651,6 @@ def to_dap(module: nn.Module, group: ProcessGroup = None) -> nn.Module:
     if isinstance(module, ExtraMSAStack):
         return DAPExtraMSAStack(module, group)
     raise TypeError(
-        "module: expected an EvoformerBlock, ExtraMSABlock, EvoformerStack or ExtraMSAStack, got "
-        f"{type(module).__name__}"
+        "module: expected an EvoformerBlock, ExtraMSABlock, EvoformerStack, ExtraMSAStack or "
+        f"AlphaFoldLite, got {type(module).__name__}"
     )
