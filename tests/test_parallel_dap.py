@@ -134,20 +134,28 @@ def _block(dtype: torch.dtype, dropout: bool = False, extra: bool = False) -> Ev
     return _perturbed(stack.blocks[0], dtype)
 
 
-def _inputs(n_seq: int, n_res: int, masked: bool, dtype: torch.dtype, seed: int = 1, c_m: int = 16) -> tuple:
-    """m [n_seq, n_res, c_m], z, msa_mask, pair_mask (the same on every rank); with `masked`, random
-    masked entries plus a padded MSA row and a padded residue (all their entries masked)."""
+def _inputs(
+    n_seq: int,
+    n_res: int,
+    masked: bool,
+    dtype: torch.dtype,
+    seed: int = 1,
+    c_m: int = 16,
+    batch: tuple[int, ...] = (),
+) -> tuple:
+    """m [*batch, n_seq, n_res, c_m], z, msa_mask, pair_mask (the same on every rank); with `masked`,
+    random masked entries plus a padded MSA row and a padded residue (all their entries masked)."""
     g = torch.Generator().manual_seed(seed)
-    m = torch.randn(n_seq, n_res, c_m, generator=g, dtype=dtype)
-    z = torch.randn(n_res, n_res, ModelConfig.tiny().c_z, generator=g, dtype=dtype)
-    msa_mask = torch.ones(n_seq, n_res, dtype=dtype)
-    seq_mask = torch.ones(n_res, dtype=dtype)
+    m = torch.randn(*batch, n_seq, n_res, c_m, generator=g, dtype=dtype)
+    z = torch.randn(*batch, n_res, n_res, ModelConfig.tiny().c_z, generator=g, dtype=dtype)
+    msa_mask = torch.ones(*batch, n_seq, n_res, dtype=dtype)
+    seq_mask = torch.ones(*batch, n_res, dtype=dtype)
     if masked:
-        msa_mask = (torch.rand(n_seq, n_res, generator=g) > 0.2).to(dtype)
-        msa_mask[-1] = 0
-        seq_mask[-1] = 0
-        msa_mask[:, -1] = 0
-    pair_mask = seq_mask[:, None] * seq_mask[None, :]
+        msa_mask = (torch.rand(*batch, n_seq, n_res, generator=g) > 0.2).to(dtype)
+        msa_mask[..., -1, :] = 0
+        seq_mask[..., -1] = 0
+        msa_mask[..., -1] = 0
+    pair_mask = seq_mask[..., :, None] * seq_mask[..., None, :]
     return m, z, msa_mask, pair_mask
 
 
@@ -224,6 +232,15 @@ def test_dap_block_equals_single_process(
     tol = 1e-10 if dtype == torch.float64 else 1e-5
     results = spawn_local(_block_errors, nprocs, n_seq, n_res, masked, dtype, chunk_size, extra, timeout_s=90)
     _assert_within(results, tol, 4 + 30)
+
+
+def _batched_errors(rank: int) -> dict[str, float]:
+    """A leading batch axis of 2 samples (masked, N and S not divisible by the group)."""
+    return _compare(_block(torch.float64), _inputs(5, 7, True, torch.float64, batch=(2,)))
+
+
+def test_dap_block_with_a_batch_axis_equals_single_process() -> None:
+    _assert_within(spawn_local(_batched_errors, 2, timeout_s=90), 1e-10, 4 + 30)
 
 
 def _dropout_errors(rank: int) -> dict[str, float]:
