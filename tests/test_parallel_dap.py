@@ -22,6 +22,7 @@ from hfkit.nn import EvoformerAttention, to_hfkit
 from hfkit.parallel import RankError, spawn_local
 from hfkit.parallel.dap import (
     all_to_all,
+    dap_block_comm,
     dap_groups,
     gather,
     pad_to_multiple,
@@ -371,6 +372,43 @@ def _alphafold_errors(rank: int) -> dict[str, float]:
 
 def test_dap_alphafold_equals_single_process() -> None:
     _assert_within(spawn_local(_alphafold_errors, 2, timeout_s=120), 1e-10, 5 + 60)
+
+
+def _received_elements(rank: int, n_seq: int, n_res: int, extra: bool) -> tuple[int, int]:
+    """Elements this rank received in the forward of `forward_sharded` (counted at the collectives),
+    and what `dap_block_comm` says."""
+    p = dist.get_world_size()
+    block = _block(torch.float64, extra=extra)
+    c_m = ModelConfig.tiny().c_e if extra else ModelConfig.tiny().c_m
+    m, z, msa_mask, pair_mask = _inputs(n_seq, n_res, True, torch.float64, c_m=c_m)
+    dap = to_dap(block, None)
+    m, z, msa_mask, pair_mask = (
+        pad_to_multiple(pad_to_multiple(t, 0, p), 1, p) for t in (m, z, msa_mask, pair_mask)
+    )
+    received = [0]
+    all_gather, all_to_all_single = dist.all_gather, dist.all_to_all_single
+
+    def counting_all_gather(parts, x, group=None):
+        received[0] += x.numel() * (len(parts) - 1)
+        return all_gather(parts, x, group=group)
+
+    def counting_all_to_all(out, x, group=None):
+        received[0] += x.numel() * (p - 1) // p
+        return all_to_all_single(out, x, group=group)
+
+    dist.all_gather, dist.all_to_all_single = counting_all_gather, counting_all_to_all
+    try:
+        with torch.no_grad():
+            dap.forward_sharded(m.chunk(p, 0)[rank], z.chunk(p, 0)[rank], msa_mask, pair_mask, n_seq, n_res)
+    finally:
+        dist.all_gather, dist.all_to_all_single = all_gather, all_to_all_single
+    return received[0], sum(dap_block_comm(n_seq, n_res, _config(), p, extra=extra).values())
+
+
+@pytest.mark.parametrize(("nprocs", "extra"), [(2, False), (4, True)])
+def test_dap_block_comm_counts_what_the_block_receives(nprocs: int, extra: bool) -> None:
+    for received, modelled in spawn_local(_received_elements, nprocs, 5, 7, extra, timeout_s=60):
+        assert received == modelled > 0
 
 
 def _fused_errors(rank: int) -> dict[str, float]:

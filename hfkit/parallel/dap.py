@@ -53,6 +53,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
+from hfkit.model.config import ModelConfig
 from hfkit.model.evoformer import EvoformerBlock, EvoformerStack, ExtraMSAStack
 from hfkit.model.model import AlphaFoldLite
 from hfkit.model.msa import MSAColumnAttention, MSAColumnGlobalAttention
@@ -64,6 +65,7 @@ __all__ = [
     "DAPExtraMSAStack",
     "DAPGroups",
     "all_to_all",
+    "dap_block_comm",
     "dap_groups",
     "gather",
     "pad_to_multiple",
@@ -251,6 +253,41 @@ def pad_to_multiple(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = pad
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def dap_block_comm(
+    n_seq: int,
+    n_res: int,
+    config: ModelConfig,
+    group_size: int,
+    extra: bool = False,
+) -> dict[str, int]:
+    """Elements each rank receives in the forward of one DAP Evoformer block (`extra`: extra-MSA block,
+    `c_e` channels) for an MSA of n_seq rows and n_res residues over `group_size` ranks, by collective
+    (padding included; multiply by the element size for bytes). An all-gather of a local part of L
+    elements receives (P - 1) L; an all-to-all, (P - 1) L / P. Backward moves as much again (the
+    partial gathers' reduce-scatter, the inverse all-to-alls); `DAPEvoformerBlock.forward` also
+    scatters and gathers m and z once, `forward_sharded` does not.
+    """
+    p = group_size
+    s, n = -n_seq % p + n_seq, -n_res % p + n_res
+    c_m = config.c_e if extra else config.c_m
+    heads_msa = config.extra_no_heads_msa if extra else config.no_heads_msa
+    gathered = lambda local: (p - 1) * local
+    transposed = lambda local: (p - 1) * local // p
+    return {
+        "msa_att_row pair bias (all_gather)": gathered(n // p * n * heads_msa),
+        "m rows -> columns (all_to_all)": transposed(s // p * n * c_m),
+        "outer_product_mean b (all_gather)": gathered(s * (n // p) * config.c_hidden_opm),
+        "m columns -> rows (all_to_all)": transposed(s * (n // p) * c_m),
+        "tri_mul_out b (all_gather)": gathered(n // p * n * config.c_hidden_mul),
+        "tri_mul_in b (all_gather)": gathered(n // p * n * config.c_hidden_mul),
+        "tri_mul_in a (all_to_all)": transposed(n // p * n * config.c_hidden_mul),
+        "tri_att_start bias (all_gather)": gathered(n // p * n * config.no_heads_pair),
+        "z rows -> columns (all_to_all)": transposed(n // p * n * config.c_z),
+        "tri_att_end bias (all_gather)": gathered(n // p * n * config.no_heads_pair),
+        "z columns -> rows (all_to_all)": transposed(n // p * n * config.c_z),
+    }
 
 
 def _key_pad_bias(n_valid: int, n_padded: int, like: torch.Tensor, inf: float) -> torch.Tensor:
