@@ -1,0 +1,693 @@
+"""Dynamic Axial Parallelism (DAP) for the Evoformer: each rank of a DAP group holds one shard of the
+MSA and pair representations along one axis and the ranks exchange shards where an operation needs the
+other axis whole.
+
+Layout (FastFold's): with P ranks, N residues and S MSA rows padded to multiples of P,
+
+- the MSA representation m [*, S, N, C_m] is sharded by rows (S / P each) for row attention, and by
+  columns (N / P each) after an all-to-all transpose for column attention, the MSA transition and the
+  outer product mean; it goes back to rows at the end of the block;
+- the pair representation z [*, N, N, C_z] is sharded by rows i (N / P each). Row attention's pair bias
+  and the starting-node triangle bias are computed on the local rows and gathered (H channels, not
+  C_z); outer product mean gathers the right projection b over all residues; triangle multiplication
+  gathers b (outgoing), or transposes a and gathers b (incoming); z is transposed (all-to-all) to
+  column shards for the ending-node attention and back before the pair transition.
+
+Pieces:
+
+- `dap_groups(dap_size)`: this rank's DAP group and data-parallel group of a dp x dap layout over the
+  default group (consecutive ranks form one DAP group).
+- Autograd collectives with derived backwards: `scatter` (backward: gather), `gather` (backward:
+  reduce-scatter where each rank's downstream work is partial, split where it is replicated),
+  `all_to_all` (backward: the inverse all-to-all), `reduce_grad` (identity; backward: all-reduce sum,
+  used for parameters, whose gradient each rank computes from its shard alone), and `pad_to_multiple`.
+  Every collective runs under its group's timeout and a failure names the collective and the group.
+- `to_dap(module, group)`: an `EvoformerBlock` or `ExtraMSABlock` (-> `DAPEvoformerBlock`), an
+  `EvoformerStack` or an `ExtraMSAStack` run with DAP, sharing the module's submodules (same
+  state_dict). Called with full inputs on every rank it returns the single-process outputs, and after
+  backward every rank holds the full parameter and input gradients. `forward_sharded` takes inputs
+  already padded and sharded (stacks shard once, not per block). The submodules' own layers run on
+  the shards, so modules swapped by `hfkit.nn.to_hfkit` run their fused kernels there (attention, layer
+  norm, outer product, transitions, dropout-add); triangle multiplication's matmul is split around the
+  gather here, so that one runs its projections as plain torch. `chunk_size` chunks as in one process,
+  and stacks honour their `checkpoint` switch (the collectives run again in backward).
+
+Padding: padded residues and MSA rows are masked (mask 0) and, as attention keys, get a bias of -inf
+on top of the mask's, so that a row whose real keys are all masked still attends uniformly to exactly
+its real keys, as in one process. Dropout: the Evoformer's dropout masks are shared along the sharded
+axis (row-wise dropout along rows, column-wise along columns), so every rank draws the same mask when
+every rank seeds its generator alike; the masks then equal one process's when N and S divide by the
+group size (padding changes the masks' shapes, hence the draws).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
+
+from hfkit.model.config import ModelConfig
+from hfkit.model.evoformer import EvoformerBlock, EvoformerStack, ExtraMSAStack
+from hfkit.model.model import AlphaFoldLite
+from hfkit.model.msa import MSAColumnAttention, MSAColumnGlobalAttention
+from hfkit.model.primitives import attend_rows, chunk_apply, mask_bias
+
+__all__ = [
+    "DAPEvoformerBlock",
+    "DAPEvoformerStack",
+    "DAPExtraMSAStack",
+    "DAPGroups",
+    "all_to_all",
+    "dap_block_comm",
+    "dap_groups",
+    "gather",
+    "pad_to_multiple",
+    "reduce_grad",
+    "scatter",
+    "to_dap",
+]
+
+ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for the default group
+
+
+@dataclass(frozen=True)
+class DAPGroups:
+    """This rank's groups in a dp x dap layout: `dap` shards one sample's activations, `dp` holds the
+    ranks at the same DAP position across data-parallel replicas (all-reduce gradients over it)."""
+
+    dap: ProcessGroup
+    dp: ProcessGroup
+    dap_rank: int
+    dap_size: int
+    dp_rank: int
+    dp_size: int
+
+
+def dap_groups(dap_size: int, timeout: timedelta | None = None) -> DAPGroups:
+    """Split the default group (world size W) into W / dap_size DAP groups of consecutive ranks and
+    dap_size data-parallel groups of ranks dap_size apart; return this rank's two.
+
+    Every rank must call it (group creation is collective). `timeout` bounds every collective of the
+    new groups (default: the default group's timeout).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("dap_groups: the default process group is not initialized")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if not isinstance(dap_size, int) or dap_size < 1 or world % dap_size:
+        raise ValueError(f"dap_size: expected a positive divisor of the world size {world}, got {dap_size!r}")
+    dp_size = world // dap_size
+    dap_group = dp_group = None
+    for d in range(dp_size):  # every rank creates every group, in the same order
+        ranks = list(range(d * dap_size, (d + 1) * dap_size))
+        g = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            dap_group = g
+    for a in range(dap_size):
+        ranks = list(range(a, world, dap_size))
+        g = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            dp_group = g
+    return DAPGroups(dap_group, dp_group, rank % dap_size, dap_size, rank // dap_size, dp_size)
+
+
+def _run(op: str, group: ProcessGroup, fn: Any, *args: Any) -> None:
+    """Run collective `fn(*args, group=group)`, naming the collective and the group when it fails."""
+    try:
+        fn(*args, group=group)
+    except RuntimeError as e:
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        raise RuntimeError(
+            f"DAP {op} failed on rank {rank} of a group of {size} (a peer died, or the group's timeout "
+            f"passed): {e}"
+        ) from e
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    _run("all_gather", group, dist.all_gather, parts, x.contiguous())
+    return torch.cat(parts, dim=dim)
+
+
+def _split(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    if x.shape[dim] % size:
+        raise ValueError(f"x: expected dim {dim} divisible by the group size {size}, got {tuple(x.shape)}")
+    return x.chunk(size, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    # gloo has no reduce-scatter: all-reduce, then keep this rank's part (nccl: one reduce-scatter).
+    if dist.get_backend(group) == "nccl":
+        size = dist.get_world_size(group)
+        x = x.movedim(dim, 0).contiguous()
+        out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+        _run("reduce_scatter", group, dist.reduce_scatter_tensor, out, x)
+        return out.movedim(0, dim)
+    x = x.contiguous()
+    _run("all_reduce", group, dist.all_reduce, x)
+    return _split(x, dim, group)
+
+
+def _all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group: ProcessGroup) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    if x.shape[split_dim] % size:
+        raise ValueError(
+            f"x: expected dim {split_dim} divisible by the group size {size}, got {tuple(x.shape)}"
+        )
+    send = torch.stack(x.chunk(size, dim=split_dim)).contiguous()  # [P, ...]: part p goes to rank p
+    recv = torch.empty_like(send)
+    _run("all_to_all", group, dist.all_to_all_single, recv, send)
+    return torch.cat(recv.unbind(0), dim=cat_dim)
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup, partial: bool) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.partial = dim, group, partial
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        if ctx.partial:
+            return _reduce_scatter(grad, ctx.dim, ctx.group), None, None, None
+        return _split(grad, ctx.dim, ctx.group), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, split_dim: int, cat_dim: int, group: ProcessGroup) -> torch.Tensor:
+        ctx.split_dim, ctx.cat_dim, ctx.group = split_dim, cat_dim, group
+        return _all_to_all(x, split_dim, cat_dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _all_to_all(grad, ctx.cat_dim, ctx.split_dim, ctx.group), None, None, None
+
+
+class _ReduceGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        _run("all_reduce", ctx.group, dist.all_reduce, grad)
+        return grad, None
+
+
+def scatter(x: torch.Tensor, dim: int, group: ProcessGroup = None) -> torch.Tensor:
+    """This rank's part of x (the same on every rank) split evenly along `dim`: [.., D, ..] ->
+    [.., D / P, ..]. Backward: the parts' gradients gathered, i.e. the full gradient on every rank."""
+    return _Scatter.apply(x, dim, group)
+
+
+def gather(x: torch.Tensor, dim: int, group: ProcessGroup = None, partial: bool = True) -> torch.Tensor:
+    """The ranks' parts concatenated along `dim` in rank order: [.., D, ..] -> [.., D * P, ..].
+
+    Backward: with `partial` (each rank uses the result with its own shard of other data, so its
+    gradient is one term of the sum) the gradients are summed over the ranks and this rank's part is
+    kept (reduce-scatter); without (every rank computes the same from the result) this rank's part of
+    its own gradient is kept.
+    """
+    return _Gather.apply(x, dim, group, partial)
+
+
+def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group: ProcessGroup = None) -> torch.Tensor:
+    """Reshard: x, sharded along `cat_dim` and whole along `split_dim`, becomes whole along `cat_dim` and
+    sharded along `split_dim` (part p of `split_dim` goes to rank p). The row <-> column transpose of
+    DAP; backward is the inverse all-to-all."""
+    return _AllToAll.apply(x, split_dim, cat_dim, group)
+
+
+def reduce_grad(x: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
+    """Identity whose backward sums the gradient over the group: for a tensor every rank holds whole
+    (a parameter) and uses with its own shard of the activations."""
+    return _ReduceGrad.apply(x, group)
+
+
+def pad_to_multiple(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    """x zero-padded at the end of `dim` to the next multiple of `multiple` (itself if it divides)."""
+    pad = -x.shape[dim] % multiple
+    if pad == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def dap_block_comm(
+    n_seq: int,
+    n_res: int,
+    config: ModelConfig,
+    group_size: int,
+    extra: bool = False,
+) -> dict[str, int]:
+    """Elements each rank receives in the forward of one DAP Evoformer block (`extra`: extra-MSA block,
+    `c_e` channels) for an MSA of n_seq rows and n_res residues over `group_size` ranks, by collective
+    (padding included; multiply by the element size for bytes). An all-gather of a local part of L
+    elements receives (P - 1) L; an all-to-all, (P - 1) L / P. Backward moves as much again (the
+    partial gathers' reduce-scatter, the inverse all-to-alls); `DAPEvoformerBlock.forward` also
+    scatters and gathers m and z once, `forward_sharded` does not.
+    """
+    p = group_size
+    s, n = -n_seq % p + n_seq, -n_res % p + n_res
+    c_m = config.c_e if extra else config.c_m
+    heads_msa = config.extra_no_heads_msa if extra else config.no_heads_msa
+    gathered = lambda local: (p - 1) * local
+    transposed = lambda local: (p - 1) * local // p
+    return {
+        "msa_att_row pair bias (all_gather)": gathered(n // p * n * heads_msa),
+        "m rows -> columns (all_to_all)": transposed(s // p * n * c_m),
+        "outer_product_mean b (all_gather)": gathered(s * (n // p) * config.c_hidden_opm),
+        "m columns -> rows (all_to_all)": transposed(s * (n // p) * c_m),
+        "tri_mul_out b (all_gather)": gathered(n // p * n * config.c_hidden_mul),
+        "tri_mul_in b (all_gather)": gathered(n // p * n * config.c_hidden_mul),
+        "tri_mul_in a (all_to_all)": transposed(n // p * n * config.c_hidden_mul),
+        "tri_att_start bias (all_gather)": gathered(n // p * n * config.no_heads_pair),
+        "z rows -> columns (all_to_all)": transposed(n // p * n * config.c_z),
+        "tri_att_end bias (all_gather)": gathered(n // p * n * config.no_heads_pair),
+        "z columns -> rows (all_to_all)": transposed(n // p * n * config.c_z),
+    }
+
+
+def _key_pad_bias(n_valid: int, n_padded: int, like: torch.Tensor, inf: float) -> torch.Tensor:
+    """[n_padded]: 0 for the real positions, -inf for the padding (added to the mask's own bias)."""
+    bias = like.new_zeros(n_padded)
+    bias[n_valid:] = -inf
+    return bias
+
+
+def _attention_biases(
+    mask: torch.Tensor, key_pad: torch.Tensor, inf: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """The key bias [*, R, 1, 1, K] of mask [*, R, K] with the padding bias [K] added."""
+    return mask_bias(mask.to(dtype), inf) + key_pad.to(dtype)
+
+
+def _global_attention(ga: nn.Module, m: torch.Tensor, mask: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+    """`GlobalAttention.forward` (Algorithm 19) of `ga` on m [*, N_res, S, C], mask [*, N_res, S], with
+    the padding bias pad [S] added to the key bias: its own bias cannot tell padded rows from masked
+    ones, which matters for a column whose rows are all masked."""
+    q = (m * mask[..., None]).sum(-2) / (mask.sum(-1)[..., None] + ga.eps)
+    q = ga.linear_q(q).unflatten(-1, (ga.no_heads, ga.c_hidden)) * ga.c_hidden**-0.5
+    k = ga.linear_k(m)
+    v = ga.linear_v(m)
+    a = torch.matmul(q, k.transpose(-1, -2)) + (ga.inf * (mask - 1.0) + pad)[..., None, :]
+    o = torch.matmul(torch.softmax(a, dim=-1), v)
+    g = torch.sigmoid(ga.linear_g(m)).unflatten(-1, (ga.no_heads, ga.c_hidden))
+    return ga.linear_o((o.unsqueeze(-3) * g).flatten(-2))
+
+
+class _ShardedEvoformerBlock(nn.Module):
+    """The sharded computation of one Evoformer block over the block's own submodules."""
+
+    def __init__(self, block: EvoformerBlock, group: ProcessGroup) -> None:
+        super().__init__()
+        self.msa_att_row = block.msa_att_row
+        self.msa_att_col = block.msa_att_col
+        self.msa_dropout_layer = block.msa_dropout_layer
+        self.core = block.core
+        self.group = group
+
+    def forward(
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        n_seq: int,
+        n_res: int,
+        chunk_size: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.group
+        rank, size = dist.get_rank(g), dist.get_world_size(g)
+        s_pad, n_pad = msa_mask.shape[-2], msa_mask.shape[-1]
+        rows_s = slice(rank * s_pad // size, (rank + 1) * s_pad // size)
+        rows_n = slice(rank * n_pad // size, (rank + 1) * n_pad // size)
+        dtype = m.dtype
+        msa_mask = msa_mask.to(dtype)
+        pair_mask = pair_mask.to(dtype)
+        msa_mask_rows, msa_mask_cols = msa_mask[..., rows_s, :], msa_mask[..., rows_n]
+        pair_mask_rows, pair_mask_cols = pair_mask[..., rows_n, :], pair_mask[..., rows_n]
+
+        # MSA row attention with pair bias: m by rows of S; the bias [N, N, H] gathered over rows i.
+        att = self.msa_att_row
+        pad_n = _key_pad_bias(n_res, n_pad, m, att.inf)
+        pair_bias = gather(att.linear_z(att.layer_norm_z(z)), -3, g)
+        biases = [
+            _attention_biases(msa_mask_rows, pad_n, att.inf, dtype),
+            pair_bias.movedim(-1, -3).unsqueeze(-4),
+        ]
+        m = self.msa_dropout_layer.residual_add(
+            m, attend_rows(att.mha, att.layer_norm_m(m), biases, chunk_size)
+        )
+
+        # MSA column attention: m to columns of N (whole S), attention along S within each column.
+        m = all_to_all(m, -2, -3, g)
+        m = m + self._column_attention(m, msa_mask_cols, n_seq, chunk_size)
+
+        core = self.core
+        m = m + core.msa_transition(
+            m, mask=msa_mask_cols if core.mask_msa_transition else None, chunk_size=chunk_size
+        )
+        z = z + self._outer_product_mean(m, msa_mask_cols, msa_mask, chunk_size)
+        m = all_to_all(m, -3, -2, g)  # back to rows of S
+
+        z = core.ps_dropout_row_layer.residual_add(z, self._tri_mul(core.tri_mul_out, z, pair_mask_rows))
+        z = core.ps_dropout_row_layer.residual_add(z, self._tri_mul(core.tri_mul_in, z, pair_mask_rows))
+        z = core.ps_dropout_row_layer.residual_add(
+            z, self._tri_att(core.tri_att_start, z, pair_mask_rows, pad_n, chunk_size)
+        )
+        # Ending node: z to columns; in the transposed frame these are rows again.
+        z = all_to_all(z, -2, -3, g)
+        z_t = z.transpose(-2, -3)
+        update = self._tri_att(core.tri_att_end, z_t, pair_mask_cols.transpose(-1, -2), pad_n, chunk_size)
+        z = core.ps_dropout_col_layer.residual_add(z, update.transpose(-2, -3))
+        z = all_to_all(z, -3, -2, g)  # back to rows
+        z = z + core.pair_transition(
+            z, mask=pair_mask_rows if core.mask_pair_transition else None, chunk_size=chunk_size
+        )
+        return m, z
+
+    def _column_attention(
+        self, m: torch.Tensor, mask_cols: torch.Tensor, n_seq: int, chunk_size: int | None
+    ) -> torch.Tensor:
+        """m by columns [*, S, N/P, C_m], its mask [*, S, N/P] -> column attention's update (gated
+        self-attention, or the extra-MSA stack's global attention), S rows beyond n_seq padding."""
+        x_t, mask_t = m.transpose(-2, -3), mask_cols.transpose(-1, -2)
+        if isinstance(self.msa_att_col, MSAColumnAttention):
+            att = self.msa_att_col._msa_att
+            pad_s = _key_pad_bias(n_seq, m.shape[-3], m, att.inf)
+            biases = [_attention_biases(mask_t, pad_s, att.inf, m.dtype)]
+            return attend_rows(att.mha, att.layer_norm_m(x_t), biases, chunk_size).transpose(-2, -3)
+        ga = self.msa_att_col.global_attention
+        pad_s = _key_pad_bias(n_seq, m.shape[-3], m, ga.inf)
+        x_t = self.msa_att_col.layer_norm_m(x_t)
+        out = chunk_apply(
+            lambda x_, mask_: _global_attention(ga, x_, mask_, pad_s), [x_t, mask_t], [-3, -2], -3, chunk_size
+        )
+        return out.transpose(-2, -3)
+
+    def _outer_product_mean(
+        self, m: torch.Tensor, mask_cols: torch.Tensor, mask: torch.Tensor, chunk_size: int | None
+    ) -> torch.Tensor:
+        """m by columns [*, S, N/P, C_m], its mask [*, S, N/P] and the whole mask [*, S, N] -> pair
+        update for this rank's rows [*, N/P, N, C_z]."""
+        opm = self.core.outer_product_mean
+        mask_cols = mask_cols[..., None]
+        ln = opm.layer_norm(m)
+        a = opm.linear_1(ln) * mask_cols
+        b = gather(opm.linear_2(ln) * mask_cols, -2, self.group)
+        outer = chunk_apply(lambda a_: opm._outer(a_, b), [a], [-2], -3, chunk_size)
+        norm = torch.einsum("...sia,...sja->...ija", mask_cols, mask[..., None])
+        return outer / (opm.eps + norm)
+
+    def _tri_mul(self, mod: nn.Module, z: torch.Tensor, mask_rows: torch.Tensor) -> torch.Tensor:
+        """Triangle multiplication on rows i of z [*, N/P, N, C_z] -> update for the same rows."""
+        mask_rows = mask_rows[..., None]
+        zn = mod.layer_norm_in(z)
+        a = mask_rows * torch.sigmoid(mod.linear_a_g(zn)) * mod.linear_a_p(zn)
+        b = mask_rows * torch.sigmoid(mod.linear_b_g(zn)) * mod.linear_b_p(zn)
+        b = gather(b, -3, self.group).movedim(-1, -3)  # [*, C, N, N], all rows
+        if mod.outgoing:  # x_ij = sum_k a_ik b_jk: a's own rows i, b's rows j from every rank
+            x = torch.matmul(a.movedim(-1, -3), b.transpose(-1, -2))
+        else:  # x_ij = sum_k a_ki b_kj: a's columns i (all k) through the transpose
+            a = all_to_all(a, -2, -3, self.group).movedim(-1, -3)  # [*, C, N (k), N/P (i)]
+            x = torch.matmul(a.transpose(-1, -2), b)
+        x = mod.linear_z(mod.layer_norm_out(x.movedim(-3, -1)))
+        return x * torch.sigmoid(mod.linear_g(zn))
+
+    def _tri_att(
+        self,
+        mod: nn.Module,
+        x: torch.Tensor,
+        mask_rows: torch.Tensor,
+        pad: torch.Tensor,
+        chunk_size: int | None,
+    ) -> torch.Tensor:
+        """Starting-node triangle attention on rows of x [*, N/P, N, C_z] (the ending node's on the
+        transposed pair representation) -> update for the same rows."""
+        x = mod.layer_norm(x)
+        triangle_bias = gather(mod.linear(x), -3, self.group).movedim(-1, -3).unsqueeze(-4)
+        biases = [_attention_biases(mask_rows, pad, mod.inf, x.dtype), triangle_bias]
+        return attend_rows(mod.mha, x, biases, chunk_size)
+
+
+def _shard_inputs(
+    m: torch.Tensor, z: torch.Tensor, msa_mask: torch.Tensor, pair_mask: torch.Tensor, group: ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full inputs (the same on every rank) padded to multiples of the group size: this rank's MSA rows
+    and pair rows, and the whole padded masks."""
+    size = dist.get_world_size(group)
+    n_seq, n_res = m.shape[-3], m.shape[-2]
+    if z.shape[-3:-1] != (n_res, n_res) or msa_mask.shape[-2:] != (n_seq, n_res):
+        raise ValueError(
+            f"m, z, msa_mask: expected [*, S, N, C_m], [*, N, N, C_z], [*, S, N], got {tuple(m.shape)}, "
+            f"{tuple(z.shape)}, {tuple(msa_mask.shape)}"
+        )
+    if pair_mask.shape[-2:] != (n_res, n_res):
+        raise ValueError(f"pair_mask: expected [*, {n_res}, {n_res}], got {tuple(pair_mask.shape)}")
+    m = pad_to_multiple(pad_to_multiple(m, -3, size), -2, size)
+    z = pad_to_multiple(pad_to_multiple(z, -3, size), -2, size)
+    msa_mask = pad_to_multiple(pad_to_multiple(msa_mask, -2, size), -1, size)
+    pair_mask = pad_to_multiple(pad_to_multiple(pair_mask, -2, size), -1, size)
+    return scatter(m, -3, group), scatter(z, -3, group), msa_mask, pair_mask
+
+
+def _unshard(x: torch.Tensor, rows: int, cols: int, group: ProcessGroup) -> torch.Tensor:
+    """This rank's rows of a padded [*, R_p, C_p, C] gathered whole on every rank and unpadded to
+    [*, rows, cols, C]. Every rank then computes the same from it (backward: this rank's part)."""
+    return gather(x, -3, group, partial=False)[..., :rows, :cols, :]
+
+
+class DAPEvoformerBlock(nn.Module):
+    """An `EvoformerBlock` or `ExtraMSABlock` run with DAP over `group`; its submodules are the block's
+    own (same parameters, same state_dict keys). See the module docstring for the layout."""
+
+    def __init__(self, block: EvoformerBlock, group: ProcessGroup = None) -> None:
+        super().__init__()
+        if not isinstance(block.msa_att_col, (MSAColumnAttention, MSAColumnGlobalAttention)):
+            raise TypeError(
+                "block.msa_att_col: expected MSAColumnAttention or MSAColumnGlobalAttention, got "
+                f"{type(block.msa_att_col).__name__}"
+            )
+        self.msa_att_row = block.msa_att_row
+        self.msa_att_col = block.msa_att_col
+        self.msa_dropout_layer = block.msa_dropout_layer
+        self.core = block.core
+        self.group = group
+        # Not a submodule (its parameters are these): keeps the state_dict the block's.
+        object.__setattr__(self, "_sharded", _ShardedEvoformerBlock(block, group))
+
+    def forward_sharded(
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        n_seq: int | None = None,
+        n_res: int | None = None,
+        chunk_size: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """m: this rank's MSA rows [*, S_p / P, N_p, C_m], z: its pair rows [*, N_p / P, N_p, C_z],
+        msa_mask [*, S_p, N_p] and pair_mask [*, N_p, N_p] whole (padded; small) -> (m, z) in the same
+        layout. S_p, N_p: the padded sizes (multiples of P); n_seq, n_res: the real ones (default: the
+        padded ones), beyond which positions are padding. Parameter gradients are summed over the group
+        in backward, so each rank ends with the full gradients."""
+        size = dist.get_world_size(self.group)
+        s_pad, n_pad = msa_mask.shape[-2:]
+        if s_pad % size or n_pad % size:
+            raise ValueError(
+                f"msa_mask: expected [*, S_p, N_p] with multiples of {size}, got {tuple(msa_mask.shape)}"
+            )
+        want_m = (s_pad // size, n_pad)
+        want_z = (n_pad // size, n_pad)
+        if tuple(m.shape[-3:-1]) != want_m or tuple(z.shape[-3:-1]) != want_z:
+            raise ValueError(
+                f"m, z: expected [*, {want_m[0]}, {n_pad}, C_m] and [*, {want_z[0]}, {n_pad}, C_z] for this "
+                f"rank, got {tuple(m.shape)} and {tuple(z.shape)}"
+            )
+        if tuple(pair_mask.shape[-2:]) != (n_pad, n_pad):
+            raise ValueError(f"pair_mask: expected [*, {n_pad}, {n_pad}], got {tuple(pair_mask.shape)}")
+        params = {name: reduce_grad(p, self.group) for name, p in self._sharded.named_parameters()}
+        args = (m, z, msa_mask, pair_mask, n_seq or s_pad, n_res or n_pad, chunk_size)
+        return functional_call(self._sharded, params, args)
+
+    def forward(
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        chunk_size: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The single-process block's signature and result: m [*, S, N, C_m], z [*, N, N, C_z],
+        msa_mask [*, S, N], pair_mask [*, N, N], the same on every rank -> (m, z) whole on every rank.
+        Pads to multiples of the group size, shards, runs `forward_sharded`, gathers and unpads."""
+        n_seq, n_res = m.shape[-3], m.shape[-2]
+        m, z, msa_mask, pair_mask = _shard_inputs(m, z, msa_mask, pair_mask, self.group)
+        m, z = self.forward_sharded(m, z, msa_mask, pair_mask, n_seq, n_res, chunk_size)
+        return _unshard(m, n_seq, n_res, self.group), _unshard(z, n_res, n_res, self.group)
+
+
+def _run_sharded_blocks(
+    blocks: nn.ModuleList,
+    m: torch.Tensor,
+    z: torch.Tensor,
+    msa_mask: torch.Tensor,
+    pair_mask: torch.Tensor,
+    n_seq: int,
+    n_res: int,
+    chunk_size: int | None,
+    recompute: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`forward_sharded` of each DAP block in order; with `recompute` (and autograd on) each under a
+    non-reentrant checkpoint (its collectives run again in backward, in the same order on every rank)."""
+    recompute = recompute and torch.is_grad_enabled()
+    for block in blocks:
+        args = (m, z, msa_mask, pair_mask, n_seq, n_res, chunk_size)
+        if recompute:
+            m, z = checkpoint(block.forward_sharded, *args, use_reentrant=False)
+        else:
+            m, z = block.forward_sharded(*args)
+    return m, z
+
+
+class DAPEvoformerStack(nn.Module):
+    """An `EvoformerStack` run with DAP over `group`: its blocks as `DAPEvoformerBlock`s and its own
+    `linear` (same parameters, same state_dict keys). The inputs are padded and sharded once, the blocks
+    run on shards, and the outputs are gathered once; s = linear(m[0]) is computed whole on every rank."""
+
+    def __init__(self, stack: EvoformerStack, group: ProcessGroup = None) -> None:
+        super().__init__()
+        self.checkpoint = stack.checkpoint
+        self.blocks = nn.ModuleList(DAPEvoformerBlock(b, group) for b in stack.blocks)
+        self.linear = stack.linear
+        self.group = group
+
+    def forward_sharded(
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        n_seq: int | None = None,
+        n_res: int | None = None,
+        chunk_size: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks on shards (layout as `DAPEvoformerBlock.forward_sharded`) -> (m, z) shards; the
+        single projection is left to the caller (it needs MSA row 0, which rank 0 holds)."""
+        return _run_sharded_blocks(
+            self.blocks, m, z, msa_mask, pair_mask, n_seq, n_res, chunk_size, self.checkpoint
+        )
+
+    def forward(
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        chunk_size: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As `EvoformerStack.forward`, with the same full inputs on every rank: m [*, S, N, C_m],
+        z [*, N, N, C_z], msa_mask [*, S, N], pair_mask [*, N, N] -> (m, z, s [*, N, C_s]) whole."""
+        n_seq, n_res = m.shape[-3], m.shape[-2]
+        m, z, msa_mask, pair_mask = _shard_inputs(m, z, msa_mask, pair_mask, self.group)
+        m, z = self.forward_sharded(m, z, msa_mask, pair_mask, n_seq, n_res, chunk_size)
+        m = _unshard(m, n_seq, n_res, self.group)
+        return m, _unshard(z, n_res, n_res, self.group), self.linear(m[..., 0, :, :])
+
+
+class DAPExtraMSAStack(nn.Module):
+    """An `ExtraMSAStack` run with DAP over `group` (its blocks as `DAPEvoformerBlock`s with global
+    column attention; same parameters, same state_dict keys); returns z whole on every rank."""
+
+    def __init__(self, stack: ExtraMSAStack, group: ProcessGroup = None) -> None:
+        super().__init__()
+        self.checkpoint = stack.checkpoint
+        self.blocks = nn.ModuleList(DAPEvoformerBlock(b, group) for b in stack.blocks)
+        self.group = group
+
+    def forward_sharded(
+        self,
+        a: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        n_seq: int | None = None,
+        n_res: int | None = None,
+        chunk_size: int | None = None,
+    ) -> torch.Tensor:
+        """The blocks on shards (layout as `DAPEvoformerBlock.forward_sharded`) -> this rank's z rows."""
+        return _run_sharded_blocks(
+            self.blocks, a, z, msa_mask, pair_mask, n_seq, n_res, chunk_size, self.checkpoint
+        )[1]
+
+    def forward(
+        self,
+        a: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        chunk_size: int | None = None,
+    ) -> torch.Tensor:
+        """As `ExtraMSAStack.forward`, with the same full inputs on every rank: a [*, S_extra, N, C_e],
+        z [*, N, N, C_z], msa_mask [*, S_extra, N], pair_mask [*, N, N] -> z [*, N, N, C_z] whole."""
+        n_seq, n_res = a.shape[-3], a.shape[-2]
+        a, z, msa_mask, pair_mask = _shard_inputs(a, z, msa_mask, pair_mask, self.group)
+        z = self.forward_sharded(a, z, msa_mask, pair_mask, n_seq, n_res, chunk_size)
+        return _unshard(z, n_res, n_res, self.group)
+
+
+def _dap_alphafold(model: AlphaFoldLite, group: ProcessGroup) -> AlphaFoldLite:
+    """A shallow copy of `model` whose `evoformer` and `extra_msa_stack` run with DAP; every other
+    submodule (embedders, heads) is the model's own and runs whole on every rank."""
+    dap = copy.copy(model)
+    # Own registries, so that setting the stacks below leaves `model`'s untouched.
+    dap._modules = dict(model._modules)
+    dap._parameters = dict(model._parameters)
+    dap._buffers = dict(model._buffers)
+    dap.evoformer = DAPEvoformerStack(model.evoformer, group)
+    if model.extra_msa_stack is not None:
+        dap.extra_msa_stack = DAPExtraMSAStack(model.extra_msa_stack, group)
+    return dap
+
+
+def to_dap(module: nn.Module, group: ProcessGroup = None) -> nn.Module:
+    """`module` run with Dynamic Axial Parallelism over `group` (default: the default group), sharing
+    its parameters (same state_dict): an `EvoformerBlock` or `ExtraMSABlock` (-> `DAPEvoformerBlock`),
+    an `EvoformerStack` (-> `DAPEvoformerStack`), an `ExtraMSAStack` (-> `DAPExtraMSAStack`) or an
+    `AlphaFoldLite` (-> an `AlphaFoldLite` whose two stacks are those; embedders and heads run whole
+    on every rank)."""
+    if isinstance(module, AlphaFoldLite):
+        return _dap_alphafold(module, group)
+    if isinstance(module, EvoformerBlock):
+        return DAPEvoformerBlock(module, group)
+    if isinstance(module, EvoformerStack):
+        return DAPEvoformerStack(module, group)
+    if isinstance(module, ExtraMSAStack):
+        return DAPExtraMSAStack(module, group)
+    raise TypeError(
+        "module: expected an EvoformerBlock, ExtraMSABlock, EvoformerStack, ExtraMSAStack or "
+        f"AlphaFoldLite, got {type(module).__name__}"
+    )
