@@ -187,10 +187,16 @@ def multihead_attention(
     dropout = dropout_p if training else 0.0
     weights = None
     if need_weights:
-        scores = torch.matmul(q * (1.0 / math.sqrt(d)), k.transpose(-2, -1))
-        if mask is not None:
-            scores = scores + mask
-        probs = torch.softmax(scores, dim=-1)
+        n_keys = src_len + extra
+        q_scaled = (q * math.sqrt(1.0 / d)).flatten(0, 1)  # [B·H, L, D]
+        k_t = k.flatten(0, 1).transpose(1, 2)
+        if mask is None:
+            scores = torch.bmm(q_scaled, k_t)
+        else:
+            # baddbmm adds the mask before the scores are rounded to a 16-bit dtype (as torch does).
+            mask = mask.expand(bsz, h, tgt_len, n_keys).reshape(bsz * h, tgt_len, n_keys)
+            scores = torch.baddbmm(mask, q_scaled, k_t)
+        probs = torch.softmax(scores.view(bsz, h, tgt_len, n_keys), dim=-1)
         if dropout > 0.0:
             probs = F.dropout(probs, p=dropout)
         attn = torch.matmul(probs, v)
