@@ -320,6 +320,20 @@ def test_dropout_in_training_drops_probabilities_as_torch():
     assert not torch.allclose(hfkit_mha(q, k, v)[0], out)
 
 
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_dropout_in_training_through_sdpa_matches_torch(batch_first):
+    """Without weights both run SDPA's dropout: same seed, same output; another seed, another output."""
+    torch_mha, hfkit_mha = make_pair(batch_first=batch_first, dropout=0.5)
+    q, k, v = inputs(2, 13, 37, torch.float32, batch_first)
+    torch.manual_seed(7)
+    ref, _ = torch_mha(q, k, v, need_weights=False)
+    torch.manual_seed(7)
+    out, _ = hfkit_mha(q, k, v, need_weights=False)
+    assert_close(out, ref)
+    torch.manual_seed(8)
+    assert not torch.allclose(hfkit_mha(q, k, v, need_weights=False)[0], out)
+
+
 def test_reference_matches_torch():
     """The reference is the spec: it agrees with torch for packed and separate weights, both masks,
     bias_kv, zero attention and per-head weights."""
