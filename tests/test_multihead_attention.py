@@ -17,6 +17,9 @@ from conftest import assert_close
 from torch import nn
 
 import hfkit.nn as hnn
+from hfkit.bench.cases import multihead_attention as mha_bench
+from hfkit.bench.ceilings import Ceilings
+from hfkit.bench.runner import run_benchmark
 from hfkit.nn import MultiheadAttention, to_hfkit, to_torch
 from hfkit.ops import multihead_attention, multihead_attention_reference
 
@@ -504,3 +507,23 @@ def test_device_mismatch_raises_value_error_cuda():
 def test_device_mismatch_raises_value_error_meta():
     with pytest.raises(ValueError, match="key: on meta"):
         call(key=torch.randn(5, 2, 6, device="meta"))
+
+
+def test_benchmark_rows_on_cpu():
+    ceilings = Ceilings(copy_gbps=10.0, matmul_tflops=0.1, device_name="CPU (test)", matmul_dtype="fp32")
+    result = run_benchmark(
+        mha_bench.BENCHMARK, mha_bench.multihead_attention_cases("smoke"), "cpu", dtypes=("fp32",),
+        providers=("hfkit", "eager"), progress=False, ceilings=ceilings, warmup=0, reps=1,
+    )  # fmt: skip
+    assert [(r.shape, r.provider, r.mode) for r in result.rows] == [
+        (list(s), p, m)
+        for s in mha_bench.SMOKE_SHAPES
+        for p in ("hfkit", "eager")
+        for m in ("fwd", "fwd+bwd")
+    ]
+    for row in result.rows:
+        assert row.method != "error", row.extra
+        assert row.extra["check_ok"] and row.extra["max_abs_err_vs_fp32_ref"] < 1e-5
+        assert row.flops == mha_bench.mha_flops(row.shape, row.mode == "fwd+bwd")
+    with pytest.raises(ValueError, match="shapes"):
+        mha_bench.multihead_attention_cases(shapes=[(2, 5, 12, 5)])
