@@ -171,8 +171,9 @@ def test_key_is_value_matches_torch(dtype, need_weights):
 def test_unbatched_matches_torch(dtype, need_weights, average):
     torch_mha, hfkit_mha = make_pair(dtype=dtype, batch_first=True)
     q, k, v = inputs(None, 9, 37, dtype, True)
-    kpm = torch.zeros(37, dtype=torch.bool)
-    kpm[-5:] = True
+    kpm = torch.zeros(37, dtype=dtype)  # float, as the float attn_mask (torch warns on mixed kinds)
+    kpm[-5:] = float("-inf")
+    per_head_mask = attn_mask("float", 3, 1, 9, 37, dtype)  # [H, L, S] for one sequence
     compare(
         torch_mha,
         hfkit_mha,
@@ -181,6 +182,7 @@ def test_unbatched_matches_torch(dtype, need_weights, average):
         v,
         dtype,
         key_padding_mask=kpm,
+        attn_mask=per_head_mask,
         need_weights=need_weights,
         average_attn_weights=average,
     )

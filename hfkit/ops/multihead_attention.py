@@ -18,6 +18,7 @@ attention probabilities, so with `need_weights=True` it computes them explicitly
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -93,7 +94,7 @@ def multihead_attention_reference(
     k = k.reshape(bsz, src_len + extra, h, d).transpose(1, 2)
     v = v.reshape(bsz, src_len + extra, h, d).transpose(1, 2)
     scores = torch.matmul(q / math.sqrt(d), k.transpose(-2, -1))  # [B, H, L, S]
-    mask = _merged_mask(key_padding_mask, attn_mask, bsz, h, tgt_len, src_len, extra, scores.dtype, p.batched)
+    mask = _merged_mask(key_padding_mask, attn_mask, bsz, h, tgt_len, src_len, extra, scores.dtype)
     if mask is not None:
         scores = scores + mask
     probs = torch.softmax(scores, dim=-1)
@@ -183,7 +184,7 @@ def multihead_attention(
     causal_only = is_causal and key_padding_mask is None and not need_weights
     mask = None
     if not causal_only:
-        mask = _merged_mask(key_padding_mask, attn_mask, bsz, h, tgt_len, src_len, extra, q.dtype, p.batched)
+        mask = _merged_mask(key_padding_mask, attn_mask, bsz, h, tgt_len, src_len, extra, q.dtype)
     dropout = dropout_p if training else 0.0
     weights = None
     if need_weights:
@@ -271,7 +272,6 @@ def _merged_mask(
     src_len: int,
     extra: int,
     dtype: torch.dtype,
-    batched: bool,
 ) -> Tensor | None:
     """The sum of both masks as additive scores broadcastable to [B, H, L, S + extra] (the `extra`
     appended keys are never masked), or None when neither is given."""
@@ -289,12 +289,11 @@ def _merged_mask(
     return merged
 
 
-class _Checked:
+class _Checked(NamedTuple):
     """What the checks learnt about a call: the embedding size and whether the input has a batch dim."""
 
-    def __init__(self, embed_dim: int, batched: bool) -> None:
-        self.embed_dim = embed_dim
-        self.batched = batched
+    embed_dim: int
+    batched: bool
 
 
 def _check_inputs(
