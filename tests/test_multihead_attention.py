@@ -442,6 +442,20 @@ def test_to_hfkit_and_back_is_exact():
     assert not any(isinstance(m, MultiheadAttention) for m in restored.modules())
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_nested_tensor_input_runs_torchs_forward():
+    torch_mha, hfkit_mha = make_pair(32, 4, batch_first=True)
+    torch_mha.eval()
+    hfkit_mha.eval()
+    x = torch.nested.nested_tensor([torch.randn(5, 32), torch.randn(3, 32)])
+    with torch.no_grad():
+        ref, _ = torch_mha(x, x, x, need_weights=False)
+        out, _ = hfkit_mha(x, x, x, need_weights=False)
+    assert out.is_nested
+    for actual, expected in zip(out.unbind(), ref.unbind(), strict=True):
+        assert torch.equal(actual, expected)
+
+
 def test_swap_is_registered_by_importing_hfkit_nn():
     assert hnn.MultiheadAttention is MultiheadAttention
     swapped = to_hfkit(nn.MultiheadAttention(8, 2))
