@@ -14,6 +14,7 @@ from hfkit.nn.attention import EvoformerAttention
 from hfkit.nn.convert import SwapReport, register_swap, to_hfkit, to_torch
 from hfkit.nn.fused import FusedDropoutColumnwise, FusedDropoutRowwise, FusedSharedDropout
 from hfkit.nn.layer_norm import LayerNorm
+from hfkit.nn.multihead_attention import MultiheadAttention
 from hfkit.nn.outer_product_mean import OuterProductMean
 from hfkit.nn.transition import MSATransition, PairTransition
 from hfkit.nn.triangle_multiplication import TriangleMultiplicationIncoming, TriangleMultiplicationOutgoing
@@ -28,6 +29,7 @@ __all__ = [
     "FusedSharedDropout",
     "LayerNorm",
     "MSATransition",
+    "MultiheadAttention",
     "OuterProductMean",
     "PairTransition",
     "SharedDropout",

@@ -8,4 +8,5 @@ NAMES: tuple[str, ...] = (
     "evoformer_attention",
     "triangle_multiplication",
     "elementwise",
+    "multihead_attention",
 )
