@@ -107,7 +107,8 @@ class Benchmark:
     - `build(case, impl, prepared, mode, dtype) -> Steps`;
     - `cost(case, dtype, mode) -> (bytes, flops)`: minimum traffic and arithmetic of one call (flops
       None for memory-bound ops);
-    - `gpu_warmup`/`gpu_reps`: timing defaults on a GPU (1 and 3 on a CPU).
+    - `gpu_warmup`/`gpu_reps`: timing defaults on a GPU (1 and 3 on a CPU);
+    - `tiles`: the `hfkit.bench.tune.TileSweep` of the op's kernel passes (`hfkit bench <name> --tiles`).
     """
 
     name: str
@@ -123,6 +124,7 @@ class Benchmark:
     options: tuple[Option, ...] = ()
     gpu_warmup: int = 5
     gpu_reps: int = 20
+    tiles: Any = None
 
 
 class BenchResult(NamedTuple):
