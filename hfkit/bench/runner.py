@@ -58,12 +58,14 @@ class Skip(Exception):
 
 class Steps(NamedTuple):
     """What `measure_case` runs for one case: `step` makes `calls` op calls (one per rotating input
-    set), `single` one call on the first set (for peak memory), `check` returns error figures."""
+    set), `single` one call on the first set (for peak memory), `check` returns error figures (or
+    notes) before timing, `after` notes read after it (e.g. the last call's loss)."""
 
     step: Callable[[], Any]
     single: Callable[[], Any]
     calls: int
     check: Callable[[], dict[str, Any]] | None
+    after: Callable[[], dict[str, Any]] | None = None
 
 
 class Prepared(NamedTuple):
@@ -172,6 +174,8 @@ def measure_case(
     warmup: int,
     reps: int,
     extra: dict[str, Any] | None = None,
+    graph: bool = True,
+    first_call: bool = False,
 ) -> ResultRow:
     """Check, measure peak memory and time one case; return its row (an error row if anything raised).
 
@@ -180,10 +184,12 @@ def measure_case(
     for `extra`, with `check_ok` False when the provider disagrees with the reference beyond its
     dtype's rounding (the row is kept and a warning raised). `nbytes` is the minimum memory traffic of
     one call, `flops` its arithmetic (None for memory-bound ops): the row reports GB/s and TFLOP/s from
-    the median time and percentages of `ceilings`.
+    the median time and percentages of `ceilings`. `graph` False times eager calls with CUDA events
+    (what a loop launching from Python gets); `first_call` records the wall time of the first call,
+    compilation included, as `first_call_s`.
     """
     extra = dict(extra or {})
-    error = timing = None
+    error = timing = peak = None
     start = time.perf_counter()
     try:
         steps = build()
@@ -196,14 +202,22 @@ def measure_case(
                     RuntimeWarning,
                     stacklevel=2,
                 )
-        if device.type == "cuda":
+        if device.type == "cuda" or first_call:
             # One call first: compilation, autotuning (trifast benchmarks its configs on first use) and
             # lazy workspaces stay out of the peak. (On a CPU peak_memory's own call is the warm-up.)
+            called = time.perf_counter()
             steps.single()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if first_call:
+                extra["first_call_s"] = time.perf_counter() - called
         # Seconds spent before timing: input layouts, the check, compilation and autotuning.
         extra["setup_s"] = round(time.perf_counter() - start, 2)
-        peak, _ = peak_memory(steps.single, device)
-        timing, note = time_step(steps.step, device, steps.calls, warmup, reps)
+        if device.type == "cuda" or not first_call:  # on a CPU: the warm-up, unless the first call was
+            peak, _ = peak_memory(steps.single, device)
+        timing, note = time_step(steps.step, device, steps.calls, warmup, reps, graph)
+        if steps.after is not None:
+            extra.update(steps.after())
     except Exception as err:  # noqa: BLE001 - one failing provider (e.g. out of memory) must not end the run
         error = _short(err)
     if error is not None:

@@ -186,12 +186,13 @@ def time_fn(
 
 
 def time_step(
-    step: Callable[[], Any], device: torch.device, calls: int, warmup: int, reps: int
+    step: Callable[[], Any], device: torch.device, calls: int, warmup: int, reps: int, graph: bool = True
 ) -> tuple[Timing, str | None]:
     """`time_fn` of a benchmark step: CUDA-graph timed on a GPU and, if the capture fails, timed with
-    CUDA events on eager calls, with the reason returned as a note (None when nothing fell back)."""
-    if device.type != "cuda":
-        return time_fn(step, device, calls=calls, warmup=warmup, reps=reps), None
+    CUDA events on eager calls, with the reason returned as a note (None when nothing fell back).
+    `graph` False: eager calls timed with CUDA events from the start."""
+    if device.type != "cuda" or not graph:
+        return time_fn(step, device, calls=calls, warmup=warmup, reps=reps, graph=False), None
     try:
         return time_fn(step, device, calls=calls, warmup=warmup, reps=reps, graph=True), None
     except Exception as err:  # noqa: BLE001 - any capture failure means: time it eagerly instead
