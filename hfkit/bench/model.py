@@ -509,18 +509,15 @@ def _step_extra(config: ModelConfig) -> dict[str, Any]:
     }
 
 
-def _bench_steps(run, config, precision, variants, checkpointing, timing) -> None:
-    s, n = config.max_msa_clusters, config.crop_size
-    for ckpt in checkpointing:
-        cfg = config.replace(checkpoint=ckpt)
-        for variant in variants:
-            key = ("train_step", variant, ["fwd+bwd"], [s, n], precision, None)
-            build = functools.partial(
-                _train_steps, cfg, run.device, precision, variant, None, run.compile_backend, run.compile_mode
-            )
-            run.measure(
-                f"step ckpt={ckpt} {precision.name} {variant}", key, _step_extra(cfg), build, (*timing, False)
-            )
+def _bench_train_steps(run: _Run, op: str, runs: list, precision: Precision, timing: tuple[int, int]) -> None:
+    """Training steps, a row each: `runs` of (provider, config, variant, swapped ops or None, notes)."""
+    for provider, config, variant, ops, notes in runs:
+        key = (op, provider, ["fwd+bwd"], [config.max_msa_clusters, config.crop_size], precision, None)
+        build = functools.partial(
+            _train_steps, config, run.device, precision, variant, ops, run.compile_backend, run.compile_mode
+        )
+        label = f"{op} {provider} ckpt={config.checkpoint} {precision.name}"
+        run.measure(label, key, {**_step_extra(config), **notes}, build, (*timing, False))
 
 
 def waterfall_stages(
@@ -534,17 +531,6 @@ def waterfall_stages(
     if compile:
         stages.append(("+compile", "compile_hfkit", list(ops)))
     return stages
-
-
-def _bench_waterfall(run, config, precision, timing) -> None:
-    s, n = config.max_msa_clusters, config.crop_size
-    for index, (label, variant, ops) in enumerate(waterfall_stages()):
-        extra = {**_step_extra(config), "stage": index, "variant": variant, "ops": ops}
-        key = ("step_waterfall", label, ["fwd+bwd"], [s, n], precision, None)
-        build = functools.partial(
-            _train_steps, config, run.device, precision, variant, ops, run.compile_backend, run.compile_mode
-        )
-        run.measure(f"waterfall {label}", key, extra, build, (*timing, False))
 
 
 def profile_train_step(
@@ -761,10 +747,20 @@ def run_model_benchmark(
                     precisions = [_precision(d) for d in stack_dtypes]
                     _bench_stack(run, config, precisions, variants, checkpointing, stack_launch, slow)
                 elif part == "step":
-                    _bench_steps(run, config, step_precision, step_variants, checkpointing, slow)
+                    runs = [
+                        (v, config.replace(checkpoint=c), v, None, {})
+                        for c in checkpointing
+                        for v in step_variants
+                    ]
+                    _bench_train_steps(run, "train_step", runs, step_precision, slow)
                 elif part == "waterfall":
                     cfg = config.replace(checkpoint=bool(checkpointing[-1]))
-                    _bench_waterfall(run, cfg, step_precision, slow)
+                    stages = enumerate(waterfall_stages())
+                    runs = [
+                        (label, cfg, v, ops, {"stage": i, "variant": v, "ops": ops})
+                        for i, (label, v, ops) in stages
+                    ]
+                    _bench_train_steps(run, "step_waterfall", runs, step_precision, slow)
                 elif part == "profile":
                     # Checkpointed, as AlphaFold trains (and as the hfai profile's step presumably ran).
                     _bench_profile(run, config.replace(checkpoint=True), step_precision)
