@@ -19,13 +19,16 @@ import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
 from hfkit.bench.results import ResultRow, check_choice, make_row, row_environment
 from hfkit.bench.timing import peak_memory, time_step
+
+if TYPE_CHECKING:
+    from hfkit.bench.tune import TileSweep
 
 __all__ = [
     "DTYPES",
@@ -126,7 +129,7 @@ class Benchmark:
     options: tuple[Option, ...] = ()
     gpu_warmup: int = 5
     gpu_reps: int = 20
-    tiles: Any = None
+    tiles: TileSweep | None = None
 
 
 class BenchResult(NamedTuple):

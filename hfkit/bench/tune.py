@@ -80,7 +80,7 @@ def run_tile_sweep(
     the grid's last configuration (the Triton interpreter on a CPU). Warm-up and repetitions as in
     `run_benchmark`; each row goes to `on_row` as soon as it is measured.
     """
-    sweep: TileSweep | None = bench.tiles
+    sweep = bench.tiles
     if sweep is None:
         raise ValueError(f"bench: {bench.name} has no tile sweep (TileSweep in its case table)")
     device = resolve_device(device)
