@@ -51,18 +51,23 @@ def rotating(
     bytes_per_set: int,
     min_total_bytes: int = 512 << 20,
     max_sets: int = 64,
+    *,
+    device: torch.device | None = None,
 ) -> list[T]:
     """Build enough independent input sets that cycling through them defeats the L2 cache.
 
     Calls `make_inputs()` k times, with k the smallest count whose total (k * bytes_per_set) exceeds
     `min_total_bytes`, capped at `max_sets` (so very small inputs still fit the cache; callers can see
-    that from `len(result) * bytes_per_set`). Always returns at least one set.
+    that from `len(result) * bytes_per_set`). Always returns at least one set; exactly one when
+    `device` is given and is not a GPU (no L2 to defeat, and the Triton interpreter is slow).
     """
     if bytes_per_set <= 0:
         raise ValueError(f"bytes_per_set: expected a positive byte count, got {bytes_per_set}")
     if max_sets < 1:
         raise ValueError(f"max_sets: expected at least 1, got {max_sets}")
     k = min(max_sets, max(1, math.floor(min_total_bytes / bytes_per_set) + 1))
+    if device is not None and torch.device(device).type != "cuda":
+        k = 1
     return [make_inputs() for _ in range(k)]
 
 

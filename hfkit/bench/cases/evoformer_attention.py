@@ -268,9 +268,9 @@ def _check(impl: _Impl, native: _Native, s: _Set, dtype_name: str) -> dict[str, 
 def _prepare(case: AttentionCase, dtype_name: str, device: torch.device) -> Prepared:
     dtype = DTYPES[dtype_name]
     gen = torch.Generator(device=device).manual_seed(0)
-    per_set = case.bytes(True, torch.empty((), dtype=dtype).element_size())
+    per_set = case.bytes(True, dtype.itemsize)
     make = lambda: _make_set(case, dtype, device, gen)  # noqa: E731
-    sets = rotating(make, per_set, 256 << 20, 4) if device.type == "cuda" else [make()]
+    sets = rotating(make, per_set, 256 << 20, 4, device=device)
     return Prepared(sets, {"rotating_sets": len(sets)})
 
 
@@ -294,7 +294,7 @@ def _build(case: AttentionCase, impl: _Impl, prepared: Prepared, mode: str, dtyp
 
 
 def _cost(case: AttentionCase, dtype_name: str, mode: str) -> tuple[int, int]:
-    itemsize = torch.empty((), dtype=DTYPES[dtype_name]).element_size()
+    itemsize = DTYPES[dtype_name].itemsize
     return case.bytes(mode == "fwd+bwd", itemsize), case.flops(mode == "fwd+bwd")
 
 

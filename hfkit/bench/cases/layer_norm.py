@@ -128,7 +128,7 @@ def _provider(name: str, case: ShapeCase, device: torch.device) -> Any:
 
 def _prepare(case: ShapeCase, dtype_name: str, device: torch.device) -> Prepared:
     dtype, shape = DTYPES[dtype_name], case.shape
-    tensor_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    tensor_bytes = math.prod(shape) * dtype.itemsize
     gen = torch.Generator(device=device).manual_seed(0)
 
     def make_set() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -138,7 +138,7 @@ def _prepare(case: ShapeCase, dtype_name: str, device: torch.device) -> Prepared
 
     on_cuda = device.type == "cuda"
     # On a GPU, enough sets that one loop moves well past L2; on a CPU one set (nothing to defeat).
-    sets = rotating(make_set, 3 * tensor_bytes) if on_cuda else [make_set()]
+    sets = rotating(make_set, 3 * tensor_bytes, device=device)
     l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size if on_cuda else None
 
     # The same-size copy: the practical floor for a pass over this tensor, timed like the op.
@@ -195,7 +195,7 @@ def _build(case: ShapeCase, f: Any, prepared: Prepared, mode: str, dtype_name: s
 
 
 def _cost(case: ShapeCase, dtype_name: str, mode: str) -> tuple[int, None]:
-    itemsize = torch.empty((), dtype=DTYPES[dtype_name]).element_size()
+    itemsize = DTYPES[dtype_name].itemsize
     return TRAFFIC[mode] * math.prod(case.shape) * itemsize, None
 
 
@@ -217,8 +217,8 @@ def _tile_inputs(case: ShapeCase, dtype_name: str, device: torch.device) -> tupl
         kernels._launch_fwd(x, y, w, b, mean, rstd, EPS, kernels._fwd_config(n, x.element_size()))
         return x, dy, y, mean, rstd, torch.empty_like(x)
 
-    tensor_bytes = m * n * torch.empty((), dtype=dtype).element_size()
-    return (rotating(make, 3 * tensor_bytes) if device.type == "cuda" else [make()]), w, b
+    tensor_bytes = m * n * dtype.itemsize
+    return rotating(make, 3 * tensor_bytes, device=device), w, b
 
 
 def _tile_launch(inputs: tuple, pass_: str, tiles: tuple) -> Callable[[], torch.Tensor]:
@@ -255,7 +255,7 @@ def _tile_grid(case: ShapeCase, pass_: str) -> list[tuple]:
 
 def _tile_default(case: ShapeCase, dtype_name: str, pass_: str, device: torch.device) -> tuple:
     kernels, n = _kernels(), case.shape[-1]
-    itemsize = torch.empty((), dtype=DTYPES[dtype_name]).element_size()
+    itemsize = DTYPES[dtype_name].itemsize
     if pass_ == "fwd":
         return kernels._fwd_config(n, itemsize)
     cfg = kernels._bwd_config(n, itemsize)
@@ -265,7 +265,7 @@ def _tile_default(case: ShapeCase, dtype_name: str, pass_: str, device: torch.de
 
 def _tile_cost(case: ShapeCase, dtype_name: str, pass_: str) -> tuple[int, None]:
     # Forward: read x, write y; backward: read x and dy, write dx (statistics and weights are small).
-    itemsize = torch.empty((), dtype=DTYPES[dtype_name]).element_size()
+    itemsize = DTYPES[dtype_name].itemsize
     return (2 if pass_ == "fwd" else 3) * math.prod(case.shape) * itemsize, None
 
 

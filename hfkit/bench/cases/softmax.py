@@ -114,8 +114,8 @@ def _prepare(case: ShapeCase, dtype_name: str, device: torch.device) -> Prepared
         )
         return x, bias, mask, dy
 
-    per_set = softmax_bytes(case.shape, torch.empty((), dtype=dtype).element_size(), True)
-    sets = rotating(make, per_set, 256 << 20, 4) if device.type == "cuda" else [make()]
+    per_set = softmax_bytes(case.shape, dtype.itemsize, True)
+    sets = rotating(make, per_set, 256 << 20, 4, device=device)
     return Prepared(sets, {"rotating_sets": len(sets), "bias": [1, h, n, k], "mask": [s, 1, 1, k]})
 
 
@@ -150,7 +150,7 @@ def _build(case: ShapeCase, f: Any, prepared: Prepared, mode: str, dtype_name: s
 
 
 def _cost(case: ShapeCase, dtype_name: str, mode: str) -> tuple[int, None]:
-    itemsize = torch.empty((), dtype=DTYPES[dtype_name]).element_size()
+    itemsize = DTYPES[dtype_name].itemsize
     return softmax_bytes(case.shape, itemsize, mode == "fwd+bwd"), None
 
 
@@ -183,7 +183,7 @@ def _tile_launch(
 
 def _tile_cost(case: ShapeCase, dtype_name: str, pass_: str) -> tuple[int, None]:
     # The backward kernel reads y and dy and writes dx; the bias gradient is a separate reduction.
-    itemsize = torch.empty((), dtype=DTYPES[dtype_name]).element_size()
+    itemsize = DTYPES[dtype_name].itemsize
     x_bytes = itemsize * case.shape[0] * case.shape[1] * case.shape[2] * case.shape[3]
     return (softmax_bytes(case.shape, itemsize, False) if pass_ == "fwd" else 3 * x_bytes), None
 
