@@ -192,17 +192,16 @@ def _cmd_bench_comms(args: argparse.Namespace) -> int:
 
     from hfkit.bench import gpu_slug, rows_to_frame
     from hfkit.bench.ceilings import device_name
-    from hfkit.bench.comms import ddp_path, default_backends, run_comms_benchmark
+    from hfkit.bench.comms import ddp_path, run_comms_benchmark
 
     slug = gpu_slug(device_name(None))
     if slug != "cpu":
         slug = f"{slug}x{args.nproc}"  # e.g. h200x8: results depend on the GPU count
     out = _results_path(args, slug, "comms.json")
-    backends = args.backends or default_backends()
     try:
         rows = run_comms_benchmark(
             nproc=args.nproc,
-            backends=backends,
+            backends=args.backends,
             max_bytes=args.max_bytes,
             min_bytes=args.min_bytes,
             ddp=args.ddp,
