@@ -405,23 +405,6 @@ def _bench_stack(run, config, precisions, variants, checkpointing, launches, tim
                     run.measure(label, key, extra, build, (*timing, launch == "graph"))
 
 
-def _step_model(
-    config: ModelConfig,
-    device: torch.device,
-    precision: Precision,
-    variant: str,
-    ops: Sequence[str] | None,
-    compile_backend: str,
-    compile_mode: str | None,
-    seed: int = 0,
-) -> tuple[nn.Module, dict[str, Any]]:
-    torch.manual_seed(seed)
-    model = AlphaFoldLite(config).to(device, precision.params)
-    return make_variant(
-        model, variant, ops=ops, inplace=True, compile_backend=compile_backend, compile_mode=compile_mode
-    )
-
-
 def _train_steps(
     config: ModelConfig,
     device: torch.device,
@@ -437,7 +420,11 @@ def _train_steps(
     check gives the variant's notes, `after` the last call's phases and loss."""
     from hfkit.train import make_optimizer, synthetic_batch, train_step
 
-    model, notes = _step_model(config, device, precision, variant, ops, compile_backend, compile_mode, seed)
+    torch.manual_seed(seed)
+    model = AlphaFoldLite(config).to(device, precision.params)
+    model, notes = make_variant(
+        model, variant, ops=ops, inplace=True, compile_backend=compile_backend, compile_mode=compile_mode
+    )
     optimizer = make_optimizer(model)
     batch = synthetic_batch(config, seed=seed, device=device)
     records: list[dict[str, Any]] = []
@@ -551,19 +538,15 @@ def profile_train_step(
     shape (`census_speed`, in the precision's compute dtype), "step_ms": profiled device time per
     step}. On a CPU hfkit's ops run their references unless `interpret`."""
     from hfkit.bench.profile import census_speed, layer_norm_census, op_table, profile_step
-    from hfkit.train import make_optimizer, synthetic_batch, train_step
 
     device = resolve_device(device)
     prec = _precision(precision)
-    model, _ = _step_model(config, device, prec, variant, None, "inductor", None, seed)
-    optimizer = make_optimizer(model)
-    batch = synthetic_batch(config, seed=seed, device=device)
-    step = functools.partial(train_step, model, batch, optimizer, clip=0.1, autocast_dtype=prec.autocast)
+    train = _train_steps(config, device, prec, variant, None, "inductor", None, seed)
     with _cpu_path(device, interpret):
-        prof = profile_step(step, device, steps=steps, warmup=1)
+        prof = profile_step(train.step, device, steps=steps, warmup=1)
         ops = op_table(prof, top=top)
         census = layer_norm_census(prof)
-        del model, optimizer, batch, step, prof
+        del train, prof
         gc.collect()
         dtype = prec.autocast or prec.params
         warmup = None if census_reps is None else 2
