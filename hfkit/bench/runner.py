@@ -19,16 +19,13 @@ import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
 from hfkit.bench.results import ResultRow, check_choice, make_row, row_environment
 from hfkit.bench.timing import peak_memory, time_step
-
-if TYPE_CHECKING:
-    from hfkit.bench.tune import TileSweep
 
 __all__ = [
     "DTYPES",
@@ -41,6 +38,7 @@ __all__ = [
     "ShapeCase",
     "Skip",
     "Steps",
+    "TileSweep",
     "free_memory",
     "max_abs_err",
     "measure_case",
@@ -88,6 +86,29 @@ class Option(NamedTuple):
     choices: tuple[str, ...] = ()
 
 
+class TileSweep(NamedTuple):
+    """The kernel passes of one op and how to time each alone with given tiles.
+
+    - `passes`: pass names in the order the op runs them;
+    - `fields[pass_]`: names of the entries of that pass's tiles (the rows' `extra["tiles"]` keys);
+    - `grid(case, pass_) -> [tiles]`: the configurations swept (tuples of launcher arguments);
+    - `default(case, dtype, pass_, device) -> tiles`: what the op launches today;
+    - `prepare(case, dtype, device) -> inputs`: buffers shared by every pass and configuration;
+    - `launch(inputs, pass_, tiles) -> step`: one call of the pass with `tiles`, returning its output
+      (the check compares it with the default tiles' output); `calls(inputs)` op calls a step makes;
+    - `cost(case, dtype, pass_) -> (bytes, flops)` of one call (flops None for memory-bound passes).
+    """
+
+    passes: tuple[str, ...]
+    fields: Mapping[str, tuple[str, ...]]
+    grid: Callable[[Any, str], Sequence[tuple]]
+    default: Callable[[Any, str, str, torch.device], tuple]
+    prepare: Callable[[Any, str, torch.device], Any]
+    launch: Callable[[Any, str, tuple], Callable[[], torch.Tensor]]
+    calls: Callable[[Any], int]
+    cost: Callable[[Any, str, str], tuple[int, int | None]]
+
+
 @dataclass(frozen=True)
 class ShapeCase:
     """A case that is just the input's shape (LayerNorm's x, softmax's logits)."""
@@ -113,7 +134,7 @@ class Benchmark:
     - `cost(case, dtype, mode) -> (bytes, flops)`: minimum traffic and arithmetic of one call (flops
       None for memory-bound ops);
     - `gpu_warmup`/`gpu_reps`: timing defaults on a GPU (1 and 3 on a CPU);
-    - `tiles`: the `hfkit.bench.tune.TileSweep` of the op's kernel passes (`hfkit bench <name> --tiles`).
+    - `tiles`: the `TileSweep` of the op's kernel passes (`hfkit bench <name> --tiles`, `hfkit.bench.tune`).
     """
 
     name: str

@@ -10,38 +10,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
 from hfkit.bench.results import ResultRow, check_choice, row_environment
-from hfkit.bench.runner import Benchmark, Steps, free_memory, max_abs_err, measure_case
+from hfkit.bench.runner import Benchmark, Steps, TileSweep, free_memory, max_abs_err, measure_case
 
-__all__ = ["TileSweep", "best_tiles", "run_tile_sweep"]
-
-
-class TileSweep(NamedTuple):
-    """The kernel passes of one op and how to time each alone with given tiles.
-
-    - `passes`: pass names in the order the op runs them;
-    - `fields[pass_]`: names of the entries of that pass's tiles (the rows' `extra["tiles"]` keys);
-    - `grid(case, pass_) -> [tiles]`: the configurations swept (tuples of launcher arguments);
-    - `default(case, dtype, pass_, device) -> tiles`: what the op launches today;
-    - `prepare(case, dtype, device) -> inputs`: buffers shared by every pass and configuration;
-    - `launch(inputs, pass_, tiles) -> step`: one call of the pass with `tiles`, returning its output
-      (the check compares it with the default tiles' output); `calls(inputs)` op calls a step makes;
-    - `cost(case, dtype, pass_) -> (bytes, flops)` of one call (flops None for memory-bound passes).
-    """
-
-    passes: tuple[str, ...]
-    fields: Mapping[str, tuple[str, ...]]
-    grid: Callable[[Any, str], Sequence[tuple]]
-    default: Callable[[Any, str, str, torch.device], tuple]
-    prepare: Callable[[Any, str, torch.device], Any]
-    launch: Callable[[Any, str, tuple], Callable[[], torch.Tensor]]
-    calls: Callable[[Any], int]
-    cost: Callable[[Any, str, str], tuple[int, int | None]]
+__all__ = ["best_tiles", "run_tile_sweep"]
 
 
 def _steps(sweep: TileSweep, inputs: Any, pass_: str, tiles: tuple, expected: torch.Tensor) -> Steps:

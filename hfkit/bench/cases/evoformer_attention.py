@@ -36,9 +36,18 @@ import torch.nn.functional as F
 
 from hfkit.bench.peers import load_cuequivariance, load_trifast
 from hfkit.bench.results import check_choice
-from hfkit.bench.runner import DTYPES, Benchmark, Option, Prepared, Skip, Steps, max_abs_err, pick_profile
+from hfkit.bench.runner import (
+    DTYPES,
+    Benchmark,
+    Option,
+    Prepared,
+    Skip,
+    Steps,
+    TileSweep,
+    max_abs_err,
+    pick_profile,
+)
 from hfkit.bench.timing import rotating
-from hfkit.bench.tune import TileSweep
 from hfkit.ops.softmax import MASK_INF
 
 __all__ = [

@@ -32,11 +32,11 @@ from hfkit.bench.runner import (
     Prepared,
     ShapeCase,
     Steps,
+    TileSweep,
     pick_profile,
     run_benchmark,
 )
 from hfkit.bench.timing import rotating, time_step
-from hfkit.bench.tune import TileSweep
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -27,11 +27,11 @@ from hfkit.bench.runner import (
     Prepared,
     ShapeCase,
     Steps,
+    TileSweep,
     max_abs_err,
     pick_profile,
 )
 from hfkit.bench.timing import rotating
-from hfkit.bench.tune import TileSweep
 from hfkit.ops.softmax import MASK_INF
 
 __all__ = [
