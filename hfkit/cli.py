@@ -106,14 +106,18 @@ def _print_rows(rows: Sequence, ceilings: object | None, path: Path, kernels: bo
 
 
 def _cmd_bench_op(args: argparse.Namespace) -> int:
-    """`hfkit bench <op>`: the op's case table through the one runner, saved after every row."""
+    """`hfkit bench <op>`: the op's case table through the one runner (with `--tiles`, its kernels' tile
+    sweep), saved after every row."""
     from hfkit.bench import ResultFile, environment_info, gpu_slug, resolve_device, run_benchmark
-    from hfkit.bench.ceilings import device_name
+    from hfkit.bench.ceilings import bench_ceilings, device_name
     from hfkit.bench.peers import peer_status
+    from hfkit.bench.tune import best_tiles, run_tile_sweep
 
     bench = _op_benchmark(args.bench_name)
     device = resolve_device(args.device)
-    out = _results_path(args, gpu_slug(device_name(device)), f"{bench.name}.json")
+    tiles = getattr(args, "tiles", False)
+    folder = gpu_slug(device_name(device)) + ("/tuning" if tiles else "")
+    out = _results_path(args, folder, f"{bench.name}.json")
     profile = args.profile or ("full" if device.type == "cuda" else "smoke")
     try:
         cases = bench.cases(profile, **{o.flag: getattr(args, o.flag) for o in bench.options})
@@ -127,11 +131,22 @@ def _cmd_bench_op(args: argparse.Namespace) -> int:
         done.append(row)
         results.save(done, partial=True)
 
+    run = dict(device=device, dtypes=args.dtypes, command=args.command, warmup=args.warmup, reps=args.reps,
+               on_row=save_so_far)  # fmt: skip
+    if tiles:
+        ceilings = bench_ceilings(device)
+        rows = run_tile_sweep(
+            bench, cases, passes=args.passes, smoke=profile == "smoke", ceilings=ceilings, **run
+        )
+        best = best_tiles(rows)
+        path = results.save(rows, ceilings=ceilings, timestamp=rows[0].timestamp, best=best)
+        for pass_, chosen in best.items():
+            print(f"{pass_}: best tiles {chosen}")
+        print(f"\nwrote {len(rows)} rows to {path}")
+        return 0
     result = run_benchmark(
-        bench, cases, device, dtypes=args.dtypes, modes=args.modes, providers=args.providers,
-        progress=not args.no_progress, command=args.command, warmup=args.warmup, reps=args.reps,
-        on_row=save_so_far,
-    )  # fmt: skip
+        bench, cases, modes=args.modes, providers=args.providers, progress=not args.no_progress, **run
+    )
     for line in result.skipped:
         print(f"skipped: {line}", file=sys.stderr)
     if not result.rows:
@@ -177,17 +192,16 @@ def _cmd_bench_comms(args: argparse.Namespace) -> int:
 
     from hfkit.bench import gpu_slug, rows_to_frame
     from hfkit.bench.ceilings import device_name
-    from hfkit.bench.comms import ddp_path, default_backends, run_comms_benchmark
+    from hfkit.bench.comms import ddp_path, run_comms_benchmark
 
     slug = gpu_slug(device_name(None))
     if slug != "cpu":
         slug = f"{slug}x{args.nproc}"  # e.g. h200x8: results depend on the GPU count
     out = _results_path(args, slug, "comms.json")
-    backends = args.backends or default_backends()
     try:
         rows = run_comms_benchmark(
             nproc=args.nproc,
-            backends=backends,
+            backends=args.backends,
             max_bytes=args.max_bytes,
             min_bytes=args.min_bytes,
             ddp=args.ddp,
@@ -277,6 +291,20 @@ def _add_op_bench(bench_sub: argparse._SubParsersAction, name: str) -> None:
     p.add_argument(
         "--reps", type=int, default=None, help=f"timed replays per case (default {bench.gpu_reps} on a GPU)"
     )
+    if bench.tiles is not None:
+        p.add_argument(
+            "--tiles",
+            action="store_true",
+            help="sweep the kernels' tiles, each pass alone (hfkit only; default --out "
+            f"data/results/<gpu>/tuning/{name}.json) instead of comparing providers",
+        )
+        passes = bench.tiles.passes
+        p.add_argument(
+            "--passes",
+            type=_choices(passes),
+            default=None,
+            help=f"with --tiles: comma list of {','.join(passes)}",
+        )
     p.set_defaults(func=_cmd_bench_op)
 
 

@@ -88,6 +88,11 @@ def test_rotating_exceeds_min_total_and_respects_cap():
     assert len({id(s) for s in sets}) == 11  # independent sets, not one object repeated
     assert len(rotating(lambda: 0, bytes_per_set=1, min_total_bytes=10**9, max_sets=8)) == 8
     assert len(rotating(lambda: 0, bytes_per_set=10**9, min_total_bytes=0)) == 1
+    # Off a GPU one set: no L2 to defeat. On a GPU (or no device given) the count above.
+    assert len(rotating(lambda: 0, bytes_per_set=100, min_total_bytes=1000, device=torch.device("cpu"))) == 1
+    assert (
+        len(rotating(lambda: 0, bytes_per_set=100, min_total_bytes=1000, device=torch.device("cuda"))) == 11
+    )
     with pytest.raises(ValueError, match="bytes_per_set"):
         rotating(lambda: 0, bytes_per_set=0)
 

@@ -123,13 +123,14 @@ def test_failures_and_budget_become_rows(tmp_path) -> None:
     def broken_backend(gm, example_inputs):
         raise RuntimeError("backend exploded")
 
-    rows = run_model_benchmark(
-        "cpu",
-        parts=("block",),
-        variants=("compile", "eager"),
-        dtypes=("fp32",),
-        **{**QUICK, "compile_backend": broken_backend},
-    )
+    with pytest.warns(RuntimeWarning, match="backend exploded"):
+        rows = run_model_benchmark(
+            "cpu",
+            parts=("block",),
+            variants=("compile", "eager"),
+            dtypes=("fp32",),
+            **{**QUICK, "compile_backend": broken_backend},
+        )
     failed = [r for r in rows if r.provider == "compile"]
     assert len(failed) == 2 and all(r.method == "error" and math.isnan(r.p50_ms) for r in failed)
     assert all("backend exploded" in r.extra["error"] for r in failed)

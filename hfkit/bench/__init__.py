@@ -4,7 +4,8 @@
 `time_fn` (CUDA graph / events on a GPU, wall clock on a CPU), reporting against the ceilings of
 `bench_ceilings` measured in the same run; `ResultFile`/`save_results`/`load_results` keep results as
 JSON under `data/results/<gpu>/<op>.json`. The model, comms and data benchmarks (`hfkit.bench.model`,
-`.comms`, `.data_cost`) write the same `ResultRow`s through the same writer.
+`.comms`, `.data_cost`) write the same `ResultRow`s through the same writer, and `hfkit.bench.tune`
+sweeps the kernels' tiles of an op whose case table has a `TileSweep` (`hfkit bench <op> --tiles`).
 """
 
 from hfkit.bench.cases.layer_norm import layernorm_errors, run_layernorm_benchmark

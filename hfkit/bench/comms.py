@@ -1,8 +1,8 @@
 """Communication benchmark: allreduce bandwidth per backend and size, and the seed's DDP step decomposition.
 
-Run as a torchrun worker (`torchrun --standalone --nproc-per-node N -m hfkit.bench.comms ...`), or from
-Python with `run_comms_benchmark`, which launches that worker as a subprocess with a timeout and returns
-the rows rank 0 wrote. Allreduce rows (op "allreduce") give the median time per message size with
+Run from Python with `run_comms_benchmark` (or `hfkit bench comms`), which launches the worker under
+torchrun as a subprocess with a timeout, hands it one `CommsConfig` (as JSON, its only argument), and
+returns the rows rank 0 wrote. Allreduce rows (op "allreduce") give the median time per message size with
 nccl-tests' bandwidths: algbw = S/t and busbw = algbw·2(n-1)/n. DDP rows (op "ddp_step") repeat the
 seed's experiment on a stack of Linear layers with AlphaFold's 93.2M parameters (or a scaled-down count):
 backward alone on one process, backward on n processes without synchronization, and backward plus
@@ -12,7 +12,6 @@ Allreduce rows go to `--out` (`comms.json`), DDP rows to `ddp_path(out)` beside 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -22,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from hfkit.bench.timing import Timing
 
 __all__ = [
     "AF2_PARAMS",
+    "CommsConfig",
     "algbw_gbps",
     "busbw_gbps",
     "build_param_model",
@@ -50,6 +51,33 @@ __all__ = [
 
 AF2_PARAMS = 93_200_000
 GB = 1e9
+
+
+@dataclass(frozen=True)
+class CommsConfig:
+    """What one worker run measures (the arguments of `run_comms_benchmark`): allreduce over `backends`
+    at `message_sizes(min_bytes, max_bytes, factor)` (`max_bytes` None: 1 GiB on GPUs, 64 MiB on a
+    CPU), at most `reps` timed repetitions within `budget_s` a size after `warmup` calls; with `ddp`
+    the DDP step of a `params`-parameter model on `batch` rows, `ddp_reps` steps a configuration,
+    `bucket_mb` buckets. `timeout_s` bounds every collective; `cpu` keeps CPU tensors and gloo where
+    CUDA exists; rank 0 writes to `out` (and `ddp_path(out)`) with `command` in every row."""
+
+    out: str
+    command: str | None = None
+    backends: tuple[str, ...] = ("gloo", "hfreduce")
+    min_bytes: int = 4 << 10
+    max_bytes: int | None = None
+    factor: int = 4
+    warmup: int = 3
+    reps: int = 30
+    budget_s: float = 1.0
+    ddp: bool = True
+    params: int = AF2_PARAMS
+    batch: int = 16
+    ddp_reps: int = 5
+    bucket_mb: float = 25.0
+    timeout_s: float = 600.0
+    cpu: bool = False
 
 
 def algbw_gbps(nbytes: float, seconds: float) -> float:
@@ -191,15 +219,15 @@ def _row(env: dict[str, Any], op: str, provider: str, mode: str, shape: list[int
                     gbps=gbps, extra=extra)  # fmt: skip
 
 
-def _allreduce_rows(args: argparse.Namespace, env: dict[str, Any], device: torch.device, ctrl: Any,
+def _allreduce_rows(config: CommsConfig, env: dict[str, Any], device: torch.device, ctrl: Any,
                     log: Callable[[str], None]) -> list[ResultRow]:  # fmt: skip
     world = dist.get_world_size()
     nodes = max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     rows = []
-    for backend in args.backends:
+    for backend in config.backends:
         comm = _Comm(backend, device)
-        for nbytes in message_sizes(args.min_bytes, args.max_bytes, args.factor):
-            times, inner = _time_allreduce(comm, nbytes, args.warmup, args.reps, args.budget_s, ctrl)
+        for nbytes in message_sizes(config.min_bytes, config.max_bytes, config.factor):
+            times, inner = _time_allreduce(comm, nbytes, config.warmup, config.reps, config.budget_s, ctrl)
             t = float(np.median(times))
             extra = {
                 "algbw_gbps": algbw_gbps(nbytes, t),
@@ -241,18 +269,18 @@ def _step_times(model: nn.Module, x: torch.Tensor, reps: int, ctrl: Any, device:
     return _max_over_ranks(total[1:], ctrl), _max_over_ranks(sync_part[1:], ctrl)
 
 
-def _ddp_rows(args: argparse.Namespace, env: dict[str, Any], device: torch.device, ctrl: Any,
+def _ddp_rows(config: CommsConfig, env: dict[str, Any], device: torch.device, ctrl: Any,
               log: Callable[[str], None]) -> list[ResultRow]:  # fmt: skip
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    model = build_param_model(args.params).to(device)
+    model = build_param_model(config.params).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    x = torch.randn(args.batch, model[0].in_features, device=device)
+    x = torch.randn(config.batch, model[0].in_features, device=device)
     base = {
         "world_size": world,
         "params": n_params,
         "layers": len(model),
-        "batch": args.batch,
+        "batch": config.batch,
         "device": device.type,
         "scaled_down": n_params < 0.99 * AF2_PARAMS,
         "grad_bytes": n_params * 4,
@@ -274,7 +302,7 @@ def _ddp_rows(args: argparse.Namespace, env: dict[str, Any], device: torch.devic
     # Backward alone: rank 0 only, the others wait at a barrier (one process, as the seed's 1 GPU).
     alone_times: list[float] = []
     if rank == 0:
-        for i in range(args.ddp_reps + 1):
+        for i in range(config.ddp_reps + 1):
             model.zero_grad(set_to_none=False)
             loss = model(x).square().mean()
             _sync(device)
@@ -284,29 +312,29 @@ def _ddp_rows(args: argparse.Namespace, env: dict[str, Any], device: torch.devic
             if i:
                 alone_times.append(time.perf_counter() - t0)
     dist.barrier(group=ctrl)
-    buf = torch.tensor(alone_times if rank == 0 else [0.0] * args.ddp_reps, dtype=torch.float64)
+    buf = torch.tensor(alone_times if rank == 0 else [0.0] * config.ddp_reps, dtype=torch.float64)
     dist.broadcast(buf, 0, group=ctrl)
     alone_times = buf.tolist()
     alone = float(np.median(alone_times))
     add("none", "backward_alone", alone_times, None, processes=1)
     # All ranks at once, no synchronization: what sharing the machine costs before any communication.
-    conc, _ = _step_times(model, x, args.ddp_reps, ctrl, device)
+    conc, _ = _step_times(model, x, config.ddp_reps, ctrl, device)
     add("none", "backward_concurrent", conc, alone)
 
-    for backend in args.backends:
+    for backend in config.backends:
         for overlap in (True, False):
-            ddp, impl = _wrap_ddp(model, backend, overlap, args.bucket_mb)
+            ddp, impl = _wrap_ddp(model, backend, overlap, config.bucket_mb)
             if ddp is None:
                 log(f"ddp_step {backend}: skipped ({impl})")
                 break
             sync = getattr(ddp, "sync_grad", None)
-            total, sync_part = _step_times(ddp, x, args.ddp_reps, ctrl, device, after_backward=sync,
+            total, sync_part = _step_times(ddp, x, config.ddp_reps, ctrl, device, after_backward=sync,
                                            split=not overlap)  # fmt: skip
             mode = "backward+sync_overlap" if overlap else "backward+sync_no_overlap"
-            add(backend, mode, total, alone, overlap=overlap, bucket_mb=args.bucket_mb, impl=impl)
+            add(backend, mode, total, alone, overlap=overlap, bucket_mb=config.bucket_mb, impl=impl)
             if not overlap:
                 add(backend, "sync_only_no_overlap", sync_part, None, overlap=False,
-                    bucket_mb=args.bucket_mb, impl=impl)  # fmt: skip
+                    bucket_mb=config.bucket_mb, impl=impl)  # fmt: skip
             # hfkit's DDP keeps hooks on the parameters until closed; the next wrap adds its own.
             if hasattr(ddp, "close"):
                 ddp.close()
@@ -329,43 +357,23 @@ def _wrap_ddp(model: nn.Module, backend: str, overlap: bool, bucket_mb: float) -
     return wrapped, "torch"
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m hfkit.bench.comms", description=__doc__.splitlines()[0])
-    p.add_argument("--backends", type=lambda t: [b for b in t.split(",") if b], default=None)
-    p.add_argument("--min-bytes", type=parse_bytes, default=4 << 10)
-    p.add_argument("--max-bytes", type=parse_bytes, default=None, help="default 1G on GPUs, 64M on CPU")
-    p.add_argument("--factor", type=int, default=4, help="size step (4: powers of 4)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--reps", type=int, default=30, help="at most this many timed repetitions per size")
-    p.add_argument("--budget-s", type=float, default=1.0, help="time budget per size (fewer reps if slow)")
-    p.add_argument("--ddp", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--params", type=int, default=AF2_PARAMS, help="DDP model parameters (default 93.2M)")
-    p.add_argument("--batch", type=int, default=16, help="DDP model input rows")
-    p.add_argument("--ddp-reps", type=int, default=5)
-    p.add_argument("--bucket-mb", type=float, default=25.0)
-    p.add_argument("--timeout-s", type=float, default=600.0, help="every collective's timeout")
-    p.add_argument("--out", required=True)
-    p.add_argument("--command", default=None, help="the command stored with the results")
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """The torchrun worker: measure, then rank 0 writes the rows to `--out`; returns the exit status."""
-    args = _parser().parse_args(argv)
-    cuda = torch.cuda.is_available() and os.environ.get("HFKIT_COMMS_CPU") != "1"
-    args.backends = args.backends or default_backends()
-    if not cuda:
-        args.backends = [b for b in args.backends if b != "nccl"]
-    if args.max_bytes is None:
-        args.max_bytes = (1 << 30) if cuda else (64 << 20)
+    """The torchrun worker, given a `CommsConfig` as JSON (its one argument): measure, then rank 0
+    writes the rows to `out`; returns the exit status."""
+    config = CommsConfig(**json.loads((sys.argv[1:] if argv is None else argv)[0]))
+    cuda = torch.cuda.is_available() and not config.cpu
+    backends = [b for b in config.backends if cuda or b != "nccl"]
+    config = replace(
+        config, max_bytes=config.max_bytes or ((1 << 30) if cuda else (64 << 20)), backends=backends
+    )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     n_gpus = torch.cuda.device_count() if cuda else 0
     shared_gpu = cuda and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > n_gpus
     if shared_gpu:
         # More ranks than GPUs (e.g. 2 ranks on a 1-GPU machine): NCCL refuses two ranks on one
         # device, so it is dropped; hfreduce and gloo still run, ranks sharing GPUs round-robin.
-        args.backends = [b for b in args.backends if b != "nccl"]
-    timeout = timedelta(seconds=args.timeout_s)
+        config = replace(config, backends=[b for b in config.backends if b != "nccl"])
+    timeout = timedelta(seconds=config.timeout_s)
     if cuda and not shared_gpu:
         from hfkit.parallel.launch import init_distributed
 
@@ -380,15 +388,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{dist.get_world_size()} ranks on {n_gpus} GPU(s): nccl skipped", flush=True)
     # Timings, maxima and barriers travel on a gloo group: cheap, and independent of the measured one.
     ctrl = dist.new_group(backend="gloo")
-    env_all = environment_info(device, args.command)
+    env_all = environment_info(device, config.command)
     env = {k: env_all[k] for k in ENV_KEYS}
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
-    rows = _allreduce_rows(args, env, device, ctrl, log)
-    if args.ddp:
-        rows += _ddp_rows(args, env, device, ctrl, log)
+    rows = _allreduce_rows(config, env, device, ctrl, log)
+    if config.ddp:
+        rows += _ddp_rows(config, env, device, ctrl, log)
     if rank == 0:
-        meta = {**env_all, "world_size": dist.get_world_size(), "backends": args.backends}
-        for path, part in ((args.out, "allreduce"), (ddp_path(args.out), "ddp_step")):
+        meta = {**env_all, "world_size": dist.get_world_size(), "backends": config.backends}
+        for path, part in ((config.out, "allreduce"), (ddp_path(config.out), "ddp_step")):
             chosen = [r for r in rows if r.op == part]
             if chosen:
                 ResultFile(path, meta).save(chosen)
@@ -446,31 +454,27 @@ def run_comms_benchmark(
     allreduce rows to `out`, DDP rows to `ddp_path(out)`.
 
     The worker runs as `python -m torch.distributed.run --standalone --nproc-per-node N -m
-    hfkit.bench.comms ...` in a subprocess, killed after `timeout_s` (then a RuntimeError with its
-    output tail). `out` keeps the JSON (default: a temporary file, deleted). `cpu` forces CPU tensors
-    and gloo even where CUDA exists. The stored command is `command`, else the torchrun line.
+    hfkit.bench.comms '<CommsConfig as JSON>'` in a subprocess, killed after `timeout_s` (then a
+    RuntimeError with its output tail). `out` keeps the JSON (default: a temporary file, deleted).
+    `cpu` forces CPU tensors and gloo even where CUDA exists. The stored command is `command`, else
+    the torchrun line.
     """
-    backends = list(backends) if backends is not None else default_backends()
     tmp = None
     if out is None:
         tmp = tempfile.TemporaryDirectory(prefix="hfkit-comms-")
         out = Path(tmp.name) / "comms.json"
-    worker = [
-        "--backends", ",".join(backends), "--min-bytes", str(parse_bytes(min_bytes)),
-        "--factor", str(factor), "--params", str(params), "--ddp-reps", str(ddp_reps),
-        "--batch", str(batch), "--reps", str(reps), "--budget-s", str(budget_s), "--out", str(out),
-        "--timeout-s", str(max(30.0, timeout_s - 30)), "--ddp" if ddp else "--no-ddp",
-    ]  # fmt: skip
-    if max_bytes is not None:
-        worker += ["--max-bytes", str(parse_bytes(max_bytes))]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd = [*launcher, "-m", "hfkit.bench.comms", *worker]
-    worker += ["--command", command or shlex.join(["torchrun", *cmd[3:]])]
-    cmd = [*launcher, "-m", "hfkit.bench.comms", *worker]
+    config = CommsConfig(
+        out=str(out), backends=tuple(backends or default_backends()),
+        min_bytes=parse_bytes(min_bytes), max_bytes=None if max_bytes is None else parse_bytes(max_bytes),
+        factor=factor, reps=reps, budget_s=budget_s, ddp=ddp, params=params, batch=batch, ddp_reps=ddp_reps,
+        timeout_s=max(30.0, timeout_s - 30), cpu=cpu,
+    )  # fmt: skip
+    worker = ["-m", "hfkit.bench.comms"]
+    typed = shlex.join(["torchrun", *launcher[3:], *worker, json.dumps(asdict(config))])
+    cmd = [*launcher, *worker, json.dumps(asdict(replace(config, command=command or typed)))]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # N ranks share the cores; torchrun would set it anyway
-    if cpu:
-        env["HFKIT_COMMS_CPU"] = "1"
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         lines: list[str] = []

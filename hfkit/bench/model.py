@@ -36,7 +36,6 @@ import functools
 import gc
 import math
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,9 +52,11 @@ from hfkit.bench.results import (
     check_choice,
     environment_info,
     make_row,
+    row_environment,
     row_key,
 )
-from hfkit.bench.timing import Timing, peak_memory, time_fn, time_step
+from hfkit.bench.runner import Steps, free_memory, measure_case
+from hfkit.bench.timing import Timing
 from hfkit.model import AlphaFoldLite, EvoformerBlock, EvoformerStack, ModelConfig
 
 __all__ = [
@@ -230,40 +231,6 @@ def make_variant(
     return module, notes
 
 
-@dataclass
-class _Measurement:
-    timing: Timing
-    first_call_s: float
-    peak_mem_bytes: int | None
-    note: str | None = None
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _measure(
-    call: Callable[[], Any], device: torch.device, *, warmup: int, reps: int, graph: bool
-) -> _Measurement:
-    """First call (wall clock; compiles what is compiled), `time_fn`, then one call for peak memory
-    above what was allocated before it (CUDA only)."""
-    _sync(device)
-    t0 = time.perf_counter()
-    call()
-    _sync(device)
-    first = time.perf_counter() - t0
-    if graph:
-        timing, note = time_step(call, device, 1, warmup, reps)
-    else:
-        timing, note = time_fn(call, device, warmup=warmup, reps=reps, graph=False), None
-    peak = None
-    if device.type == "cuda":  # a CPU has no peak to read: no extra call there
-        gc.collect()
-        peak, _ = peak_memory(call, device)
-    return _Measurement(timing, first, peak, note)
-
-
 def _grad_step(
     forward: Callable[[], Sequence[torch.Tensor]],
     inputs: Sequence[torch.Tensor],
@@ -291,10 +258,10 @@ def _grad_step(
 
 @dataclass
 class _Run:
-    """What a benchmark run shares: device, environment, ceilings, budget, output, collected rows."""
+    """What a benchmark run shares: device, row environment, ceilings, budget, output, collected rows."""
 
     device: torch.device
-    row_env: dict[str, Any]
+    env: dict[str, Any]
     ceilings: Ceilings | None
     deadline: float | None
     file: ResultFile | None
@@ -304,63 +271,52 @@ class _Run:
     interpret: bool = False
     rows: list[ResultRow] = field(default_factory=list)
 
-    def row(
-        self,
-        op: str,
-        provider: str,
-        mode: str,
-        shape: Sequence[int],
-        precision: Precision,
-        m: _Measurement | None,
-        flops: int | None,
-        extra: Mapping[str, Any],
-    ) -> ResultRow:
-        notes = {**precision.describe(), **extra}
-        if m is not None:
-            notes["first_call_s"] = m.first_call_s
-            if m.note:
-                notes["note"] = m.note
-        # Not a memory-bound op: FLOPs are the measure (bytes 0).
-        return make_row(
-            self.row_env, m.timing if m else None, op=op, provider=provider, mode=mode, shape=shape,
-            dtype=precision.name, flops=flops, ceilings=self.ceilings,
-            peak_mem_bytes=m.peak_mem_bytes if m else None, extra=notes,
-        )  # fmt: skip
-
-    def attempt(
+    def measure(
         self,
         label: str,
         key: tuple[str, str, Sequence[str], Sequence[int], Precision, int | None],
         extra: Mapping[str, Any],
-        measure: Callable[[], list[tuple[str, _Measurement, dict[str, Any]]]],
+        build: Callable[[str], Steps],
+        timing: tuple[int, int, bool],
     ) -> None:
-        """Run one configuration: `measure()` gives (mode, measurement, notes) per mode. `key` is
-        (op, provider, modes, shape, precision, flops for fwd). On failure (or with the time budget
-        spent) each mode gets a row with NaN times and the error in `extra`. Then memory is freed and
-        the rows so far are saved."""
+        """One configuration, a row per mode through the runner's `measure_case`: `key` is (op,
+        provider, modes, shape, precision, forward FLOPs), `build(mode)` gives the `Steps` (its check
+        returns the variant's notes), `timing` is (warmup, reps, CUDA graph). With the time budget
+        spent each mode gets an error row that says so. Then the rows so far are saved."""
         op, provider, modes, shape, precision, flops = key
-        flops_of = lambda mode: None if flops is None else flops * (3 if mode == "fwd+bwd" else 1)
         self.progress.set_postfix_str(label)
-        results: list[tuple[str, _Measurement | None, dict[str, Any]]]
-        if self.deadline is not None and time.perf_counter() > self.deadline:
-            error = {"error": "skipped: the run's time budget (budget_s) was spent"}
-            results = [(mode, None, error) for mode in modes]
-        else:
-            try:
-                with self.cpu_path():
-                    results = list(measure())
-            except Exception as err:  # noqa: BLE001 - one failed configuration must not stop the run
-                text = traceback.format_exception_only(type(err), err)[-1].strip()[:500]
-                oom = isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
-                results = [(mode, None, {"error": text, "oom": oom}) for mode in modes]
-        for mode, meas, notes in results:
-            self.rows.append(
-                self.row(op, provider, mode, shape, precision, meas, flops_of(mode), {**extra, **notes})
-            )
-        self.progress.update(len(modes))
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        notes = {**precision.describe(), **extra}
+        for mode in modes:
+            row = dict(op=op, provider=provider, mode=mode, shape=shape, dtype=precision.name)
+            row["flops"] = None if flops is None else flops * (3 if mode == "fwd+bwd" else 1)
+            if self.deadline is not None and time.perf_counter() > self.deadline:
+                error = "skipped: the run's time budget (budget_s) was spent"
+                self.rows.append(
+                    make_row(self.env, None, ceilings=self.ceilings, extra={**notes, "error": error}, **row)
+                )
+                continue
+            warmup, reps, graph = timing
+            with self.cpu_path():
+                self.rows.append(
+                    measure_case(
+                        env=self.env,
+                        ceilings=self.ceilings,
+                        device=self.device,
+                        nbytes=0,
+                        build=functools.partial(build, mode=mode),
+                        warmup=warmup,
+                        reps=reps,
+                        extra=notes,
+                        graph=graph,
+                        first_call=True,
+                        **row,
+                    )  # fmt: skip
+                )
+        self.done(len(modes))
+
+    def done(self, count: int) -> None:
+        self.progress.update(count)
+        free_memory(self.device)
         if self.file is not None:
             self.file.save(self.rows, ceilings=self.ceilings)
 
@@ -395,35 +351,18 @@ def _block_inputs(
     return m, z, msa_mask, pair_mask
 
 
-def _measure_module(
-    run: _Run,
-    module: nn.Module,
-    inputs: Sequence[torch.Tensor],
-    precision: Precision,
-    modes: Sequence[str],
-    warmup: int,
-    reps: int,
-    graph: bool,
-    notes: dict[str, Any],
-) -> list[tuple[str, _Measurement, dict[str, Any]]]:
-    """Each mode of `module(*inputs)` (inputs: m, z, msa_mask, pair_mask) measured in turn."""
+def _module_steps(run: _Run, module: nn.Module, variant: str, inputs, precision, inplace, mode) -> Steps:
+    """`module(*inputs)` (inputs: m, z, msa_mask, pair_mask) as `variant`, one call of `mode`."""
+    module, notes = make_variant(
+        module, variant, inplace=inplace, compile_backend=run.compile_backend, compile_mode=run.compile_mode
+    )
     params = [p for p in module.parameters() if p.requires_grad]
     forward = functools.partial(module, *inputs)
-    out = []
-    for mode in modes:
-        step = _grad_step(forward, inputs[:2], params, mode == "fwd+bwd", run.device, precision)
-        out.append((mode, _measure(step, run.device, warmup=warmup, reps=reps, graph=graph), notes))
-    return out
+    step = _grad_step(forward, inputs[:2], params, mode == "fwd+bwd", run.device, precision)
+    return Steps(step, step, 1, lambda: notes)
 
 
-def _block_variant(run: _Run, base: nn.Module, variant: str, inputs, precision, modes, warmup, reps):
-    block, notes = make_variant(
-        base, variant, compile_backend=run.compile_backend, compile_mode=run.compile_mode
-    )
-    return _measure_module(run, block, inputs, precision, modes, warmup, reps, True, notes)
-
-
-def _bench_blocks(run, config, shapes, precisions, variants, modes, warmup, reps) -> None:
+def _bench_blocks(run, config, shapes, precisions, variants, modes, timing) -> None:
     extra = {"n_blocks": 1, "dropout": "off", "fwd_grad": True}
     for precision in precisions:
         for s, n in shapes:
@@ -433,25 +372,20 @@ def _bench_blocks(run, config, shapes, precisions, variants, modes, warmup, reps
             flops = evoformer_block_flops(s, n, config)
             for variant in variants:
                 key = ("evoformer_block", variant, modes, [s, n], precision, flops)
-                measure = functools.partial(
-                    _block_variant, run, base, variant, inputs, precision, modes, warmup, reps
-                )
-                run.attempt(f"block {s}x{n} {precision.name} {variant}", key, extra, measure)
+                build = functools.partial(_module_steps, run, base, variant, inputs, precision, False)
+                run.measure(f"block {s}x{n} {precision.name} {variant}", key, extra, build, (*timing, True))
             del base, inputs
 
 
-def _stack_variant(run, config, variant, precision, graph, warmup, reps):
+def _stack_steps(run: _Run, config: ModelConfig, variant: str, precision: Precision, mode: str) -> Steps:
     s, n = config.max_msa_clusters, config.crop_size
     torch.manual_seed(0)
     stack = EvoformerStack.from_config(config).to(run.device, precision.params)
-    stack, notes = make_variant(
-        stack, variant, inplace=True, compile_backend=run.compile_backend, compile_mode=run.compile_mode
-    )
     inputs = _block_inputs(config, s, n, run.device, precision.params)
-    return _measure_module(run, stack, inputs, precision, ["fwd+bwd"], warmup, reps, graph, notes)
+    return _module_steps(run, stack, variant, inputs, precision, True, mode)
 
 
-def _bench_stack(run, config, precisions, variants, checkpointing, launches, warmup, reps) -> None:
+def _bench_stack(run, config, precisions, variants, checkpointing, launches, timing) -> None:
     s, n = config.max_msa_clusters, config.crop_size
     flops = config.no_blocks * evoformer_block_flops(s, n, config)
     for launch in launches:
@@ -466,14 +400,12 @@ def _bench_stack(run, config, precisions, variants, checkpointing, launches, war
                 }
                 for variant in variants:
                     key = ("evoformer_stack", variant, ["fwd+bwd"], [s, n], precision, flops)
-                    measure = functools.partial(
-                        _stack_variant, run, stack_config, variant, precision, launch == "graph", warmup, reps
-                    )
+                    build = functools.partial(_stack_steps, run, stack_config, variant, precision)
                     label = f"stack {launch} ckpt={ckpt} {precision.name} {variant}"
-                    run.attempt(label, key, extra, measure)
+                    run.measure(label, key, extra, build, (*timing, launch == "graph"))
 
 
-def _step_model(
+def _train_steps(
     config: ModelConfig,
     device: torch.device,
     precision: Precision,
@@ -482,12 +414,26 @@ def _step_model(
     compile_backend: str,
     compile_mode: str | None,
     seed: int = 0,
-) -> tuple[nn.Module, dict[str, Any]]:
+    mode: str = "fwd+bwd",
+) -> Steps:
+    """One `train_step` a call (always forward+backward: `mode` is there for `_Run.measure`); the
+    check gives the variant's notes, `after` the last call's phases and loss."""
+    from hfkit.train import make_optimizer, synthetic_batch, train_step
+
     torch.manual_seed(seed)
     model = AlphaFoldLite(config).to(device, precision.params)
-    return make_variant(
+    model, notes = make_variant(
         model, variant, ops=ops, inplace=True, compile_backend=compile_backend, compile_mode=compile_mode
     )
+    optimizer = make_optimizer(model)
+    batch = synthetic_batch(config, seed=seed, device=device)
+    records: list[dict[str, Any]] = []
+
+    def step() -> None:
+        records.append(train_step(model, batch, optimizer, clip=0.1, autocast_dtype=precision.autocast))
+
+    last = lambda: {"phases_s": records[-1]["timings"], "loss": records[-1]["loss"]}  # noqa: E731
+    return Steps(step, step, 1, lambda: dict(notes), last)
 
 
 def measure_train_step(
@@ -510,52 +456,34 @@ def measure_train_step(
 
     Returns {"timing": Timing, "first_call_s", "peak_mem_bytes" (None off CUDA), "phases_s"
     (forward, backward, optimizer seconds of the last call), "loss", "notes" (swap summary, compile
-    settings), "measurement"}. On a CPU hfkit's ops run their references unless `interpret`
-    (see `reference_ops_on_cpu`).
+    settings)}. On a CPU hfkit's ops run their references unless `interpret` (see
+    `reference_ops_on_cpu`). Raises RuntimeError with the error when the step fails.
     """
-    from hfkit.train import make_optimizer, synthetic_batch, train_step
-
     device = resolve_device(device)
     prec = _precision(precision)
     on_cuda = device.type == "cuda"
-    model, notes = _step_model(config, device, prec, variant, ops, compile_backend, compile_mode, seed)
-    optimizer = make_optimizer(model)
-    batch = synthetic_batch(config, seed=seed, device=device)
-    records: list[dict[str, Any]] = []
-    step = functools.partial(train_step, model, batch, optimizer, clip=0.1, autocast_dtype=prec.autocast)
+    build = functools.partial(
+        _train_steps, config, device, prec, variant, ops, compile_backend, compile_mode, seed
+    )
     with _recompile_limit(), _cpu_path(device, interpret):
-        meas = _measure(
-            lambda: records.append(step()),
-            device,
+        row = measure_case(
+            env=row_environment(device, None), ceilings=None, device=device, op="train_step",
+            provider=variant, mode="fwd+bwd", shape=[config.max_msa_clusters, config.crop_size],
+            dtype=prec.name, nbytes=0, flops=None, build=build, graph=False, first_call=True,
             warmup=warmup if warmup is not None else (1 if on_cuda else 0),
             reps=reps if reps is not None else (3 if on_cuda else 1),
-            graph=False,
-        )
+        )  # fmt: skip
+    if row.method == "error":
+        raise RuntimeError(f"measure_train_step: {row.extra['error']}")
+    notes = {k: v for k, v in row.extra.items() if k not in ("first_call_s", "setup_s", "phases_s", "loss")}
     return {
-        "timing": meas.timing,
-        "first_call_s": meas.first_call_s,
-        "peak_mem_bytes": meas.peak_mem_bytes,
-        "phases_s": records[-1]["timings"],
-        "loss": records[-1]["loss"],
+        "timing": Timing(row.p20_ms, row.p50_ms, row.p80_ms, row.n_reps, row.method),
+        "first_call_s": row.extra["first_call_s"],
+        "peak_mem_bytes": row.peak_mem_bytes,
+        "phases_s": row.extra["phases_s"],
+        "loss": row.extra["loss"],
         "notes": notes,
-        "measurement": meas,
     }
-
-
-def _step_variant(run, config, precision, variant, ops, warmup, reps):
-    out = measure_train_step(
-        config,
-        run.device,
-        precision.name,
-        variant,
-        ops=ops,
-        warmup=warmup,
-        reps=reps,
-        compile_backend=run.compile_backend,
-        compile_mode=run.compile_mode,
-    )
-    notes = {**out["notes"], "phases_s": out["phases_s"], "loss": out["loss"]}
-    return [("fwd+bwd", out["measurement"], notes)]
 
 
 def _step_extra(config: ModelConfig) -> dict[str, Any]:
@@ -568,14 +496,15 @@ def _step_extra(config: ModelConfig) -> dict[str, Any]:
     }
 
 
-def _bench_steps(run, config, precision, variants, checkpointing, warmup, reps) -> None:
-    s, n = config.max_msa_clusters, config.crop_size
-    for ckpt in checkpointing:
-        cfg = config.replace(checkpoint=ckpt)
-        for variant in variants:
-            key = ("train_step", variant, ["fwd+bwd"], [s, n], precision, None)
-            measure = functools.partial(_step_variant, run, cfg, precision, variant, None, warmup, reps)
-            run.attempt(f"step ckpt={ckpt} {precision.name} {variant}", key, _step_extra(cfg), measure)
+def _bench_train_steps(run: _Run, op: str, runs: list, precision: Precision, timing: tuple[int, int]) -> None:
+    """Training steps, a row each: `runs` of (provider, config, variant, swapped ops or None, notes)."""
+    for provider, config, variant, ops, notes in runs:
+        key = (op, provider, ["fwd+bwd"], [config.max_msa_clusters, config.crop_size], precision, None)
+        build = functools.partial(
+            _train_steps, config, run.device, precision, variant, ops, run.compile_backend, run.compile_mode
+        )
+        label = f"{op} {provider} ckpt={config.checkpoint} {precision.name}"
+        run.measure(label, key, {**_step_extra(config), **notes}, build, (*timing, False))
 
 
 def waterfall_stages(
@@ -589,15 +518,6 @@ def waterfall_stages(
     if compile:
         stages.append(("+compile", "compile_hfkit", list(ops)))
     return stages
-
-
-def _bench_waterfall(run, config, precision, warmup, reps) -> None:
-    s, n = config.max_msa_clusters, config.crop_size
-    for index, (label, variant, ops) in enumerate(waterfall_stages()):
-        extra = {**_step_extra(config), "stage": index, "variant": variant, "ops": ops}
-        key = ("step_waterfall", label, ["fwd+bwd"], [s, n], precision, None)
-        measure = functools.partial(_step_variant, run, config, precision, variant, ops, warmup, reps)
-        run.attempt(f"waterfall {label}", key, extra, measure)
 
 
 def profile_train_step(
@@ -618,19 +538,15 @@ def profile_train_step(
     shape (`census_speed`, in the precision's compute dtype), "step_ms": profiled device time per
     step}. On a CPU hfkit's ops run their references unless `interpret`."""
     from hfkit.bench.profile import census_speed, layer_norm_census, op_table, profile_step
-    from hfkit.train import make_optimizer, synthetic_batch, train_step
 
     device = resolve_device(device)
     prec = _precision(precision)
-    model, _ = _step_model(config, device, prec, variant, None, "inductor", None, seed)
-    optimizer = make_optimizer(model)
-    batch = synthetic_batch(config, seed=seed, device=device)
-    step = functools.partial(train_step, model, batch, optimizer, clip=0.1, autocast_dtype=prec.autocast)
+    train = _train_steps(config, device, prec, variant, None, "inductor", None, seed)
     with _cpu_path(device, interpret):
-        prof = profile_step(step, device, steps=steps, warmup=1)
+        prof = profile_step(train.step, device, steps=steps, warmup=1)
         ops = op_table(prof, top=top)
         census = layer_norm_census(prof)
-        del model, optimizer, batch, step, prof
+        del train, prof
         gc.collect()
         dtype = prec.autocast or prec.params
         warmup = None if census_reps is None else 2
@@ -638,23 +554,25 @@ def profile_train_step(
     return {"ops": ops, "census": census, "speed": speed, "step_ms": ops.attrs["total_ms"] / steps}
 
 
-def _one_value(ms: float) -> _Measurement:
-    # A profiled total is one number, not a distribution: p20 = p50 = p80.
-    return _Measurement(Timing(ms, ms, ms, 1, "wall"), math.nan, None)
-
-
-def _profile_rows(run: _Run, config: ModelConfig, precision: Precision) -> list:
+def _profile_rows(run: _Run, config: ModelConfig, precision: Precision) -> list[ResultRow]:
     s, n = config.max_msa_clusters, config.crop_size
     reps = 20 if run.device.type == "cuda" else 3
     out = profile_train_step(config, run.device, precision.name, census_reps=reps)
     ops, census = out["ops"], out["census"]
     device_time = ops.attrs["device_time"]
+
+    def row(op: str, provider: str, mode: str, shape: Sequence[int], ms: float, notes: dict) -> ResultRow:
+        # A profiled total is one number, not a distribution: p20 = p50 = p80.
+        return make_row(
+            run.env, Timing(ms, ms, ms, 1, "wall"), op=op, provider=provider, mode=mode, shape=shape,
+            dtype=precision.name, ceilings=run.ceilings, extra={**precision.describe(), **notes},
+        )  # fmt: skip
+
     rows = []
     for r in ops.itertuples():
         notes = {"calls": int(r.calls), "share_pct": r.share_pct, "device_time": device_time}
-        notes["step_ms"] = out["step_ms"]
         rows.append(
-            run.row("step_profile", r.name, "fwd+bwd", [s, n], precision, _one_value(r.time_ms), None, notes)
+            row("step_profile", r.name, "fwd+bwd", [s, n], r.time_ms, {**notes, "step_ms": out["step_ms"]})
         )
     speed = {tuple(r.shape): r for r in out["speed"].itertuples()}
     for r in census.itertuples():
@@ -668,25 +586,38 @@ def _profile_rows(run: _Run, config: ModelConfig, precision: Precision) -> list:
             "hfkit_ms": getattr(sp, "hfkit_ms", None),
             "speedup": getattr(sp, "speedup", None),
         }
-        rows.append(
-            run.row(
-                "layer_norm_census", r.op, "fwd", list(r.shape), precision, _one_value(r.time_ms), None, notes
-            )
-        )
+        rows.append(row("layer_norm_census", r.op, "fwd", list(r.shape), r.time_ms, notes))
     return rows
 
 
-def _bench_profile(run, config, precision) -> None:
-    s, n = config.max_msa_clusters, config.crop_size
-    extra = {"checkpointing": config.checkpoint}
-    key = ("step_profile", "eager", ["fwd+bwd"], [s, n], precision, None)
-
-    def measure() -> list:
-        # The profile makes many rows of its own: they go straight in, and no row per mode is left.
-        run.rows.extend(_profile_rows(run, config, precision))
-        return []
-
-    run.attempt("profile", key, extra, measure)
+def _bench_profile(run: _Run, config: ModelConfig, precision: Precision) -> None:
+    """The profile's rows (top operators, the LayerNorm census); one error row if it fails."""
+    run.progress.set_postfix_str("profile")
+    error = "skipped: the run's time budget (budget_s) was spent"
+    if run.deadline is None or time.perf_counter() <= run.deadline:
+        try:
+            with run.cpu_path():
+                run.rows.extend(_profile_rows(run, config, precision))
+            error = None
+        except Exception as err:  # noqa: BLE001 - a failed profile must not stop the run
+            error = " ".join(f"{type(err).__name__}: {err}".split())[:500]
+    if error is not None:
+        extra = {**precision.describe(), "checkpointing": config.checkpoint, "error": error}
+        shape = [config.max_msa_clusters, config.crop_size]
+        run.rows.append(
+            make_row(
+                run.env,
+                None,
+                op="step_profile",
+                provider="eager",
+                mode="fwd+bwd",
+                shape=shape,
+                dtype=precision.name,
+                ceilings=run.ceilings,
+                extra=extra,
+            )  # fmt: skip
+        )
+    run.done(1)
 
 
 def _precision(name: str) -> Precision:
@@ -766,8 +697,7 @@ def run_model_benchmark(
     config = bench_config(quick)
     t_start = time.perf_counter()
     ceilings = ceilings or bench_ceilings(device)
-    env = environment_info(device, command)
-    row_env = {k: env[k] for k in ENV_KEYS}
+    env = environment_info(device, command)  # the file's meta; rows repeat its ENV_KEYS
 
     counts = {
         "block": len(dtypes) * len(shape_list) * len(variants) * len(modes),
@@ -779,7 +709,7 @@ def run_model_benchmark(
     bar = tqdm(total=sum(counts[p] for p in parts), disable=not progress, desc="model")
     run = _Run(
         device=device,
-        row_env=row_env,
+        env={k: env[k] for k in ENV_KEYS},
         ceilings=ceilings,
         deadline=None if budget_s is None else t_start + budget_s,
         file=None if out is None else ResultFile(out, env, append=append, key=_row_key),
@@ -788,22 +718,32 @@ def run_model_benchmark(
         progress=bar,
         interpret=interpret,
     )
-    big = (5, 20) if on_cuda else (1, 2)  # (warmup, reps): the block, milliseconds a call
+    fast = (5, 20) if on_cuda else (1, 2)  # (warmup, reps): the block, milliseconds a call
     slow = (1, 3) if on_cuda else (0, 1)  # the stack and the step, about a second a call
     try:
         with _recompile_limit():
             for part in parts:
                 if part == "block":
                     precisions = [_precision(d) for d in dtypes]
-                    _bench_blocks(run, config, shape_list, precisions, variants, modes, *big)
+                    _bench_blocks(run, config, shape_list, precisions, variants, modes, fast)
                 elif part == "stack":
                     precisions = [_precision(d) for d in stack_dtypes]
-                    _bench_stack(run, config, precisions, variants, checkpointing, stack_launch, *slow)
+                    _bench_stack(run, config, precisions, variants, checkpointing, stack_launch, slow)
                 elif part == "step":
-                    _bench_steps(run, config, step_precision, step_variants, checkpointing, *slow)
+                    runs = [
+                        (v, config.replace(checkpoint=c), v, None, {})
+                        for c in checkpointing
+                        for v in step_variants
+                    ]
+                    _bench_train_steps(run, "train_step", runs, step_precision, slow)
                 elif part == "waterfall":
                     cfg = config.replace(checkpoint=bool(checkpointing[-1]))
-                    _bench_waterfall(run, cfg, step_precision, *slow)
+                    stages = enumerate(waterfall_stages())
+                    runs = [
+                        (label, cfg, v, ops, {"stage": i, "variant": v, "ops": ops})
+                        for i, (label, v, ops) in stages
+                    ]
+                    _bench_train_steps(run, "step_waterfall", runs, step_precision, slow)
                 elif part == "profile":
                     # Checkpointed, as AlphaFold trains (and as the hfai profile's step presumably ran).
                     _bench_profile(run, config.replace(checkpoint=True), step_precision)

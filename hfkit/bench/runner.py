@@ -38,6 +38,7 @@ __all__ = [
     "ShapeCase",
     "Skip",
     "Steps",
+    "TileSweep",
     "free_memory",
     "max_abs_err",
     "measure_case",
@@ -58,12 +59,14 @@ class Skip(Exception):
 
 class Steps(NamedTuple):
     """What `measure_case` runs for one case: `step` makes `calls` op calls (one per rotating input
-    set), `single` one call on the first set (for peak memory), `check` returns error figures."""
+    set), `single` one call on the first set (for peak memory), `check` returns error figures (or
+    notes) before timing, `after` notes read after it (e.g. the last call's loss)."""
 
     step: Callable[[], Any]
     single: Callable[[], Any]
     calls: int
     check: Callable[[], dict[str, Any]] | None
+    after: Callable[[], dict[str, Any]] | None = None
 
 
 class Prepared(NamedTuple):
@@ -81,6 +84,29 @@ class Option(NamedTuple):
     kind: str
     help: str
     choices: tuple[str, ...] = ()
+
+
+class TileSweep(NamedTuple):
+    """The kernel passes of one op and how to time each alone with given tiles.
+
+    - `passes`: pass names in the order the op runs them;
+    - `fields[pass_]`: names of the entries of that pass's tiles (the rows' `extra["tiles"]` keys);
+    - `grid(case, pass_) -> [tiles]`: the configurations swept (tuples of launcher arguments);
+    - `default(case, dtype, pass_, device) -> tiles`: what the op launches today;
+    - `prepare(case, dtype, device) -> inputs`: buffers shared by every pass and configuration;
+    - `launch(inputs, pass_, tiles) -> step`: one call of the pass with `tiles`, returning its output
+      (the check compares it with the default tiles' output); `calls(inputs)` op calls a step makes;
+    - `cost(case, dtype, pass_) -> (bytes, flops)` of one call (flops None for memory-bound passes).
+    """
+
+    passes: tuple[str, ...]
+    fields: Mapping[str, tuple[str, ...]]
+    grid: Callable[[Any, str], Sequence[tuple]]
+    default: Callable[[Any, str, str, torch.device], tuple]
+    prepare: Callable[[Any, str, torch.device], Any]
+    launch: Callable[[Any, str, tuple], Callable[[], torch.Tensor]]
+    calls: Callable[[Any], int]
+    cost: Callable[[Any, str, str], tuple[int, int | None]]
 
 
 @dataclass(frozen=True)
@@ -107,7 +133,8 @@ class Benchmark:
     - `build(case, impl, prepared, mode, dtype) -> Steps`;
     - `cost(case, dtype, mode) -> (bytes, flops)`: minimum traffic and arithmetic of one call (flops
       None for memory-bound ops);
-    - `gpu_warmup`/`gpu_reps`: timing defaults on a GPU (1 and 3 on a CPU).
+    - `gpu_warmup`/`gpu_reps`: timing defaults on a GPU (1 and 3 on a CPU);
+    - `tiles`: the `TileSweep` of the op's kernel passes (`hfkit bench <name> --tiles`, `hfkit.bench.tune`).
     """
 
     name: str
@@ -123,6 +150,7 @@ class Benchmark:
     options: tuple[Option, ...] = ()
     gpu_warmup: int = 5
     gpu_reps: int = 20
+    tiles: TileSweep | None = None
 
 
 class BenchResult(NamedTuple):
@@ -170,6 +198,8 @@ def measure_case(
     warmup: int,
     reps: int,
     extra: dict[str, Any] | None = None,
+    graph: bool = True,
+    first_call: bool = False,
 ) -> ResultRow:
     """Check, measure peak memory and time one case; return its row (an error row if anything raised).
 
@@ -178,10 +208,12 @@ def measure_case(
     for `extra`, with `check_ok` False when the provider disagrees with the reference beyond its
     dtype's rounding (the row is kept and a warning raised). `nbytes` is the minimum memory traffic of
     one call, `flops` its arithmetic (None for memory-bound ops): the row reports GB/s and TFLOP/s from
-    the median time and percentages of `ceilings`.
+    the median time and percentages of `ceilings`. `graph` False times eager calls with CUDA events
+    (what a loop launching from Python gets); `first_call` records the wall time of the first call,
+    compilation included, as `first_call_s`.
     """
     extra = dict(extra or {})
-    error = timing = None
+    error = timing = peak = None
     start = time.perf_counter()
     try:
         steps = build()
@@ -194,14 +226,22 @@ def measure_case(
                     RuntimeWarning,
                     stacklevel=2,
                 )
-        if device.type == "cuda":
+        if device.type == "cuda" or first_call:
             # One call first: compilation, autotuning (trifast benchmarks its configs on first use) and
             # lazy workspaces stay out of the peak. (On a CPU peak_memory's own call is the warm-up.)
+            called = time.perf_counter()
             steps.single()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if first_call:
+                extra["first_call_s"] = time.perf_counter() - called
         # Seconds spent before timing: input layouts, the check, compilation and autotuning.
         extra["setup_s"] = round(time.perf_counter() - start, 2)
-        peak, _ = peak_memory(steps.single, device)
-        timing, note = time_step(steps.step, device, steps.calls, warmup, reps)
+        if device.type == "cuda" or not first_call:  # on a CPU: the warm-up, unless the first call was
+            peak, _ = peak_memory(steps.single, device)
+        timing, note = time_step(steps.step, device, steps.calls, warmup, reps, graph)
+        if steps.after is not None:
+            extra.update(steps.after())
     except Exception as err:  # noqa: BLE001 - one failing provider (e.g. out of memory) must not end the run
         error = _short(err)
     if error is not None:

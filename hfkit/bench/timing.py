@@ -51,18 +51,23 @@ def rotating(
     bytes_per_set: int,
     min_total_bytes: int = 512 << 20,
     max_sets: int = 64,
+    *,
+    device: torch.device | None = None,
 ) -> list[T]:
     """Build enough independent input sets that cycling through them defeats the L2 cache.
 
     Calls `make_inputs()` k times, with k the smallest count whose total (k * bytes_per_set) exceeds
     `min_total_bytes`, capped at `max_sets` (so very small inputs still fit the cache; callers can see
-    that from `len(result) * bytes_per_set`). Always returns at least one set.
+    that from `len(result) * bytes_per_set`). Always returns at least one set; exactly one when
+    `device` is given and is not a GPU (no L2 to defeat, and the Triton interpreter is slow).
     """
     if bytes_per_set <= 0:
         raise ValueError(f"bytes_per_set: expected a positive byte count, got {bytes_per_set}")
     if max_sets < 1:
         raise ValueError(f"max_sets: expected at least 1, got {max_sets}")
     k = min(max_sets, max(1, math.floor(min_total_bytes / bytes_per_set) + 1))
+    if device is not None and torch.device(device).type != "cuda":
+        k = 1
     return [make_inputs() for _ in range(k)]
 
 
@@ -186,12 +191,13 @@ def time_fn(
 
 
 def time_step(
-    step: Callable[[], Any], device: torch.device, calls: int, warmup: int, reps: int
+    step: Callable[[], Any], device: torch.device, calls: int, warmup: int, reps: int, graph: bool = True
 ) -> tuple[Timing, str | None]:
     """`time_fn` of a benchmark step: CUDA-graph timed on a GPU and, if the capture fails, timed with
-    CUDA events on eager calls, with the reason returned as a note (None when nothing fell back)."""
-    if device.type != "cuda":
-        return time_fn(step, device, calls=calls, warmup=warmup, reps=reps), None
+    CUDA events on eager calls, with the reason returned as a note (None when nothing fell back).
+    `graph` False: eager calls timed with CUDA events from the start."""
+    if device.type != "cuda" or not graph:
+        return time_fn(step, device, calls=calls, warmup=warmup, reps=reps, graph=False), None
     try:
         return time_fn(step, device, calls=calls, warmup=warmup, reps=reps, graph=True), None
     except Exception as err:  # noqa: BLE001 - any capture failure means: time it eagerly instead

@@ -48,7 +48,7 @@ class Config(NamedTuple):
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per pass on CUDA, for padded head dims <= 32 and above;
-# from `python -m hfkit.bench.tune_attention` on an H200 (data/results/h200/tuning/attention.json).
+# from `hfkit bench evoformer_attention --tiles` on an H200 (data/results/h200/tuning/attention.json).
 CONFIGS_SMALL_D: dict[str, tuple[int, int, int, int]] = {
     "fwd": (128, 32, 4, 3),
     "dkdv": (32, 128, 4, 3),

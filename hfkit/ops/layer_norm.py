@@ -270,7 +270,7 @@ def _rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
 def _fwd_config(n: int, elem_bytes: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) of the forward kernel.
 
-    From the H200 sweep (`python -m hfkit.bench.tune_layer_norm`, data/results/h200/tuning/):
+    From the H200 sweep (`hfkit bench layer_norm --tiles`, data/results/h200/tuning/):
     about 1024 elements per program and 16 per thread was best or within 5% of best at every census
     size (64-1024), for fp32 and bf16 alike. `elem_bytes` is kept for dtype-specific tuning.
     """

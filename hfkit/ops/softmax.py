@@ -176,7 +176,7 @@ if HAS_TRITON:
 
     def _config(k: int, pass_: str) -> tuple[int, int]:
         """(BLOCK_M, num_warps) of the 'fwd' or 'bwd' kernel for rows of k, from the H200 sweep
-        (`python -m hfkit.bench.tune_softmax`, data/results/h200/tuning/softmax.json). Forward: about
+        (`hfkit bench softmax --tiles`, data/results/h200/tuning/softmax.json). Forward: about
         1024 elements a program, 32 a thread (one warp up to K = 1024), the best or within 3% of it at
         every Evoformer shape; its default of 2048 elements on 4+ warps was up to 36% slower. Backward:
         about 2048 elements a program, 16 a thread, within 1% of the best everywhere (it moves as many

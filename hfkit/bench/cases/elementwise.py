@@ -103,8 +103,8 @@ def _prepare(case: Case, dtype_name: str, device: torch.device) -> Prepared:
     dtype = DTYPES[dtype_name]
     gen = torch.Generator(device=device).manual_seed(0)
     make = lambda: tuple(torch.randn(case.shape, device=device, dtype=dtype, generator=gen) for _ in range(3))  # noqa: E731
-    tensor_bytes = math.prod(case.shape) * torch.empty((), dtype=dtype).element_size()
-    sets = rotating(make, 3 * tensor_bytes) if device.type == "cuda" else [make()]
+    tensor_bytes = math.prod(case.shape) * dtype.itemsize
+    sets = rotating(make, 3 * tensor_bytes, device=device)
     extra: dict[str, Any] = {"case": case.name}
     if case.op == "bias_dropout_add":
         extra.update(p=case.p, shared_dim=case.shared_dim)
@@ -151,7 +151,7 @@ def _build(
 
 
 def _cost(case: Case, dtype_name: str, mode: str) -> tuple[int, None]:
-    itemsize = torch.empty((), dtype=DTYPES[dtype_name]).element_size()
+    itemsize = DTYPES[dtype_name].itemsize
     return TRAFFIC[(case.op, mode)] * math.prod(case.shape) * itemsize, None
 
 

@@ -17,10 +17,16 @@ key mask [B, S, 1, 1, N] of ones with the last few keys zero (padding). Provider
 
 FLOPs: 4·B·S·H·N·N·D forward (two matmuls), 2.5 times that for the backward; bytes: the minimum
 traffic (q, k, v, o, bias once; the backward also reads q, k, v, o, do and writes dq, dk, dv, dbias).
+
+`TILES` (`hfkit bench evoformer_attention --tiles`) times each kernel pass alone (the forward, and the
+backward's dq, dk/dv and dbias passes) at every (BLOCK_M, BLOCK_N, num_warps, num_stages) of its grid:
+the data behind `hfkit.ops.evoformer_attention.CONFIGS_SMALL_D`.
 """
 
 from __future__ import annotations
 
+import importlib
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -30,7 +36,17 @@ import torch.nn.functional as F
 
 from hfkit.bench.peers import load_cuequivariance, load_trifast
 from hfkit.bench.results import check_choice
-from hfkit.bench.runner import DTYPES, Benchmark, Option, Prepared, Skip, Steps, max_abs_err, pick_profile
+from hfkit.bench.runner import (
+    DTYPES,
+    Benchmark,
+    Option,
+    Prepared,
+    Skip,
+    Steps,
+    TileSweep,
+    max_abs_err,
+    pick_profile,
+)
 from hfkit.bench.timing import rotating
 from hfkit.ops.softmax import MASK_INF
 
@@ -40,6 +56,7 @@ __all__ = [
     "CHECK_TOL",
     "MSA_ROW_SHAPES",
     "OPS",
+    "TILES",
     "TRIANGLE_SIZES",
     "attention_cases",
     "eager_attention",
@@ -260,9 +277,9 @@ def _check(impl: _Impl, native: _Native, s: _Set, dtype_name: str) -> dict[str, 
 def _prepare(case: AttentionCase, dtype_name: str, device: torch.device) -> Prepared:
     dtype = DTYPES[dtype_name]
     gen = torch.Generator(device=device).manual_seed(0)
-    per_set = case.bytes(True, torch.empty((), dtype=dtype).element_size())
+    per_set = case.bytes(True, dtype.itemsize)
     make = lambda: _make_set(case, dtype, device, gen)  # noqa: E731
-    sets = rotating(make, per_set, 256 << 20, 4) if device.type == "cuda" else [make()]
+    sets = rotating(make, per_set, 256 << 20, 4, device=device)
     return Prepared(sets, {"rotating_sets": len(sets)})
 
 
@@ -286,9 +303,74 @@ def _build(case: AttentionCase, impl: _Impl, prepared: Prepared, mode: str, dtyp
 
 
 def _cost(case: AttentionCase, dtype_name: str, mode: str) -> tuple[int, int]:
-    itemsize = torch.empty((), dtype=DTYPES[dtype_name]).element_size()
+    itemsize = DTYPES[dtype_name].itemsize
     return case.bytes(mode == "fwd+bwd", itemsize), case.flops(mode == "fwd+bwd")
 
+
+def _kernels() -> Any:
+    # hfkit.ops re-exports the function `evoformer_attention`, which shadows the module of the same name.
+    return importlib.import_module("hfkit.ops.evoformer_attention")
+
+
+def _tile_inputs(case: AttentionCase, dtype_name: str, device: torch.device) -> dict[str, Any]:
+    # One set: the op's own forward gives o and the row statistics every backward pass reads.
+    b, s, h, n, d = case.shape
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(case.shape, device=device, dtype=DTYPES[dtype_name], generator=gen) for _ in "qkv")
+    bias = torch.randn((b, 1, h, n, n), device=device, dtype=q.dtype, generator=gen)
+    keep = torch.rand((b, s, n), device=device, generator=gen) > 0.05
+    key_bias = (keep.float() - 1.0) * MASK_INF
+    o, mx, lg = torch.ops.hfkit.evoformer_attention_fwd(q, k, v, bias, key_bias)
+    delta = torch.empty(o.shape[:-1], dtype=torch.float32, device=device)
+    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    bwd = (q, k, v, bias, key_bias, o, torch.randn_like(o), mx, lg, delta, *grads)
+    return {"fwd": (q, k, v, bias, key_bias, torch.empty_like(o), mx.clone(), lg.clone()), "bwd": bwd}
+
+
+def _tile_launch(inputs: dict[str, Any], pass_: str, tiles: tuple) -> Callable[[], torch.Tensor]:
+    kernels, (q, _, _, bias, *_, dq, dk, _) = _kernels(), inputs["bwd"]
+    b, s, h, n, d = q.shape
+    cfg = kernels.Config(tiles[0], tiles[1], max(16, 1 << (d - 1).bit_length()), tiles[2], tiles[3])
+    if pass_ == "fwd":
+        return lambda: (kernels.launch_fwd(*inputs["fwd"], cfg), inputs["fwd"][5])[1]
+    # dk/dv and dbias read delta, which the dq pass writes: the default dq first, outside the timing.
+    none = torch.empty((0,), dtype=torch.float32, device=q.device)
+    kernels.launch_bwd("dq", *inputs["bwd"], none, kernels._config("dq", d, q.device))
+    if pass_ != "dbias":
+        out = dq if pass_ == "dq" else dk
+        return lambda: (kernels.launch_bwd(pass_, *inputs["bwd"], none, cfg), out)[1]
+    nb = list(bias.shape[:3])
+    tiles_per_rep = -(-n // cfg.block_m) * -(-n // cfg.block_n) * nb[0] * nb[1] * nb[2]
+    splits = kernels.dbias_splits(b * s * h // (nb[0] * nb[1] * nb[2]), tiles_per_rep, q.device)
+    parts = torch.empty((splits, *nb, n, n), dtype=torch.float32, device=q.device)
+    return lambda: (kernels.launch_bwd("dbias", *inputs["bwd"], parts, cfg), parts.sum(0))[1]
+
+
+def _tile_default(case: AttentionCase, dtype_name: str, pass_: str, device: torch.device) -> tuple:
+    cfg = _kernels()._config(pass_, case.head_dim, device)
+    return cfg.block_m, cfg.block_n, cfg.warps, cfg.stages
+
+
+# Matmuls per pass: fwd q·kᵀ and p·v; dk/dv recomputes q·kᵀ, do·vᵀ, then pᵀ·do and dsᵀ·q; dq recomputes
+# two and adds ds·k; dbias recomputes two.
+_MATMULS = {"fwd": 2, "dkdv": 4, "dq": 3, "dbias": 2}
+_TILE_GRIDS = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+    "fwd": list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))),
+    "dq": list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))),
+    "dkdv": list(itertools.product((32, 64, 128), (64, 128), (4, 8), (2, 3))),
+    "dbias": list(itertools.product((64, 128), (32, 64, 128), (4, 8), (1, 2))),
+}
+TILES = TileSweep(
+    passes=tuple(_TILE_GRIDS),
+    fields=dict.fromkeys(_TILE_GRIDS, ("block_m", "block_n", "warps", "stages")),
+    grid=lambda case, pass_: _TILE_GRIDS[pass_],
+    default=_tile_default,
+    prepare=_tile_inputs,
+    launch=_tile_launch,
+    calls=lambda inputs: 1,
+    # 2·B·S·H·N·N·D FLOPs a matmul (the forward's `case.flops` counts two).
+    cost=lambda case, dtype_name, pass_: (0, _MATMULS[pass_] * case.flops(False) // 2),
+)
 
 BENCHMARK = Benchmark(
     name="evoformer_attention",
@@ -305,4 +387,5 @@ BENCHMARK = Benchmark(
         Option("ops", "names", "which attention", tuple(OPS)),
         Option("sizes", "ints", "keep these N, e.g. 256,512 (default: all)"),
     ),
+    tiles=TILES,
 )

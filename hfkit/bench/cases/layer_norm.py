@@ -5,12 +5,18 @@ article, where LayerNorm was about 30% of GPU time) plus hfai.nn's own benchmark
 the last dim. LayerNorm is memory-bound, so each row reports GB/s against the device-to-device copy
 ceiling measured in the same run, and `extra` carries a copy of the same tensor timed the same way: the
 practical floor for that shape (`copy_gbps_same_size`, `copy_floor_ms`).
+
+`TILES` (`hfkit bench layer_norm --tiles`) sweeps the kernels alone: the forward over (BLOCK_M,
+num_warps), the backward over (BLOCK_M, num_warps, programs per SM, next-block prefetch, per-slot
+weight-grad partials): the data behind `hfkit.ops.layer_norm._fwd_config`/`_bwd_config`.
 """
 
 from __future__ import annotations
 
+import importlib
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +32,7 @@ from hfkit.bench.runner import (
     Prepared,
     ShapeCase,
     Steps,
+    TileSweep,
     pick_profile,
     run_benchmark,
 )
@@ -40,6 +47,7 @@ __all__ = [
     "FULL_SHAPES",
     "HFAI_SHAPE",
     "SMOKE_SHAPES",
+    "TILES",
     "layer_norm_cases",
     "layernorm_errors",
     "run_layernorm_benchmark",
@@ -120,7 +128,7 @@ def _provider(name: str, case: ShapeCase, device: torch.device) -> Any:
 
 def _prepare(case: ShapeCase, dtype_name: str, device: torch.device) -> Prepared:
     dtype, shape = DTYPES[dtype_name], case.shape
-    tensor_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    tensor_bytes = math.prod(shape) * dtype.itemsize
     gen = torch.Generator(device=device).manual_seed(0)
 
     def make_set() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -130,7 +138,7 @@ def _prepare(case: ShapeCase, dtype_name: str, device: torch.device) -> Prepared
 
     on_cuda = device.type == "cuda"
     # On a GPU, enough sets that one loop moves well past L2; on a CPU one set (nothing to defeat).
-    sets = rotating(make_set, 3 * tensor_bytes) if on_cuda else [make_set()]
+    sets = rotating(make_set, 3 * tensor_bytes, device=device)
     l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size if on_cuda else None
 
     # The same-size copy: the practical floor for a pass over this tensor, timed like the op.
@@ -187,9 +195,93 @@ def _build(case: ShapeCase, f: Any, prepared: Prepared, mode: str, dtype_name: s
 
 
 def _cost(case: ShapeCase, dtype_name: str, mode: str) -> tuple[int, None]:
-    itemsize = torch.empty((), dtype=DTYPES[dtype_name]).element_size()
+    itemsize = DTYPES[dtype_name].itemsize
     return TRAFFIC[mode] * math.prod(case.shape) * itemsize, None
 
+
+def _kernels() -> Any:
+    # hfkit.ops re-exports the function `layer_norm`, which shadows the module of the same name.
+    return importlib.import_module("hfkit.ops.layer_norm")
+
+
+def _tile_inputs(case: ShapeCase, dtype_name: str, device: torch.device) -> tuple:
+    # Rotating [M, N] sets (x, dy, y, mean, rstd, out) with the statistics the backward reads.
+    kernels, dtype = _kernels(), DTYPES[dtype_name]
+    n, m = case.shape[-1], math.prod(case.shape[:-1])
+    gen = torch.Generator(device=device).manual_seed(0)
+    w, b = (torch.randn(n, device=device, dtype=dtype, generator=gen) for _ in range(2))
+
+    def make() -> tuple[torch.Tensor, ...]:
+        x, dy = (torch.randn((m, n), device=device, dtype=dtype, generator=gen) for _ in range(2))
+        y, mean, rstd = torch.empty_like(x), torch.empty(m, device=device), torch.empty(m, device=device)
+        kernels._launch_fwd(x, y, w, b, mean, rstd, EPS, kernels._fwd_config(n, x.element_size()))
+        return x, dy, y, mean, rstd, torch.empty_like(x)
+
+    tensor_bytes = m * n * dtype.itemsize
+    return rotating(make, 3 * tensor_bytes, device=device), w, b
+
+
+def _tile_launch(inputs: tuple, pass_: str, tiles: tuple) -> Callable[[], torch.Tensor]:
+    kernels, (sets, w, b) = _kernels(), inputs
+    m, n = sets[0][0].shape
+    if pass_ == "bwd":
+        *cfg, per_sm, prefetch, acc2d = tiles
+        programs = kernels._bwd_programs(m, tuple(cfg), w.device, per_sm)
+        partials = [torch.empty(2, programs, n, device=w.device) for _ in sets]
+
+    def step() -> torch.Tensor:
+        for i, (x, dy, _, mean, rstd, out) in enumerate(sets):
+            if pass_ == "fwd":
+                kernels._launch_fwd(x, out, w, b, mean, rstd, EPS, tiles)
+            else:
+                dwb = partials[i]
+                kernels._launch_bwd(x, dy, out, w, mean, rstd, dwb, True, programs, cfg, prefetch, acc2d)
+                dwb.sum(dim=1)
+        return out
+
+    return step
+
+
+def _tile_grid(case: ShapeCase, pass_: str) -> list[tuple]:
+    block_n = 1 << (case.shape[-1] - 1).bit_length()
+    fits = lambda bm, warps: bm * block_n <= 16384 and warps * 32 <= bm * block_n  # noqa: E731
+    if pass_ == "fwd":
+        return [(bm, block_n, w) for bm in (1, 2, 4, 8, 16, 32, 64) for w in (1, 2, 4, 8, 16) if fits(bm, w)]
+    bm0 = _kernels()._bwd_config(case.shape[-1], 4)[0]
+    tiles = [(bm, block_n, w) for bm in sorted({max(1, bm0 // 2), bm0, 2 * bm0}) for w in (1, 2, 4)]
+    variants = itertools.product((8, 16, 32), (False, True), (False, True))  # per SM, prefetch, acc2d
+    return [(*t, *v) for t, v in itertools.product([t for t in tiles if fits(t[0], t[2])], list(variants))]
+
+
+def _tile_default(case: ShapeCase, dtype_name: str, pass_: str, device: torch.device) -> tuple:
+    kernels, n = _kernels(), case.shape[-1]
+    itemsize = DTYPES[dtype_name].itemsize
+    if pass_ == "fwd":
+        return kernels._fwd_config(n, itemsize)
+    cfg = kernels._bwd_config(n, itemsize)
+    # What `_bwd_programs` and `_launch_bwd` pick when not told: 16 warps an SM, prefetch for 2-byte types.
+    return (*cfg, max(1, 16 // cfg[2]), itemsize < 4, True)
+
+
+def _tile_cost(case: ShapeCase, dtype_name: str, pass_: str) -> tuple[int, None]:
+    # Forward: read x, write y; backward: read x and dy, write dx (statistics and weights are small).
+    itemsize = DTYPES[dtype_name].itemsize
+    return (2 if pass_ == "fwd" else 3) * math.prod(case.shape) * itemsize, None
+
+
+TILES = TileSweep(
+    passes=("fwd", "bwd"),
+    fields={
+        "fwd": ("block_m", "block_n", "warps"),
+        "bwd": ("block_m", "block_n", "warps", "per_sm", "prefetch", "acc2d"),
+    },
+    grid=_tile_grid,
+    default=_tile_default,
+    prepare=_tile_inputs,
+    launch=_tile_launch,
+    calls=lambda inputs: len(inputs[0]),
+    cost=_tile_cost,
+)
 
 BENCHMARK = Benchmark(
     name="layer_norm",
@@ -205,6 +297,7 @@ BENCHMARK = Benchmark(
     options=(Option("shapes", "shapes", "x shapes, e.g. 1x256x256x128,1x256x384"),),
     gpu_warmup=10,
     gpu_reps=50,
+    tiles=TILES,
 )
 
 

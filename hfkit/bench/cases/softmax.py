@@ -6,11 +6,16 @@ H=4), in FastFold's semantics `softmax(x + bias + (mask - 1)·1e9)` (`hfkit.ops.
 Softmax is memory-bound: each row reports GB/s of the minimum traffic (forward: read x and the bias
 once, write y; backward: read y and dy, write dx and the bias gradient) as a percentage of the copy
 bandwidth measured in the same run. The goal is 80% of it.
+
+`TILES` (`hfkit bench softmax --tiles`) sweeps the forward and backward kernels alone over (rows a
+program, num_warps): the data behind `hfkit.ops.softmax._config`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib
+import itertools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -22,13 +27,22 @@ from hfkit.bench.runner import (
     Prepared,
     ShapeCase,
     Steps,
+    TileSweep,
     max_abs_err,
     pick_profile,
 )
 from hfkit.bench.timing import rotating
 from hfkit.ops.softmax import MASK_INF
 
-__all__ = ["BENCHMARK", "CHECK_TOL", "SOFTMAX_SHAPES", "eager_softmax", "softmax_bytes", "softmax_cases"]
+__all__ = [
+    "BENCHMARK",
+    "CHECK_TOL",
+    "SOFTMAX_SHAPES",
+    "TILES",
+    "eager_softmax",
+    "softmax_bytes",
+    "softmax_cases",
+]
 
 # (S, H, N, N): MSA row attention logits (H=8) and triangle attention logits (S = N, H=4).
 SOFTMAX_SHAPES: tuple[tuple[int, int, int, int], ...] = (
@@ -100,8 +114,8 @@ def _prepare(case: ShapeCase, dtype_name: str, device: torch.device) -> Prepared
         )
         return x, bias, mask, dy
 
-    per_set = softmax_bytes(case.shape, torch.empty((), dtype=dtype).element_size(), True)
-    sets = rotating(make, per_set, 256 << 20, 4) if device.type == "cuda" else [make()]
+    per_set = softmax_bytes(case.shape, dtype.itemsize, True)
+    sets = rotating(make, per_set, 256 << 20, 4, device=device)
     return Prepared(sets, {"rotating_sets": len(sets), "bias": [1, h, n, k], "mask": [s, 1, 1, k]})
 
 
@@ -136,9 +150,55 @@ def _build(case: ShapeCase, f: Any, prepared: Prepared, mode: str, dtype_name: s
 
 
 def _cost(case: ShapeCase, dtype_name: str, mode: str) -> tuple[int, None]:
-    itemsize = torch.empty((), dtype=DTYPES[dtype_name]).element_size()
+    itemsize = DTYPES[dtype_name].itemsize
     return softmax_bytes(case.shape, itemsize, mode == "fwd+bwd"), None
 
+
+def _kernels() -> Any:
+    # hfkit.ops re-exports the function `softmax`, which shadows the module of the same name.
+    return importlib.import_module("hfkit.ops.softmax")
+
+
+def _tile_inputs(case: ShapeCase, dtype_name: str, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    # The benchmark's rotating (x, bias, mask, dy) sets, with each set's y and an output buffer.
+    sets = _prepare(case, dtype_name, device).inputs
+    return [(*t, torch.ops.hfkit.softmax_fwd(*t[:3]), torch.empty_like(t[0])) for t in sets]
+
+
+def _tile_launch(
+    sets: list[tuple[torch.Tensor, ...]], pass_: str, tiles: tuple
+) -> Callable[[], torch.Tensor]:
+    kernels = _kernels()
+
+    def step() -> torch.Tensor:
+        for x, bias, mask, dy, y, out in sets:
+            if pass_ == "fwd":
+                kernels.launch_fwd(x, bias, mask, out, tiles)
+            else:
+                kernels.launch_bwd(dy, y, out, tiles)
+        return out
+
+    return step
+
+
+def _tile_cost(case: ShapeCase, dtype_name: str, pass_: str) -> tuple[int, None]:
+    # The backward kernel reads y and dy and writes dx; the bias gradient is a separate reduction.
+    itemsize = DTYPES[dtype_name].itemsize
+    x_bytes = itemsize * case.shape[0] * case.shape[1] * case.shape[2] * case.shape[3]
+    return (softmax_bytes(case.shape, itemsize, False) if pass_ == "fwd" else 3 * x_bytes), None
+
+
+_TILE_GRID = list(itertools.product((1, 2, 4, 8, 16), (1, 2, 4, 8, 16)))  # (rows a program, num_warps)
+TILES = TileSweep(
+    passes=("fwd", "bwd"),
+    fields={"fwd": ("block_m", "warps"), "bwd": ("block_m", "warps")},
+    grid=lambda case, pass_: _TILE_GRID,
+    default=lambda case, dtype_name, pass_, device: _kernels()._config(case.shape[-1], pass_),
+    prepare=_tile_inputs,
+    launch=_tile_launch,
+    calls=len,
+    cost=_tile_cost,
+)
 
 BENCHMARK = Benchmark(
     name="softmax",
@@ -153,4 +213,5 @@ BENCHMARK = Benchmark(
     cost=_cost,
     options=(Option("shapes", "shapes", "x shapes SxHxNxK, e.g. 128x8x256x256"),),
     gpu_reps=30,
+    tiles=TILES,
 )

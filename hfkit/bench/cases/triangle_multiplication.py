@@ -213,8 +213,8 @@ def _prepare(case: TrimulCase, precision: str, device: torch.device) -> Prepared
         z = torch.randn(case.shape, device=device, dtype=dtype, generator=gen)
         return z, torch.randn(case.shape, device=device, dtype=dtype, generator=gen)
 
-    per_set = 2 * case.bytes(False, torch.empty((), dtype=dtype).element_size())
-    sets = rotating(make, per_set, 256 << 20, 4) if device.type == "cuda" else [make()]
+    per_set = 2 * case.bytes(False, dtype.itemsize)
+    sets = rotating(make, per_set, 256 << 20, 4, device=device)
     with torch.no_grad():
         ref = module32(sets[0][0].float(), mask.float())
     extra = {"direction": case.direction, "c_hidden": case.c_hidden, "rotating_sets": len(sets)}
