@@ -15,6 +15,7 @@ from conftest import real_data
 from fuzz_edits import EDIT_OPS, edit
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mmcif_cases import atom_site_loop
 
 from hfkit.data.mmcif import Structure, parse_mmcif
 from hfkit.data.parsers import ParseError, parse_fasta, parse_hhr
@@ -173,21 +174,8 @@ _struct_asym.entity_id
 A 1
 B 2
 C 3
-loop_
-_atom_site.group_PDB
-_atom_site.id
-_atom_site.label_atom_id
-_atom_site.label_alt_id
-_atom_site.label_comp_id
-_atom_site.label_asym_id
-_atom_site.label_entity_id
-_atom_site.label_seq_id
-_atom_site.Cartn_x
-_atom_site.Cartn_y
-_atom_site.Cartn_z
-_atom_site.occupancy
-_atom_site.auth_asym_id
-_atom_site.pdbx_PDB_model_num
+""" + atom_site_loop(
+    """\
 HETATM 1 N . MSE A 1 2 1.0 0.0 0.0 1.0 X 1
 HETATM 2 CA . MSE A 1 2 2.0 0.0 0.0 1.0 X 1
 HETATM 3 SE . MSE A 1 2 3.0 0.0 0.0 0.8 X 1
@@ -206,6 +194,7 @@ HETATM 15 O . HOH C 3 . 0.0 0.0 5.0 1.0 X 1
 ATOM 16 CA . MET A 1 1 -1.0 0.0 0.0 1.0 X 2
 ATOM 17 CA . GLY A 1 3 -5.0 0.0 0.0 1.0 X 2
 """
+)
 
 
 def test_small_entry_follows_alphafold_rules() -> None:

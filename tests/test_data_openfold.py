@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import OPENFOLD_TEST_DATA
+from mmcif_cases import ATOM_SITE_COLUMNS, atom_site_loop
 
 import hfkit.data
 from hfkit.data.crop import choose_crop, crop_contiguous
@@ -122,21 +123,8 @@ _chem_comp.id
 _chem_comp.type
 ARG 'L-peptide linking'
 GLY 'peptide linking'
-loop_
-_atom_site.group_PDB
-_atom_site.id
-_atom_site.label_atom_id
-_atom_site.label_alt_id
-_atom_site.label_comp_id
-_atom_site.label_asym_id
-_atom_site.label_entity_id
-_atom_site.label_seq_id
-_atom_site.Cartn_x
-_atom_site.Cartn_y
-_atom_site.Cartn_z
-_atom_site.occupancy
-_atom_site.auth_asym_id
-_atom_site.pdbx_PDB_model_num
+""" + atom_site_loop(
+    """\
 ATOM 1 CA . ARG A 1 1 0.0 0.0 0.0 1.0 A 1
 ATOM 2 CD . ARG A 1 1 1.0 0.0 0.0 1.0 A 1
 ATOM 3 NH1 . ARG A 1 1 4.5 0.0 0.0 1.0 A 1
@@ -150,6 +138,7 @@ ATOM 10 CD . ARG A 1 3 21.0 0.0 0.0 1.0 A 1
 ATOM 11 NH1 . ARG A 1 3 24.5 0.0 0.0 1.0 A 1
 ATOM 12 CA . GLY A 1 4 30.0 0.0 0.0 1.0 A 1
 """
+)
 
 
 def test_arginine_nh1_farther_from_cd_than_nh2_is_renamed() -> None:
@@ -193,20 +182,10 @@ _entity_poly_seq.entity_id
 _entity_poly_seq.num
 _entity_poly_seq.mon_id
 1 1 GLY
-loop_
-_atom_site.group_PDB
-_atom_site.id
-_atom_site.label_atom_id
-_atom_site.label_comp_id
-_atom_site.label_asym_id
-_atom_site.label_entity_id
-_atom_site.label_seq_id
-_atom_site.Cartn_x
-_atom_site.Cartn_y
-_atom_site.Cartn_z
-_atom_site.auth_asym_id
-ATOM 1 CA GLY A 1 1 0.0 0.0 0.0 A
-"""
+""" + atom_site_loop(
+    "ATOM 1 CA GLY A 1 1 0.0 0.0 0.0 A\n",
+    [c for c in ATOM_SITE_COLUMNS if c not in ("label_alt_id", "occupancy", "pdbx_PDB_model_num")],
+)
 
 
 @pytest.mark.parametrize(
