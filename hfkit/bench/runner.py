@@ -42,6 +42,7 @@ __all__ = [
     "free_memory",
     "max_abs_err",
     "measure_case",
+    "op_benchmark",
     "pick_profile",
     "run_benchmark",
 ]
@@ -151,6 +152,39 @@ class Benchmark:
     gpu_warmup: int = 5
     gpu_reps: int = 20
     tiles: TileSweep | None = None
+
+
+def op_benchmark(
+    name: str,
+    description: str,
+    cases: Callable[..., list[Any]],
+    hooks: tuple[
+        Callable[[Any, str, torch.device], Prepared],
+        Callable[[str, Any, torch.device], Any],
+        Callable[[Any, Any, Prepared, str, str], Steps],
+        Callable[[Any, str, str], tuple[int, int | None]],
+    ],
+    *,
+    providers: tuple[str, ...] = ("hfkit", "eager", "compile"),
+    dtypes: tuple[str, ...] = tuple(DTYPES),
+    **fields: Any,
+) -> Benchmark:
+    """An op's `Benchmark` table: `hooks` are its `(prepare, provider, build, cost)`, `providers`
+    default to hfkit against eager and compile, `dtypes` to every one in `DTYPES`; `fields` are the
+    other `Benchmark` fields (`default_dtypes`, `options`, `gpu_warmup`, `gpu_reps`, `tiles`)."""
+    prepare, provider, build, cost = hooks
+    return Benchmark(
+        name=name,
+        description=description,
+        providers=providers,
+        dtypes=dtypes,
+        cases=cases,
+        prepare=prepare,
+        provider=provider,
+        build=build,
+        cost=cost,
+        **fields,
+    )
 
 
 class BenchResult(NamedTuple):

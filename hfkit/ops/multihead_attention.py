@@ -17,8 +17,10 @@ attention probabilities, so with `need_weights=True` it computes them explicitly
 
 from __future__ import annotations
 
+import inspect
 import math
-from typing import NamedTuple
+from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,63 +32,43 @@ __all__ = ["multihead_attention", "multihead_attention_reference"]
 Tensor = torch.Tensor
 
 
-def multihead_attention_reference(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    num_heads: int,
-    in_proj_weight: Tensor | None,
-    in_proj_bias: Tensor | None,
-    out_proj_weight: Tensor,
-    out_proj_bias: Tensor | None,
-    *,
-    q_proj_weight: Tensor | None = None,
-    k_proj_weight: Tensor | None = None,
-    v_proj_weight: Tensor | None = None,
-    bias_k: Tensor | None = None,
-    bias_v: Tensor | None = None,
-    add_zero_attn: bool = False,
-    key_padding_mask: Tensor | None = None,
-    attn_mask: Tensor | None = None,
-    need_weights: bool = True,
-    average_attn_weights: bool = True,
-    is_causal: bool = False,
-    dropout_p: float = 0.0,
-    training: bool = True,
-    batch_first: bool = False,
-) -> tuple[Tensor, Tensor | None]:
+def multihead_attention_reference(*args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
     """Plain-torch multi-head attention: the specification `multihead_attention` is tested against.
 
-    Arguments and shapes as for `multihead_attention`. Each of q, k, v is its own projection; the
-    scores `q·kᵀ/sqrt(D) + mask` go through an explicit softmax, dropout (when `training`), and a
-    matmul with v, all in the inputs' dtype. `is_causal` is only a hint here: the mask given in
-    `attn_mask` is what is applied.
+    Takes the arguments of `multihead_attention` (its signature, which `inspect` shows here too) with
+    the same shapes. Each of q, k, v is its own projection; the scores `q·kᵀ/sqrt(D) + mask` go through
+    an explicit softmax, dropout (when `training`), and a matmul with v, all in the inputs' dtype.
+    `is_causal` is only a hint here: the mask given in `attn_mask` is what is applied.
     """
+    bound = _SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = SimpleNamespace(**bound.arguments)
     p = _check_inputs(
-        query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
-        q_proj_weight, k_proj_weight, v_proj_weight, bias_k, bias_v, key_padding_mask, attn_mask,
-        is_causal, dropout_p, batch_first,
+        a.query, a.key, a.value, a.num_heads, a.in_proj_weight, a.in_proj_bias, a.out_proj_weight,
+        a.out_proj_bias, a.q_proj_weight, a.k_proj_weight, a.v_proj_weight, a.bias_k, a.bias_v,
+        a.key_padding_mask, a.attn_mask, a.is_causal, a.dropout_p, a.batch_first,
     )  # fmt: skip
-    e, h = p.embed_dim, num_heads
+    e, h = p.embed_dim, a.num_heads
     d = e // h
     # Batch-first [B, L, E] views of every input (an unbatched input is a batch of one).
     q_in, k_in, v_in = (
-        t if batch_first and p.batched else t.transpose(0, 1) if p.batched else t.unsqueeze(0)
-        for t in (query, key, value)
+        t if a.batch_first and p.batched else t.transpose(0, 1) if p.batched else t.unsqueeze(0)
+        for t in (a.query, a.key, a.value)
     )
-    if in_proj_weight is not None:
-        q_proj_weight, k_proj_weight, v_proj_weight = in_proj_weight.chunk(3)
-    b_q, b_k, b_v = in_proj_bias.chunk(3) if in_proj_bias is not None else (None, None, None)
+    q_proj_weight, k_proj_weight, v_proj_weight = a.q_proj_weight, a.k_proj_weight, a.v_proj_weight
+    if a.in_proj_weight is not None:
+        q_proj_weight, k_proj_weight, v_proj_weight = a.in_proj_weight.chunk(3)
+    b_q, b_k, b_v = a.in_proj_bias.chunk(3) if a.in_proj_bias is not None else (None, None, None)
     q = F.linear(q_in, q_proj_weight, b_q)
     k = F.linear(k_in, k_proj_weight, b_k)
     v = F.linear(v_in, v_proj_weight, b_v)
     bsz, tgt_len, src_len = q.shape[0], q.shape[1], k.shape[1]
     extra = 0
-    if bias_k is not None and bias_v is not None:
-        k = torch.cat([k, bias_k.reshape(1, 1, e).expand(bsz, 1, e)], dim=1)
-        v = torch.cat([v, bias_v.reshape(1, 1, e).expand(bsz, 1, e)], dim=1)
+    if a.bias_k is not None and a.bias_v is not None:
+        k = torch.cat([k, a.bias_k.reshape(1, 1, e).expand(bsz, 1, e)], dim=1)
+        v = torch.cat([v, a.bias_v.reshape(1, 1, e).expand(bsz, 1, e)], dim=1)
         extra += 1
-    if add_zero_attn:
+    if a.add_zero_attn:
         k = torch.cat([k, k.new_zeros(bsz, 1, e)], dim=1)
         v = torch.cat([v, v.new_zeros(bsz, 1, e)], dim=1)
         extra += 1
@@ -94,18 +76,18 @@ def multihead_attention_reference(
     k = k.reshape(bsz, src_len + extra, h, d).transpose(1, 2)
     v = v.reshape(bsz, src_len + extra, h, d).transpose(1, 2)
     scores = torch.matmul(q / math.sqrt(d), k.transpose(-2, -1))  # [B, H, L, S]
-    mask = _merged_mask(key_padding_mask, attn_mask, bsz, h, tgt_len, src_len, extra, scores.dtype)
+    mask = _merged_mask(a.key_padding_mask, a.attn_mask, bsz, h, tgt_len, src_len, extra, scores.dtype)
     if mask is not None:
         scores = scores + mask
     probs = torch.softmax(scores, dim=-1)
-    if training and dropout_p > 0.0:
-        probs = F.dropout(probs, p=dropout_p)
+    if a.training and a.dropout_p > 0.0:
+        probs = F.dropout(probs, p=a.dropout_p)
     out = torch.matmul(probs, v).transpose(1, 2).reshape(bsz, tgt_len, e)
-    out = F.linear(out, out_proj_weight, out_proj_bias)
-    out = out[0] if not p.batched else out if batch_first else out.transpose(0, 1)
-    if not need_weights:
+    out = F.linear(out, a.out_proj_weight, a.out_proj_bias)
+    out = out[0] if not p.batched else out if a.batch_first else out.transpose(0, 1)
+    if not a.need_weights:
         return out, None
-    weights = probs.mean(dim=1) if average_attn_weights else probs
+    weights = probs.mean(dim=1) if a.average_attn_weights else probs
     return out, weights if p.batched else weights[0]
 
 
@@ -211,6 +193,11 @@ def multihead_attention(
     out = attn.permute((0, 2, 1, 3) if batch_first else (2, 0, 1, 3)).reshape(*query.shape[:2], e)
     out = F.linear(out, out_proj_weight, out_proj_bias)
     return (out if p.batched else out[:, 0]), weights
+
+
+# The one signature of both functions: the reference binds its arguments to it, and shows it.
+_SIGNATURE = inspect.signature(multihead_attention)
+multihead_attention_reference.__signature__ = _SIGNATURE  # type: ignore[attr-defined]
 
 
 def _project(

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from hfkit.bench.runner import DTYPES, Benchmark, Option, Prepared, Steps, pick_profile
+from hfkit.bench.runner import DTYPES, Option, Prepared, Steps, op_benchmark, pick_profile
 from hfkit.bench.timing import rotating
 from hfkit.ops.elementwise import bias_dropout_add, sigmoid_gate
 
@@ -155,17 +155,12 @@ def _cost(case: Case, dtype_name: str, mode: str) -> tuple[int, None]:
     return TRAFFIC[(case.op, mode)] * math.prod(case.shape) * itemsize, None
 
 
-BENCHMARK = Benchmark(
-    name="elementwise",
-    description="fused sigmoid gate and bias+dropout+residual: hfkit vs eager, compile",
-    providers=("hfkit", "eager", "compile"),
-    dtypes=tuple(DTYPES),
+BENCHMARK = op_benchmark(
+    "elementwise",
+    "fused sigmoid gate and bias+dropout+residual: hfkit vs eager, compile",
+    elementwise_cases,
+    (_prepare, _provider, _build, _cost),
     default_dtypes=("fp32", "bf16"),
-    cases=elementwise_cases,
-    prepare=_prepare,
-    provider=_provider,
-    build=_build,
-    cost=_cost,
     options=(Option("cases", "names", "which cases (default: all)", tuple(c.name for c in CASES)),),
     gpu_reps=50,
 )

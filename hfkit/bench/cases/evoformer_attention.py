@@ -38,13 +38,13 @@ from hfkit.bench.peers import load_cuequivariance, load_trifast
 from hfkit.bench.results import check_choice
 from hfkit.bench.runner import (
     DTYPES,
-    Benchmark,
     Option,
     Prepared,
     Skip,
     Steps,
     TileSweep,
     max_abs_err,
+    op_benchmark,
     pick_profile,
 )
 from hfkit.bench.timing import rotating
@@ -372,17 +372,13 @@ TILES = TileSweep(
     cost=lambda case, dtype_name, pass_: (0, _MATMULS[pass_] * case.flops(False) // 2),
 )
 
-BENCHMARK = Benchmark(
-    name="evoformer_attention",
-    description="triangle / MSA-row attention: hfkit vs eager, compile, SDPA, trifast, cuEquivariance",
+BENCHMARK = op_benchmark(
+    "evoformer_attention",
+    "triangle / MSA-row attention: hfkit vs eager, compile, SDPA, trifast, cuEquivariance",
+    attention_cases,
+    (_prepare, _provider, _build, _cost),
     providers=("hfkit", "eager", "compile", "sdpa", "trifast", "cuequivariance"),
-    dtypes=tuple(DTYPES),
     default_dtypes=("bf16",),
-    cases=attention_cases,
-    prepare=_prepare,
-    provider=_provider,
-    build=_build,
-    cost=_cost,
     options=(
         Option("ops", "names", "which attention", tuple(OPS)),
         Option("sizes", "ints", "keep these N, e.g. 256,512 (default: all)"),

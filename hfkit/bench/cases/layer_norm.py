@@ -27,12 +27,12 @@ from hfkit.bench.results import ResultRow
 from hfkit.bench.runner import (
     DTYPES,
     MODES,
-    Benchmark,
     Option,
     Prepared,
     ShapeCase,
     Steps,
     TileSweep,
+    op_benchmark,
     pick_profile,
     run_benchmark,
 )
@@ -283,17 +283,12 @@ TILES = TileSweep(
     cost=_tile_cost,
 )
 
-BENCHMARK = Benchmark(
-    name="layer_norm",
-    description="LayerNorm at AlphaFold's shapes: hfkit vs eager, compile",
-    providers=("hfkit", "eager", "compile"),
-    dtypes=tuple(DTYPES),
+BENCHMARK = op_benchmark(
+    "layer_norm",
+    "LayerNorm at AlphaFold's shapes: hfkit vs eager, compile",
+    layer_norm_cases,
+    (_prepare, _provider, _build, _cost),
     default_dtypes=("fp32", "bf16"),
-    cases=layer_norm_cases,
-    prepare=_prepare,
-    provider=_provider,
-    build=_build,
-    cost=_cost,
     options=(Option("shapes", "shapes", "x shapes, e.g. 1x256x256x128,1x256x384"),),
     gpu_warmup=10,
     gpu_reps=50,

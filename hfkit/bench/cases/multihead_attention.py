@@ -19,12 +19,12 @@ from torch import nn
 
 from hfkit.bench.runner import (
     DTYPES,
-    Benchmark,
     Option,
     Prepared,
     ShapeCase,
     Steps,
     max_abs_err,
+    op_benchmark,
     pick_profile,
 )
 
@@ -134,17 +134,12 @@ def _cost(case: ShapeCase, dtype_name: str, mode: str) -> tuple[int, int]:
     return (2 * nbytes if backward else nbytes), mha_flops(case.shape, backward)
 
 
-BENCHMARK = Benchmark(
-    name="multihead_attention",
-    description="MultiheadAttention, self-attention without weights: hfkit vs eager, compile",
-    providers=("hfkit", "eager", "compile"),
-    dtypes=tuple(DTYPES),
+BENCHMARK = op_benchmark(
+    "multihead_attention",
+    "MultiheadAttention, self-attention without weights: hfkit vs eager, compile",
+    multihead_attention_cases,
+    (_prepare, _provider, _build, _cost),
     default_dtypes=("bf16", "fp32"),
-    cases=multihead_attention_cases,
-    prepare=_prepare,
-    provider=_provider,
-    build=_build,
-    cost=_cost,
     options=(Option("shapes", "shapes", "shapes BxLxExH, e.g. 200x256x1024x16"),),
     gpu_reps=20,
 )

@@ -22,13 +22,13 @@ import torch
 
 from hfkit.bench.runner import (
     DTYPES,
-    Benchmark,
     Option,
     Prepared,
     ShapeCase,
     Steps,
     TileSweep,
     max_abs_err,
+    op_benchmark,
     pick_profile,
 )
 from hfkit.bench.timing import rotating
@@ -200,17 +200,12 @@ TILES = TileSweep(
     cost=_tile_cost,
 )
 
-BENCHMARK = Benchmark(
-    name="softmax",
-    description="fused softmax with pair bias and key mask: hfkit vs eager, compile",
-    providers=("hfkit", "eager", "compile"),
-    dtypes=tuple(DTYPES),
+BENCHMARK = op_benchmark(
+    "softmax",
+    "fused softmax with pair bias and key mask: hfkit vs eager, compile",
+    softmax_cases,
+    (_prepare, _provider, _build, _cost),
     default_dtypes=("bf16", "fp32"),
-    cases=softmax_cases,
-    prepare=_prepare,
-    provider=_provider,
-    build=_build,
-    cost=_cost,
     options=(Option("shapes", "shapes", "x shapes SxHxNxK, e.g. 128x8x256x256"),),
     gpu_reps=30,
     tiles=TILES,

@@ -32,7 +32,7 @@ from torch import nn
 
 from hfkit.bench.peers import load_cuequivariance
 from hfkit.bench.results import check_choice
-from hfkit.bench.runner import Benchmark, Option, Prepared, Skip, Steps, max_abs_err, pick_profile
+from hfkit.bench.runner import Option, Prepared, Skip, Steps, max_abs_err, op_benchmark, pick_profile
 from hfkit.bench.timing import rotating
 
 __all__ = [
@@ -263,17 +263,14 @@ def _cost(case: TrimulCase, precision: str, mode: str) -> tuple[int, int]:
     return case.bytes(mode == "fwd+bwd", itemsize), case.flops(mode == "fwd+bwd")
 
 
-BENCHMARK = Benchmark(
-    name="triangle_multiplication",
-    description="triangle multiplicative update: hfkit vs eager, compile, cuEquivariance",
+BENCHMARK = op_benchmark(
+    "triangle_multiplication",
+    "triangle multiplicative update: hfkit vs eager, compile, cuEquivariance",
+    trimul_cases,
+    (_prepare, _provider, _build, _cost),
     providers=("hfkit", "eager", "compile", "cuequivariance"),
     dtypes=PRECISIONS,
     default_dtypes=PRECISIONS,
-    cases=trimul_cases,
-    prepare=_prepare,
-    provider=_provider,
-    build=_build,
-    cost=_cost,
     options=(
         Option("sizes", "ints", "N values (default 256,384,512,1024)"),
         Option(
