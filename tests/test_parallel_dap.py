@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -189,19 +190,13 @@ def _compare(module: torch.nn.Module, args: tuple, **kwargs) -> dict[str, float]
     return _errors(_outputs_and_grads(dap, *args, **kwargs), expected)
 
 
-def _block_errors(
-    rank: int,
-    n_seq: int,
-    n_res: int,
-    masked: bool,
-    dtype: torch.dtype,
-    chunk_size: int | None,
-    extra: bool,
-) -> dict[str, float]:
-    """Relative error of every output and gradient of the DAP block against the single-process block."""
+def _block_errors(rank: int, case: dict[str, Any]) -> dict[str, float]:
+    """Relative error of every output and gradient of the DAP block against the single-process block,
+    for `case` (n_seq, n_res, masked, dtype, chunk_size, extra: see the test's table)."""
+    dtype, extra = case["dtype"], case["extra"]
     c_m = ModelConfig.tiny().c_e if extra else ModelConfig.tiny().c_m
-    args = _inputs(n_seq, n_res, masked, dtype, c_m=c_m)
-    return _compare(_block(dtype, extra=extra), args, chunk_size=chunk_size)
+    args = _inputs(case["n_seq"], case["n_res"], case["masked"], dtype, c_m=c_m)
+    return _compare(_block(dtype, extra=extra), args, chunk_size=case["chunk_size"])
 
 
 def _assert_within(results: list[dict[str, float]], tol: float, min_entries: int) -> None:
@@ -211,27 +206,26 @@ def _assert_within(results: list[dict[str, float]], tol: float, min_entries: int
         assert errors[worst] <= tol, (worst, errors[worst])
 
 
+_BLOCK_CASE_KEYS = ("nprocs", "n_seq", "n_res", "masked", "dtype", "chunk_size", "extra")
+
+
 @pytest.mark.parametrize(
-    ("nprocs", "n_seq", "n_res", "masked", "dtype", "chunk_size", "extra"),
+    "case",
     [
-        (2, 4, 6, False, torch.float64, None, False),
-        (2, 5, 7, True, torch.float64, 2, False),
-        (4, 5, 7, True, torch.float64, None, False),
-        (2, 5, 7, True, torch.float32, None, False),
-        (4, 6, 7, True, torch.float64, 3, True),
+        dict(zip(_BLOCK_CASE_KEYS, values, strict=True))
+        for values in [
+            (2, 4, 6, False, torch.float64, None, False),
+            (2, 5, 7, True, torch.float64, 2, False),
+            (4, 5, 7, True, torch.float64, None, False),
+            (2, 5, 7, True, torch.float32, None, False),
+            (4, 6, 7, True, torch.float64, 3, True),
+        ]
     ],
+    ids=lambda case: "-".join(str(v) for v in case.values()),
 )
-def test_dap_block_equals_single_process(
-    nprocs: int,
-    n_seq: int,
-    n_res: int,
-    masked: bool,
-    dtype: torch.dtype,
-    chunk_size: int | None,
-    extra: bool,
-) -> None:
-    tol = 1e-10 if dtype == torch.float64 else 1e-5
-    results = spawn_local(_block_errors, nprocs, n_seq, n_res, masked, dtype, chunk_size, extra, timeout_s=90)
+def test_dap_block_equals_single_process(case: dict[str, Any]) -> None:
+    tol = 1e-10 if case["dtype"] == torch.float64 else 1e-5
+    results = spawn_local(_block_errors, case["nprocs"], case, timeout_s=90)
     _assert_within(results, tol, 4 + 30)
 
 

@@ -12,7 +12,8 @@ pair_transition}`, and `linear`. `openfold_v2_to_v1_keys` maps the flat keys of 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,6 +39,7 @@ __all__ = [
     "ExtraMSAStack",
     "MSATransition",
     "openfold_v2_to_v1_keys",
+    "run_blocks",
 ]
 
 
@@ -92,9 +94,7 @@ class EvoformerBlockCore(nn.Module):
         pair_mask: torch.Tensor,
         chunk_size: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        msa_trans_mask = msa_mask if self.mask_msa_transition else None
-        pair_trans_mask = pair_mask if self.mask_pair_transition else None
-        m = m + self.msa_transition(m, mask=msa_trans_mask, chunk_size=chunk_size)
+        m = self.msa_transition_step(m, msa_mask, chunk_size)
         z = z + self.outer_product_mean(m, mask=msa_mask, chunk_size=chunk_size)
         # `residual_add(z, u)` is z + dropout(u): one fused kernel once `to_hfkit` swaps the dropout.
         z = self.ps_dropout_row_layer.residual_add(z, self.tri_mul_out(z, mask=pair_mask))
@@ -105,8 +105,23 @@ class EvoformerBlockCore(nn.Module):
         z = self.ps_dropout_col_layer.residual_add(
             z, self.tri_att_end(z, mask=pair_mask, chunk_size=chunk_size)
         )
-        z = z + self.pair_transition(z, mask=pair_trans_mask, chunk_size=chunk_size)
-        return m, z
+        return m, self.pair_transition_step(z, pair_mask, chunk_size)
+
+    def msa_transition_step(
+        self, m: torch.Tensor, msa_mask: torch.Tensor, chunk_size: int | None
+    ) -> torch.Tensor:
+        """m + the MSA transition's update (masked by msa_mask with `mask_msa_transition`); m and
+        msa_mask may be any slice of the MSA (rows, or columns as DAP shards it)."""
+        mask = msa_mask if self.mask_msa_transition else None
+        return m + self.msa_transition(m, mask=mask, chunk_size=chunk_size)
+
+    def pair_transition_step(
+        self, z: torch.Tensor, pair_mask: torch.Tensor, chunk_size: int | None
+    ) -> torch.Tensor:
+        """z + the pair transition's update (masked by pair_mask with `mask_pair_transition`); z and
+        pair_mask may be any slice of rows."""
+        mask = pair_mask if self.mask_pair_transition else None
+        return z + self.pair_transition(z, mask=mask, chunk_size=chunk_size)
 
 
 class EvoformerBlock(nn.Module):
@@ -261,27 +276,26 @@ class EvoformerStack(nn.Module):
             raise ValueError(
                 f"m, z: expected [*, S, N, C_m] and [*, N, N, C_z], got {tuple(m.shape)} and {tuple(z.shape)}"
             )
-        m, z = _run_blocks(self.blocks, m, z, msa_mask, pair_mask, chunk_size, self.checkpoint)
+        m, z = run_blocks(self.blocks, m, z, msa_mask, pair_mask, chunk_size, recompute=self.checkpoint)
         s = self.linear(m[..., 0, :, :])
         return m, z, s
 
 
-def _run_blocks(
-    blocks: nn.ModuleList,
+def run_blocks(
+    blocks: Iterable[Callable[..., tuple[torch.Tensor, torch.Tensor]]],
     m: torch.Tensor,
     z: torch.Tensor,
-    msa_mask: torch.Tensor,
-    pair_mask: torch.Tensor,
-    chunk_size: int | None,
+    *rest: Any,
     recompute: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The blocks in order; with `recompute` (and autograd on), each under a non-reentrant checkpoint."""
+    """m, z through `blocks` in order, each called as block(m, z, *rest) -> (m, z) (`rest`: the masks,
+    chunk size, ...); with `recompute` (and autograd on), each under a non-reentrant checkpoint."""
     recompute = recompute and torch.is_grad_enabled()
     for block in blocks:
         if recompute:
-            m, z = checkpoint(block, m, z, msa_mask, pair_mask, chunk_size, use_reentrant=False)
+            m, z = checkpoint(block, m, z, *rest, use_reentrant=False)
         else:
-            m, z = block(m, z, msa_mask, pair_mask, chunk_size)
+            m, z = block(m, z, *rest)
     return m, z
 
 
@@ -373,7 +387,7 @@ class ExtraMSAStack(nn.Module):
     ) -> torch.Tensor:
         """a: [*, S_extra, N, C_e], z: [*, N, N, C_z], msa_mask: [*, S_extra, N], pair_mask: [*, N, N]
         -> z [*, N, N, C_z]."""
-        return _run_blocks(self.blocks, a, z, msa_mask, pair_mask, chunk_size, self.checkpoint)[1]
+        return run_blocks(self.blocks, a, z, msa_mask, pair_mask, chunk_size, recompute=self.checkpoint)[1]
 
 
 _V2_TO_V1 = (

@@ -51,10 +51,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
-from torch.utils.checkpoint import checkpoint
 
 from hfkit.model.config import ModelConfig
-from hfkit.model.evoformer import EvoformerBlock, EvoformerStack, ExtraMSAStack
+from hfkit.model.evoformer import EvoformerBlock, EvoformerStack, ExtraMSAStack, run_blocks
 from hfkit.model.model import AlphaFoldLite
 from hfkit.model.msa import MSAColumnAttention, MSAColumnGlobalAttention
 from hfkit.model.primitives import attend_rows, chunk_apply, mask_bias
@@ -342,6 +341,19 @@ class _ShardedEvoformerBlock(nn.Module):
         g = self.group
         rank, size = dist.get_rank(g), dist.get_world_size(g)
         s_pad, n_pad = msa_mask.shape[-2], msa_mask.shape[-1]
+        if s_pad % size or n_pad % size:
+            raise ValueError(
+                f"msa_mask: expected [*, S_p, N_p] with multiples of {size}, got {tuple(msa_mask.shape)}"
+            )
+        want_m = (s_pad // size, n_pad)
+        want_z = (n_pad // size, n_pad)
+        if tuple(m.shape[-3:-1]) != want_m or tuple(z.shape[-3:-1]) != want_z:
+            raise ValueError(
+                f"m, z: expected [*, {want_m[0]}, {n_pad}, C_m] and [*, {want_z[0]}, {n_pad}, C_z] for this "
+                f"rank, got {tuple(m.shape)} and {tuple(z.shape)}"
+            )
+        if tuple(pair_mask.shape[-2:]) != (n_pad, n_pad):
+            raise ValueError(f"pair_mask: expected [*, {n_pad}, {n_pad}], got {tuple(pair_mask.shape)}")
         rows_s = slice(rank * s_pad // size, (rank + 1) * s_pad // size)
         rows_n = slice(rank * n_pad // size, (rank + 1) * n_pad // size)
         dtype = m.dtype
@@ -367,9 +379,7 @@ class _ShardedEvoformerBlock(nn.Module):
         m = m + self._column_attention(m, msa_mask_cols, n_seq, chunk_size)
 
         core = self.core
-        m = m + core.msa_transition(
-            m, mask=msa_mask_cols if core.mask_msa_transition else None, chunk_size=chunk_size
-        )
+        m = core.msa_transition_step(m, msa_mask_cols, chunk_size)
         z = z + self._outer_product_mean(m, msa_mask_cols, msa_mask, chunk_size)
         m = all_to_all(m, -3, -2, g)  # back to rows of S
 
@@ -384,10 +394,7 @@ class _ShardedEvoformerBlock(nn.Module):
         update = self._tri_att(core.tri_att_end, z_t, pair_mask_cols.transpose(-1, -2), pad_n, chunk_size)
         z = core.ps_dropout_col_layer.residual_add(z, update.transpose(-2, -3))
         z = all_to_all(z, -3, -2, g)  # back to rows
-        z = z + core.pair_transition(
-            z, mask=pair_mask_rows if core.mask_pair_transition else None, chunk_size=chunk_size
-        )
-        return m, z
+        return m, core.pair_transition_step(z, pair_mask_rows, chunk_size)
 
     def _column_attention(
         self, m: torch.Tensor, mask_cols: torch.Tensor, n_seq: int, chunk_size: int | None
@@ -480,9 +487,64 @@ def _unshard(x: torch.Tensor, rows: int, cols: int, group: ProcessGroup) -> torc
     return gather(x, -3, group, partial=False)[..., :rows, :cols, :]
 
 
-class DAPEvoformerBlock(nn.Module):
+class _DAPModule(nn.Module):
+    """What the DAP block and stacks share: `forward_sharded` on inputs already padded and sharded, and
+    `forward` on the single-process module's full inputs. Subclasses give `_run_sharded(m, z, msa_mask,
+    pair_mask, n_seq, n_res, chunk_size)` (the computation on shards -> (m, z) shards) and how its
+    result is returned (`_sharded_result`, `_whole_result`)."""
+
+    group: ProcessGroup
+
+    def _sharded_result(self, m: torch.Tensor, z: torch.Tensor) -> Any:
+        return m, z
+
+    def _whole_result(self, m: torch.Tensor, z: torch.Tensor, n_seq: int, n_res: int) -> Any:
+        """(m, z) shards -> (m, z) whole on every rank, unpadded."""
+        return _unshard(m, n_seq, n_res, self.group), _unshard(z, n_res, n_res, self.group)
+
+    def forward_sharded(
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        n_seq: int | None = None,
+        n_res: int | None = None,
+        chunk_size: int | None = None,
+    ) -> Any:
+        """m: this rank's MSA rows [*, S_p / P, N_p, C_m], z: its pair rows [*, N_p / P, N_p, C_z],
+        msa_mask [*, S_p, N_p] and pair_mask [*, N_p, N_p] whole (padded; small) -> (m, z) in the same
+        layout (the extra-MSA stack: z only; the Evoformer stack leaves the single projection to the
+        caller, as it needs MSA row 0, which rank 0 holds). S_p, N_p: the padded sizes (multiples of
+        P); n_seq, n_res: the real ones (default: the padded ones), beyond which positions are padding.
+        Parameter gradients are summed over the group in backward, so each rank ends with the full
+        gradients."""
+        s_pad, n_pad = msa_mask.shape[-2:]
+        mz = self._run_sharded(m, z, msa_mask, pair_mask, n_seq or s_pad, n_res or n_pad, chunk_size)
+        return self._sharded_result(*mz)
+
+    def forward(
+        self,
+        m: torch.Tensor,
+        z: torch.Tensor,
+        msa_mask: torch.Tensor,
+        pair_mask: torch.Tensor,
+        chunk_size: int | None = None,
+    ) -> Any:
+        """The single-process module's signature and result, with the same full inputs on every rank:
+        m [*, S, N, C_m] (the extra-MSA stack's a [*, S_extra, N, C_e]), z [*, N, N, C_z],
+        msa_mask [*, S, N], pair_mask [*, N, N] -> its outputs whole on every rank. Pads to multiples of
+        the group size and shards once, runs the blocks on shards, gathers and unpads once."""
+        n_seq, n_res = m.shape[-3], m.shape[-2]
+        m, z, msa_mask, pair_mask = _shard_inputs(m, z, msa_mask, pair_mask, self.group)
+        m, z = self._run_sharded(m, z, msa_mask, pair_mask, n_seq, n_res, chunk_size)
+        return self._whole_result(m, z, n_seq, n_res)
+
+
+class DAPEvoformerBlock(_DAPModule):
     """An `EvoformerBlock` or `ExtraMSABlock` run with DAP over `group`; its submodules are the block's
-    own (same parameters, same state_dict keys). See the module docstring for the layout."""
+    own (same parameters, same state_dict keys). See the module docstring for the layout; `forward`
+    and `forward_sharded` as `_DAPModule`'s."""
 
     def __init__(self, block: EvoformerBlock, group: ProcessGroup = None) -> None:
         super().__init__()
@@ -499,163 +561,53 @@ class DAPEvoformerBlock(nn.Module):
         # Not a submodule (its parameters are these): keeps the state_dict the block's.
         object.__setattr__(self, "_sharded", _ShardedEvoformerBlock(block, group))
 
-    def forward_sharded(
-        self,
-        m: torch.Tensor,
-        z: torch.Tensor,
-        msa_mask: torch.Tensor,
-        pair_mask: torch.Tensor,
-        n_seq: int | None = None,
-        n_res: int | None = None,
-        chunk_size: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """m: this rank's MSA rows [*, S_p / P, N_p, C_m], z: its pair rows [*, N_p / P, N_p, C_z],
-        msa_mask [*, S_p, N_p] and pair_mask [*, N_p, N_p] whole (padded; small) -> (m, z) in the same
-        layout. S_p, N_p: the padded sizes (multiples of P); n_seq, n_res: the real ones (default: the
-        padded ones), beyond which positions are padding. Parameter gradients are summed over the group
-        in backward, so each rank ends with the full gradients."""
-        size = dist.get_world_size(self.group)
-        s_pad, n_pad = msa_mask.shape[-2:]
-        if s_pad % size or n_pad % size:
-            raise ValueError(
-                f"msa_mask: expected [*, S_p, N_p] with multiples of {size}, got {tuple(msa_mask.shape)}"
-            )
-        want_m = (s_pad // size, n_pad)
-        want_z = (n_pad // size, n_pad)
-        if tuple(m.shape[-3:-1]) != want_m or tuple(z.shape[-3:-1]) != want_z:
-            raise ValueError(
-                f"m, z: expected [*, {want_m[0]}, {n_pad}, C_m] and [*, {want_z[0]}, {n_pad}, C_z] for this "
-                f"rank, got {tuple(m.shape)} and {tuple(z.shape)}"
-            )
-        if tuple(pair_mask.shape[-2:]) != (n_pad, n_pad):
-            raise ValueError(f"pair_mask: expected [*, {n_pad}, {n_pad}], got {tuple(pair_mask.shape)}")
+    def _run_sharded(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
         params = {name: reduce_grad(p, self.group) for name, p in self._sharded.named_parameters()}
-        args = (m, z, msa_mask, pair_mask, n_seq or s_pad, n_res or n_pad, chunk_size)
         return functional_call(self._sharded, params, args)
 
-    def forward(
-        self,
-        m: torch.Tensor,
-        z: torch.Tensor,
-        msa_mask: torch.Tensor,
-        pair_mask: torch.Tensor,
-        chunk_size: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The single-process block's signature and result: m [*, S, N, C_m], z [*, N, N, C_z],
-        msa_mask [*, S, N], pair_mask [*, N, N], the same on every rank -> (m, z) whole on every rank.
-        Pads to multiples of the group size, shards, runs `forward_sharded`, gathers and unpads."""
-        n_seq, n_res = m.shape[-3], m.shape[-2]
-        m, z, msa_mask, pair_mask = _shard_inputs(m, z, msa_mask, pair_mask, self.group)
-        m, z = self.forward_sharded(m, z, msa_mask, pair_mask, n_seq, n_res, chunk_size)
-        return _unshard(m, n_seq, n_res, self.group), _unshard(z, n_res, n_res, self.group)
+
+class _DAPStack(_DAPModule):
+    """The blocks of a stack as `DAPEvoformerBlock`s, run on shards in order; with the stack's
+    `checkpoint` (and autograd on) each under a non-reentrant checkpoint (its collectives run again in
+    backward, in the same order on every rank)."""
+
+    def __init__(self, stack: EvoformerStack | ExtraMSAStack, group: ProcessGroup = None) -> None:
+        super().__init__()
+        self.checkpoint = stack.checkpoint
+        self.blocks = nn.ModuleList(DAPEvoformerBlock(b, group) for b in stack.blocks)
+        self.group = group
+
+    def _run_sharded(self, m: torch.Tensor, z: torch.Tensor, *rest: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return run_blocks((b.forward_sharded for b in self.blocks), m, z, *rest, recompute=self.checkpoint)
 
 
-def _run_sharded_blocks(
-    blocks: nn.ModuleList,
-    m: torch.Tensor,
-    z: torch.Tensor,
-    msa_mask: torch.Tensor,
-    pair_mask: torch.Tensor,
-    n_seq: int,
-    n_res: int,
-    chunk_size: int | None,
-    recompute: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`forward_sharded` of each DAP block in order; with `recompute` (and autograd on) each under a
-    non-reentrant checkpoint (its collectives run again in backward, in the same order on every rank)."""
-    recompute = recompute and torch.is_grad_enabled()
-    for block in blocks:
-        args = (m, z, msa_mask, pair_mask, n_seq, n_res, chunk_size)
-        if recompute:
-            m, z = checkpoint(block.forward_sharded, *args, use_reentrant=False)
-        else:
-            m, z = block.forward_sharded(*args)
-    return m, z
-
-
-class DAPEvoformerStack(nn.Module):
+class DAPEvoformerStack(_DAPStack):
     """An `EvoformerStack` run with DAP over `group`: its blocks as `DAPEvoformerBlock`s and its own
     `linear` (same parameters, same state_dict keys). The inputs are padded and sharded once, the blocks
-    run on shards, and the outputs are gathered once; s = linear(m[0]) is computed whole on every rank."""
+    run on shards, and the outputs are gathered once; s = linear(m[0]) is computed whole on every rank:
+    `forward` -> (m, z, s [*, N, C_s]) as `EvoformerStack.forward`; `forward_sharded` -> (m, z) shards."""
 
     def __init__(self, stack: EvoformerStack, group: ProcessGroup = None) -> None:
-        super().__init__()
-        self.checkpoint = stack.checkpoint
-        self.blocks = nn.ModuleList(DAPEvoformerBlock(b, group) for b in stack.blocks)
+        super().__init__(stack, group)
         self.linear = stack.linear
-        self.group = group
 
-    def forward_sharded(
-        self,
-        m: torch.Tensor,
-        z: torch.Tensor,
-        msa_mask: torch.Tensor,
-        pair_mask: torch.Tensor,
-        n_seq: int | None = None,
-        n_res: int | None = None,
-        chunk_size: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The blocks on shards (layout as `DAPEvoformerBlock.forward_sharded`) -> (m, z) shards; the
-        single projection is left to the caller (it needs MSA row 0, which rank 0 holds)."""
-        return _run_sharded_blocks(
-            self.blocks, m, z, msa_mask, pair_mask, n_seq, n_res, chunk_size, self.checkpoint
-        )
-
-    def forward(
-        self,
-        m: torch.Tensor,
-        z: torch.Tensor,
-        msa_mask: torch.Tensor,
-        pair_mask: torch.Tensor,
-        chunk_size: int | None = None,
+    def _whole_result(
+        self, m: torch.Tensor, z: torch.Tensor, n_seq: int, n_res: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """As `EvoformerStack.forward`, with the same full inputs on every rank: m [*, S, N, C_m],
-        z [*, N, N, C_z], msa_mask [*, S, N], pair_mask [*, N, N] -> (m, z, s [*, N, C_s]) whole."""
-        n_seq, n_res = m.shape[-3], m.shape[-2]
-        m, z, msa_mask, pair_mask = _shard_inputs(m, z, msa_mask, pair_mask, self.group)
-        m, z = self.forward_sharded(m, z, msa_mask, pair_mask, n_seq, n_res, chunk_size)
-        m = _unshard(m, n_seq, n_res, self.group)
-        return m, _unshard(z, n_res, n_res, self.group), self.linear(m[..., 0, :, :])
+        m, z = super()._whole_result(m, z, n_seq, n_res)
+        return m, z, self.linear(m[..., 0, :, :])
 
 
-class DAPExtraMSAStack(nn.Module):
+class DAPExtraMSAStack(_DAPStack):
     """An `ExtraMSAStack` run with DAP over `group` (its blocks as `DAPEvoformerBlock`s with global
-    column attention; same parameters, same state_dict keys); returns z whole on every rank."""
+    column attention; same parameters, same state_dict keys): `forward` (a [*, S_extra, N, C_e], ...)
+    returns z [*, N, N, C_z] whole on every rank as `ExtraMSAStack.forward`, `forward_sharded` this
+    rank's z rows."""
 
-    def __init__(self, stack: ExtraMSAStack, group: ProcessGroup = None) -> None:
-        super().__init__()
-        self.checkpoint = stack.checkpoint
-        self.blocks = nn.ModuleList(DAPEvoformerBlock(b, group) for b in stack.blocks)
-        self.group = group
+    def _sharded_result(self, m: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return z
 
-    def forward_sharded(
-        self,
-        a: torch.Tensor,
-        z: torch.Tensor,
-        msa_mask: torch.Tensor,
-        pair_mask: torch.Tensor,
-        n_seq: int | None = None,
-        n_res: int | None = None,
-        chunk_size: int | None = None,
-    ) -> torch.Tensor:
-        """The blocks on shards (layout as `DAPEvoformerBlock.forward_sharded`) -> this rank's z rows."""
-        return _run_sharded_blocks(
-            self.blocks, a, z, msa_mask, pair_mask, n_seq, n_res, chunk_size, self.checkpoint
-        )[1]
-
-    def forward(
-        self,
-        a: torch.Tensor,
-        z: torch.Tensor,
-        msa_mask: torch.Tensor,
-        pair_mask: torch.Tensor,
-        chunk_size: int | None = None,
-    ) -> torch.Tensor:
-        """As `ExtraMSAStack.forward`, with the same full inputs on every rank: a [*, S_extra, N, C_e],
-        z [*, N, N, C_z], msa_mask [*, S_extra, N], pair_mask [*, N, N] -> z [*, N, N, C_z] whole."""
-        n_seq, n_res = a.shape[-3], a.shape[-2]
-        a, z, msa_mask, pair_mask = _shard_inputs(a, z, msa_mask, pair_mask, self.group)
-        z = self.forward_sharded(a, z, msa_mask, pair_mask, n_seq, n_res, chunk_size)
+    def _whole_result(self, m: torch.Tensor, z: torch.Tensor, n_seq: int, n_res: int) -> torch.Tensor:
         return _unshard(z, n_res, n_res, self.group)
 
 
