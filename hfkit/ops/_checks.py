@@ -72,7 +72,8 @@ def check_optional(
 def check_matmul_dtype(name: str, t: torch.Tensor | None, dtype: torch.dtype, device_type: str) -> None:
     """`t` (None, or a weight, bias or operand multiplied with activations of `dtype`) has that dtype,
     as `nn.Linear` needs, unless autocast is on for `device_type`, which casts every operand."""
-    if t is None or torch.is_autocast_enabled(device_type) or t.dtype == dtype:
+    # The dtype compare first: the common case returns without asking autocast (a call into torch).
+    if t is None or t.dtype == dtype or torch.is_autocast_enabled(device_type):
         return
     raise ValueError(
         f"{name}: expected dtype {dtype} (the activations'; or run under torch.autocast), got {t.dtype}"
