@@ -43,8 +43,9 @@ def _check(g: torch.Tensor, o: torch.Tensor, weight: torch.Tensor, bias: torch.T
     check_same_device("weight", weight, "g", g)
     check_optional("bias", bias, (weight.shape[0],), "g", g)
     dtype = torch.promote_types(g.dtype, o.dtype)  # sigmoid(g) * o's, which the linear multiplies
-    check_matmul_dtype("weight", weight, dtype, g.device.type)
-    check_matmul_dtype("bias", bias, dtype, g.device.type)
+    kind = g.device.type
+    check_matmul_dtype("weight", weight, dtype, kind)
+    check_matmul_dtype("bias", bias, dtype, kind)
 
 
 def gated_linear(

@@ -341,13 +341,15 @@ def _check_inputs(
                 f"value: expected sequence length {src_len} (key's), got shape {list(value.shape)}"
             )
 
+    dtype, kind = query.dtype, query.device.type  # once for every parameter below
+
     def check_param(name: str, t: object, shape: tuple[int, ...]) -> None:
         if not isinstance(t, Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {describe(t)}")
         check_same_device(name, t, "query", query)
         if tuple(t.shape) != shape:
             raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
-        check_matmul_dtype(name, t, query.dtype, query.device.type)
+        check_matmul_dtype(name, t, dtype, kind)
 
     separate = (q_proj_weight, k_proj_weight, v_proj_weight)
     if in_proj_weight is not None:

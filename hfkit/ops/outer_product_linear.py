@@ -68,8 +68,9 @@ def _check(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, bias: torch.T
     check_same_device("b", b, "a", a)
     check_same_device("weight", weight, "a", a)
     check_optional("bias", bias, (weight.shape[0],), "a", a)
+    dtype, kind = a.dtype, a.device.type  # once: each attribute read builds a Python object
     for name, t in (("b", b), ("weight", weight), ("bias", bias)):
-        check_matmul_dtype(name, t, a.dtype, a.device.type)
+        check_matmul_dtype(name, t, dtype, kind)
 
 
 def outer_product_linear(

@@ -47,8 +47,9 @@ def _check(x, w1, b1, w2, b2) -> None:
     check_same_device("w2", w2, "x", x)
     check_optional("b1", b1, (w1.shape[0],), "x", x)
     check_optional("b2", b2, (w2.shape[0],), "x", x)
+    dtype, kind = x.dtype, x.device.type  # once: each attribute read builds a Python object
     for name, t in (("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)):
-        check_matmul_dtype(name, t, x.dtype, x.device.type)
+        check_matmul_dtype(name, t, dtype, kind)
 
 
 def relu_mlp(
