@@ -98,7 +98,8 @@ def _mask_5d(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def _check_inputs(q, k, v, bias, mask) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    check_float("q", q, dims=5)
+    for name, t in (("k", k), ("v", v)):  # q against itself would always pass
         check_float(name, t, dims=5)
         check_same_device(name, t, "q", q)
         if t.dtype != q.dtype:
