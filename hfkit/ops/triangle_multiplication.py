@@ -174,12 +174,16 @@ def uses_triton(z: torch.Tensor, c_hidden: int) -> bool:
     float32/bfloat16/float16 z (computing in an active autocast's dtype), at most `MAX_HIDDEN` hidden
     channels and `layer_norm`'s `MAX_FUSED_SIZE` pair channels.
     """
-    return (
-        c_hidden <= MAX_HIDDEN
-        and z.shape[-1] <= MAX_FUSED_SIZE
-        and triton_can_run(z)
-        and _compute_dtype(z) in TRITON_DTYPES
-    )
+    return _fused_dtype(z, c_hidden) is not None
+
+
+def _fused_dtype(z: torch.Tensor, c_hidden: int) -> torch.dtype | None:
+    """The compute dtype of the fused path for z, or None where `uses_triton` is False (one look at
+    autocast for both questions)."""
+    if c_hidden > MAX_HIDDEN or z.shape[-1] > MAX_FUSED_SIZE or not triton_can_run(z):
+        return None
+    dtype = _compute_dtype(z)
+    return dtype if dtype in TRITON_DTYPES else None
 
 
 def _compute_dtype(z: torch.Tensor) -> torch.dtype:
@@ -235,9 +239,9 @@ def triangle_multiplication(
     )
     _check_inputs(z, mask, *args, eps)
     c_h = out_weight.shape[1]
-    if not uses_triton(z, c_h) or z.numel() == 0:
+    dtype = _fused_dtype(z, c_h)
+    if dtype is None or z.numel() == 0:
         return triangle_multiplication_reference(z, mask, *args, outgoing=outgoing, eps=eps)
-    dtype = _compute_dtype(z)
     # The matmul operands in the compute dtype (autograd casts their gradients back); LayerNorm weights
     # of any float dtype are read by the kernels as they are, by column: unit stride.
     ln_in_weight, ln_in_bias, ln_out_weight, ln_out_bias = (
