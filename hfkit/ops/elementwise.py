@@ -32,6 +32,7 @@ __all__ = [
     "dropout_keep_mask",
     "sigmoid_gate",
     "sigmoid_gate_backward",
+    "sigmoid_gate_forward",
     "sigmoid_gate_reference",
     "uses_triton",
 ]
@@ -148,6 +149,13 @@ def sigmoid_gate(g: torch.Tensor, o: torch.Tensor, bias: torch.Tensor | None = N
         return sigmoid_gate_reference(g, o, bias)
     # The kernels index the bias by column: unit stride (a copy of its few elements at most).
     return _sigmoid_gate_fwd(g, o, bias.contiguous() if bias is not None else None)
+
+
+def sigmoid_gate_forward(g: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """`sigmoid_gate(g, o)` by the forward kernel, without its checks: for callers on the Triton path
+    (`uses_triton`, non-empty) that checked g and o already and run the gate inside their own
+    autograd (`hfkit.ops.gated_linear`)."""
+    return _sigmoid_gate_fwd(g, o, None)
 
 
 def sigmoid_gate_backward(

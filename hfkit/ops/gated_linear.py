@@ -19,7 +19,12 @@ import torch.nn.functional as F  # noqa: N812
 
 from hfkit.ops._checks import check_float, check_matmul_dtype, check_optional, check_same_device
 from hfkit.ops._linear import autocast_operands, column_sums
-from hfkit.ops.elementwise import sigmoid_gate, sigmoid_gate_backward, sigmoid_gate_reference, uses_triton
+from hfkit.ops.elementwise import (
+    sigmoid_gate_backward,
+    sigmoid_gate_forward,
+    sigmoid_gate_reference,
+    uses_triton,
+)
 
 __all__ = ["gated_linear", "gated_linear_reference"]
 
@@ -67,7 +72,7 @@ def gated_linear(
 class _GatedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, o, weight, bias):
-        gated = sigmoid_gate(g, o)
+        gated = sigmoid_gate_forward(g, o)  # g, o checked by gated_linear
         ctx.save_for_backward(g, o, weight)
         ctx.has_bias = bias is not None
         return F.linear(gated.to(weight.dtype), weight, bias)
@@ -79,7 +84,7 @@ class _GatedLinear(torch.autograd.Function):
         dy2 = dy.reshape(-1, weight.shape[0])
         grad_w = grad_b = None
         if needs[2]:
-            gated = sigmoid_gate(g, o)  # recomputed: the forward did not keep it
+            gated = sigmoid_gate_forward(g, o)  # recomputed: the forward did not keep it
             grad_w = dy2.t().mm(gated.reshape(-1, weight.shape[1]).to(dy2.dtype))
         if ctx.has_bias and needs[3]:
             grad_b = column_sums(dy2)
