@@ -166,10 +166,10 @@ def _clip_and_step(
 ) -> torch.Tensor:
     """Clip the gradients' global norm to `clip` (None: no clipping), step the optimizer -> the norm
     before clipping. Neither reads a value back to the host, so both can be captured in a graph."""
-    grads = [p.grad for p in params if p.grad is not None]
     if clip is not None:
         grad_norm = nn.utils.clip_grad_norm_(params, clip)
     else:
+        grads = [p.grad for p in params if p.grad is not None]
         grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
     optimizer.step()
     return grad_norm.detach()

@@ -264,15 +264,20 @@ def calibrate(sizes: Sequence[float], times_s: Sequence[float], n: int) -> Calib
     return Calibration(alpha_us, bw_gbps, n, float(np.sqrt(np.mean(rel**2))))
 
 
+def _require_columns(frame: pd.DataFrame, columns: set[str]) -> None:
+    """Raise ValueError naming the `columns` (of `allreduce_frame`) that `frame` lacks."""
+    missing = columns - set(frame.columns)
+    if missing:
+        raise ValueError(f"frame: expected allreduce_frame columns, missing {sorted(missing)}")
+
+
 def calibrate_backends(frame: pd.DataFrame) -> pd.DataFrame:
     """`calibrate` per backend of allreduce rows (columns provider, nbytes, p50_ms, world_size; one run
     per backend): one line each with backend, ranks, alpha_us, bw_gbps and rel_rms. Backends with
     fewer than 2 sizes are left out (a line cannot be fitted to one point)."""
     import pandas as pd
 
-    missing = {"provider", "nbytes", "p50_ms", "world_size"} - set(frame.columns)
-    if missing:
-        raise ValueError(f"frame: expected allreduce_frame columns, missing {sorted(missing)}")
+    _require_columns(frame, {"provider", "nbytes", "p50_ms", "world_size"})
     lines = []
     for backend, rows in frame.groupby("provider"):
         if len(rows) < 2:
@@ -297,9 +302,7 @@ def model_comparison(frame: pd.DataFrame, models: dict[str, ClusterSpec]) -> pd.
     of `models` (`predict` of that spec for the row's backend and size)."""
     import pandas as pd
 
-    missing = {"provider", "nbytes", "p50_ms"} - set(frame.columns)
-    if missing:
-        raise ValueError(f"frame: expected allreduce_frame columns, missing {sorted(missing)}")
+    _require_columns(frame, {"provider", "nbytes", "p50_ms"})
     table = pd.DataFrame(
         {
             "backend": frame["provider"].to_numpy(),
@@ -344,9 +347,7 @@ def fit_cluster(spec: ClusterSpec, frame: pd.DataFrame) -> ClusterSpec:
     sizes where the reduce stage turns out not to be the slowest; their count is noted). Both backends
     must be present with >= 3 sizes: a spec fitted on one alone would mix measured and assumed rates.
     """
-    missing = {"provider", "nbytes", "p50_ms", "world_size"} - set(frame.columns)
-    if missing:
-        raise ValueError(f"frame: expected allreduce_frame columns, missing {sorted(missing)}")
+    _require_columns(frame, {"provider", "nbytes", "p50_ms", "world_size"})
     worlds = frame["world_size"].unique()
     if len(worlds) != 1 or int(worlds[0]) < 2:
         raise ValueError(f"frame: expected one run of >= 2 ranks, got world sizes {list(worlds)}")
