@@ -45,6 +45,7 @@ __all__ = [
     "op_benchmark",
     "pick_profile",
     "run_benchmark",
+    "run_settings",
 ]
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -308,6 +309,42 @@ def _build(
     return bench.build(case, impl, prepared, mode, dtype)
 
 
+class RunSettings(NamedTuple):
+    """What every run of a `Benchmark` (`run_benchmark`, `hfkit.bench.tune.run_tile_sweep`) settles
+    before its first case: the device, the checked dtypes, warm-up and repetitions, the ceilings and
+    the rows' environment."""
+
+    device: torch.device
+    dtypes: list[str]
+    warmup: int
+    reps: int
+    ceilings: Ceilings
+    env: dict[str, Any]
+
+
+def run_settings(
+    bench: Benchmark,
+    device: torch.device | str | None,
+    dtypes: Sequence[str] | None,
+    warmup: int | None,
+    reps: int | None,
+    ceilings: Ceilings | None,
+    command: str | None,
+) -> RunSettings:
+    """`dtypes` default to `bench.default_dtypes`; `warmup`/`reps` to `bench.gpu_warmup`/`bench.gpu_reps`
+    on a GPU and 1/3 on a CPU; ceilings are measured unless given."""
+    device = resolve_device(device)
+    on_cuda = device.type == "cuda"
+    return RunSettings(
+        device=device,
+        dtypes=check_choice("dtypes", dtypes or bench.default_dtypes, bench.dtypes),
+        warmup=warmup if warmup is not None else (bench.gpu_warmup if on_cuda else 1),
+        reps=reps if reps is not None else (bench.gpu_reps if on_cuda else 3),
+        ceilings=ceilings or bench_ceilings(device),
+        env=row_environment(device, command),
+    )
+
+
 def run_benchmark(
     bench: Benchmark,
     cases: Sequence[Any],
@@ -331,15 +368,11 @@ def run_benchmark(
     that raises `Skip` is listed with its reason and its rows are left out; any other failure, in
     preparing inputs too, gives error rows. Each row goes to `on_row` as soon as it is measured.
     """
-    device = resolve_device(device)
-    on_cuda = device.type == "cuda"
-    dtypes = check_choice("dtypes", dtypes or bench.default_dtypes, bench.dtypes)
     modes = check_choice("modes", modes, MODES)
     providers = check_choice("providers", providers or bench.providers, bench.providers)
-    warmup = warmup if warmup is not None else (bench.gpu_warmup if on_cuda else 1)
-    reps = reps if reps is not None else (bench.gpu_reps if on_cuda else 3)
-    ceilings = ceilings or bench_ceilings(device)
-    env = row_environment(device, command)
+    device, dtypes, warmup, reps, ceilings, env = run_settings(
+        bench, device, dtypes, warmup, reps, ceilings, command
+    )
     rows: list[ResultRow] = []
     skipped: list[str] = []
     from tqdm.auto import tqdm

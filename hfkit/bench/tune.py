@@ -14,9 +14,17 @@ from typing import Any
 
 import torch
 
-from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
-from hfkit.bench.results import ResultRow, check_choice, row_environment
-from hfkit.bench.runner import Benchmark, Steps, TileSweep, free_memory, max_abs_err, measure_case
+from hfkit.bench.ceilings import Ceilings
+from hfkit.bench.results import ResultRow, check_choice
+from hfkit.bench.runner import (
+    Benchmark,
+    Steps,
+    TileSweep,
+    free_memory,
+    max_abs_err,
+    measure_case,
+    run_settings,
+)
 
 __all__ = ["best_tiles", "run_tile_sweep"]
 
@@ -60,14 +68,10 @@ def run_tile_sweep(
     sweep = bench.tiles
     if sweep is None:
         raise ValueError(f"bench: {bench.name} has no tile sweep (TileSweep in its case table)")
-    device = resolve_device(device)
-    on_cuda = device.type == "cuda"
-    dtypes = check_choice("dtypes", dtypes or bench.default_dtypes, bench.dtypes)
     passes = check_choice("passes", passes or sweep.passes, sweep.passes)
-    warmup = warmup if warmup is not None else (bench.gpu_warmup if on_cuda else 1)
-    reps = reps if reps is not None else (bench.gpu_reps if on_cuda else 3)
-    ceilings = ceilings or bench_ceilings(device)
-    env = row_environment(device, command)
+    device, dtypes, warmup, reps, ceilings, env = run_settings(
+        bench, device, dtypes, warmup, reps, ceilings, command
+    )
     rows: list[ResultRow] = []
     for case in cases:
         for dtype in dtypes:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from hfkit.bench.cases.layer_norm import CENSUS_SHAPES
+from hfkit.bench.ceilings import resolve_device
 from hfkit.bench.model import summary_table
 from hfkit.viz.notebook import render_into, show_static_then_widget
 
@@ -263,12 +264,6 @@ def _gib(nbytes: float | None) -> float | None:
     return None if nbytes is None else nbytes / 2**30
 
 
-def _device(device: torch.device | str | None) -> torch.device:
-    from hfkit.bench.ceilings import resolve_device
-
-    return resolve_device(device)
-
-
 class ProfileExplorer:
     """Dropdowns for preset and precision, a crop box, and a button that profiles one training step
     (`hfkit.bench.model.profile_train_step`) and shows the operator table, the LayerNorm census and
@@ -285,7 +280,7 @@ class ProfileExplorer:
     ) -> None:
         import ipywidgets as widgets
 
-        self.device = _device(device)
+        self.device = resolve_device(device)
         self.preset = widgets.Dropdown(options=list(PRESETS), value=preset, description="preset")
         self.crop = widgets.BoundedIntText(value=0, min=0, max=4096, description="crop (0: preset)")
         self.dtype = widgets.Dropdown(
@@ -365,7 +360,7 @@ class SwapExplorer:
         from hfkit.bench.model import swappable_ops
 
         self.config = config
-        self.device = _device(device)
+        self.device = resolve_device(device)
         on_cuda = self.device.type == "cuda"
         self.precision = precision or ("bf16_autocast" if on_cuda else "fp32")
         # On a CPU, Inductor's C++ build takes minutes; the "eager" backend (Dynamo only) checks the path.
