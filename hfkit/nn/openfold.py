@@ -31,16 +31,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfkit.model.primitives import chunk_apply
+from hfkit.model.outer_product_mean import OuterProductMean as _PlainOuterProductMean
+from hfkit.model.pair_transition import Transition as _PlainTransition
 from hfkit.nn.attention import fused_gated_attention, map_attention_biases
 from hfkit.nn.convert import register_foreign_swap
+from hfkit.nn.outer_product_mean import OuterProductMean as _FusedOuterProductMean
+from hfkit.nn.transition import PairTransition as _FusedTransition
 from hfkit.nn.triangle_multiplication import triangle_update_from_parts
 from hfkit.ops import layer_norm
 from hfkit.ops.elementwise import bias_dropout_add
 from hfkit.ops.evoformer_attention import evoformer_attention
 from hfkit.ops.gated_linear import gated_linear
-from hfkit.ops.outer_product_linear import outer_product_linear
-from hfkit.ops.relu_mlp import relu_mlp
 
 __all__: list[str] = []
 
@@ -276,31 +277,16 @@ def _outer_product_mean_forward(
     chunk_size: int | None = None,
     inplace_safe: bool = False,
 ) -> torch.Tensor:
-    if mask is None:
-        mask = m.new_ones(m.shape[:-1])
-    mask = mask.to(m.dtype).unsqueeze(-1)
-    ln = self.layer_norm(m)
-    a = self.linear_1(ln) * mask
-    b = self.linear_2(ln) * mask
-    out = self.linear_out
-    outer = chunk_apply(
-        lambda a_: outer_product_linear(a_, b, out.weight, out.bias), [a], [-2], -3, chunk_size
-    )
-    norm = torch.einsum("...abc,...adc->...bdc", mask, mask) + self.eps
-    return outer / norm
+    """OpenFold's signature; the model's forward, whose `_outer` is `hfkit.nn.OuterProductMean`'s."""
+    return _PlainOuterProductMean.forward(self, m, mask, chunk_size)
 
 
 def _transition_forward(
     self: nn.Module, x: torch.Tensor, mask: torch.Tensor | None = None, chunk_size: int | None = None
 ) -> torch.Tensor:
-    """OpenFold's MSA/pair transition: x [*, R, N, C], mask [*, R, N] or None (not masked)."""
-    if mask is None:
-        mask = x.new_ones(x.shape[:-1])
-    mask = mask.to(x.dtype).unsqueeze(-1)
-    x = self.layer_norm(x)
-    l1, l2 = self.linear_1, self.linear_2
-    mlp = lambda x_, mask_: relu_mlp(x_, l1.weight, l1.bias, l2.weight, l2.bias) * mask_
-    return chunk_apply(mlp, [x, mask], [-3, -3], -3, chunk_size)
+    """OpenFold's MSA/pair transition: x [*, R, N, C], mask [*, R, N] or None (not masked); the model's
+    forward, whose `_transition` is `hfkit.nn`'s (`relu_mlp`)."""
+    return _PlainTransition.forward(self, x, mask, chunk_size)
 
 
 def _dropout_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -312,25 +298,26 @@ def _dropout_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _register() -> None:
     prim, tri = f"{_MODEL}.primitives", f"{_MODEL}.triangular_multiplicative_update"
+    opm = {"forward": _outer_product_mean_forward, "_outer": _FusedOuterProductMean._outer}
+    transition = {"forward": _transition_forward, "_transition": _FusedTransition._transition}
     swaps = [
-        (f"{prim}.LayerNorm", "LayerNorm", _check_layer_norm, _layer_norm_forward),
-        (f"{prim}.Attention", "Attention", _check_attention, _attention_forward),
-        (f"{prim}.GlobalAttention", "GlobalAttention", _check_global_attention, _global_attention_forward),
-        (f"{_MODEL}.outer_product_mean.OuterProductMean", "OuterProductMean", _check_outer_product_mean,
-         _outer_product_mean_forward),
-        (f"{_MODEL}.evoformer.MSATransition", "MSATransition", _check_transition, _transition_forward),
-        (f"{_MODEL}.pair_transition.PairTransition", "PairTransition", _check_transition,
-         _transition_forward),
+        (f"{prim}.LayerNorm", "LayerNorm", _check_layer_norm, {"forward": _layer_norm_forward}),
+        (f"{prim}.Attention", "Attention", _check_attention, {"forward": _attention_forward}),
+        (f"{prim}.GlobalAttention", "GlobalAttention", _check_global_attention,
+         {"forward": _global_attention_forward}),
+        (f"{_MODEL}.outer_product_mean.OuterProductMean", "OuterProductMean", _check_outer_product_mean, opm),
+        (f"{_MODEL}.evoformer.MSATransition", "MSATransition", _check_transition, transition),
+        (f"{_MODEL}.pair_transition.PairTransition", "PairTransition", _check_transition, transition),
     ]  # fmt: skip
     for fused in (False, True):
         for side in ("Outgoing", "Incoming"):
             name = f"{'Fused' if fused else ''}TriangleMultiplication{side}"
             check = lambda module, fused=fused: _check_triangle(module, fused)
-            swaps.append((f"{tri}.{name}", name, check, _triangle_forward))
+            swaps.append((f"{tri}.{name}", name, check, {"forward": _triangle_forward}))
     for name in ("Dropout", "DropoutRowwise", "DropoutColumnwise"):
-        swaps.append((f"{_MODEL}.dropout.{name}", name, _check_dropout, _dropout_forward))
-    for qualname, name, check, forward in swaps:
-        register_foreign_swap(qualname, f"openfold.{name}", check, {"forward": forward})
+        swaps.append((f"{_MODEL}.dropout.{name}", name, _check_dropout, {"forward": _dropout_forward}))
+    for qualname, name, check, methods in swaps:
+        register_foreign_swap(qualname, f"openfold.{name}", check, methods)
 
 
 _register()
