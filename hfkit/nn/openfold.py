@@ -35,13 +35,13 @@ from hfkit.model.outer_product_mean import OuterProductMean as _PlainOuterProduc
 from hfkit.model.pair_transition import Transition as _PlainTransition
 from hfkit.nn.attention import fused_gated_attention, map_attention_biases
 from hfkit.nn.convert import register_foreign_swap
-from hfkit.nn.outer_product_mean import OuterProductMean as _FusedOuterProductMean
-from hfkit.nn.transition import PairTransition as _FusedTransition
 from hfkit.nn.triangle_multiplication import triangle_update_from_parts
 from hfkit.ops import layer_norm
 from hfkit.ops.elementwise import bias_dropout_add
 from hfkit.ops.evoformer_attention import evoformer_attention
 from hfkit.ops.gated_linear import gated_linear
+from hfkit.ops.outer_product_linear import outer_product_linear
+from hfkit.ops.relu_mlp import relu_mlp
 
 __all__: list[str] = []
 
@@ -277,16 +277,29 @@ def _outer_product_mean_forward(
     chunk_size: int | None = None,
     inplace_safe: bool = False,
 ) -> torch.Tensor:
-    """OpenFold's signature; the model's forward, whose `_outer` is `hfkit.nn.OuterProductMean`'s."""
+    """OpenFold's signature; the model's forward with `_outer_product` as its `_outer`."""
     return _PlainOuterProductMean.forward(self, m, mask, chunk_size)
+
+
+def _outer_product(self: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # `hfkit.nn.OuterProductMean._outer`; importing that file here would register its swap before
+    # the others, and `registered_ops()` order is the bench waterfall's order.
+    out = self.linear_out
+    return outer_product_linear(a, b, out.weight, out.bias)
 
 
 def _transition_forward(
     self: nn.Module, x: torch.Tensor, mask: torch.Tensor | None = None, chunk_size: int | None = None
 ) -> torch.Tensor:
     """OpenFold's MSA/pair transition: x [*, R, N, C], mask [*, R, N] or None (not masked); the model's
-    forward, whose `_transition` is `hfkit.nn`'s (`relu_mlp`)."""
+    forward with `_hidden` (`relu_mlp`) as its `_transition`."""
     return _PlainTransition.forward(self, x, mask, chunk_size)
+
+
+def _hidden(self: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # `hfkit.nn.transition`'s `_transition` (not imported, as for `_outer_product`).
+    l1, l2 = self.linear_1, self.linear_2
+    return relu_mlp(x, l1.weight, l1.bias, l2.weight, l2.bias) * mask
 
 
 def _dropout_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -298,8 +311,8 @@ def _dropout_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _register() -> None:
     prim, tri = f"{_MODEL}.primitives", f"{_MODEL}.triangular_multiplicative_update"
-    opm = {"forward": _outer_product_mean_forward, "_outer": _FusedOuterProductMean._outer}
-    transition = {"forward": _transition_forward, "_transition": _FusedTransition._transition}
+    opm = {"forward": _outer_product_mean_forward, "_outer": _outer_product}
+    transition = {"forward": _transition_forward, "_transition": _hidden}
     swaps = [
         (f"{prim}.LayerNorm", "LayerNorm", _check_layer_norm, {"forward": _layer_norm_forward}),
         (f"{prim}.Attention", "Attention", _check_attention, {"forward": _attention_forward}),
