@@ -566,7 +566,7 @@ def process_features(
     generator = torch.Generator().manual_seed(int(seed))
     inputs = _SampleInputs.from_raw(raw)
     cols = _crop_columns(inputs, config, generator, train)
-    return _sample(raw, inputs, config, generator, cols, train)
+    return _sample(raw, inputs, config, generator, cols, _cropped_profile(raw, inputs, cols), train)
 
 
 def process_features_recycling(
@@ -591,7 +591,10 @@ def process_features_recycling(
     generator = torch.Generator().manual_seed(int(seed))
     inputs = _SampleInputs.from_raw(raw)
     cols = _crop_columns(inputs, config, generator, train)
-    samples = [_sample(raw, inputs, config, generator, cols, train) for _ in range(max_recycling_iters + 1)]
+    profile = _cropped_profile(raw, inputs, cols)  # the whole MSA's: the same for every sample
+    samples = [
+        _sample(raw, inputs, config, generator, cols, profile, train) for _ in range(max_recycling_iters + 1)
+    ]
     return {key: torch.stack([sample[key] for sample in samples]) for key in samples[0]}
 
 
@@ -647,15 +650,27 @@ def _crop_columns(
     )
 
 
+def _cropped_profile(
+    raw: Mapping[str, np.ndarray | torch.Tensor], inputs: _SampleInputs, cols: torch.Tensor
+) -> torch.Tensor:
+    """The masking profile float32 [N_res, 22] of the residues `cols`: `raw["hhblits_profile"]`, else
+    computed from the whole MSA (before block deletion, as in OpenFold)."""
+    if "hhblits_profile" in raw:
+        return _as_tensor(raw["hhblits_profile"]).index_select(0, cols).float()
+    return torch.from_numpy(hhblits_profile(inputs.msa.numpy())).index_select(0, cols)
+
+
 def _sample(
     raw: Mapping[str, np.ndarray | torch.Tensor],
     inputs: _SampleInputs,
     config: FeatureConfig,
     generator: torch.Generator,
     cols: torch.Tensor,
+    profile: torch.Tensor,
     train: bool,
 ) -> dict[str, torch.Tensor]:
-    """`process_features` after the crop: the sample of the residues `cols`, drawn from `generator`."""
+    """`process_features` after the crop: the sample of the residues `cols` (`profile`: their
+    `_cropped_profile`), drawn from `generator`."""
     aatype, msa, deletions = inputs.aatype, inputs.msa, inputs.deletions
     positions, atom_mask = inputs.positions, inputs.atom_mask
     has_structure = positions is not None
@@ -663,11 +678,6 @@ def _sample(
     pad_res = config.crop_size if train else num_res
     res = cols.numel()
     runs = _column_runs(cols)
-    if "hhblits_profile" in raw:
-        profile = _as_tensor(raw["hhblits_profile"]).index_select(0, cols).float()
-    else:
-        profile = torch.from_numpy(hhblits_profile(msa.numpy())).index_select(0, cols)
-
     # 2. Block deletion (OpenFold's block_delete_msa, training only): whole runs of rows go, before
     # sampling; the kept rows stay in raw order, so the steps below see a shallower MSA.
     if train and config.block_delete_msa:
