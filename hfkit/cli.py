@@ -145,7 +145,13 @@ def _cmd_bench_op(args: argparse.Namespace) -> int:
         print(f"\nwrote {len(rows)} rows to {path}")
         return 0
     result = run_benchmark(
-        bench, cases, modes=args.modes, providers=args.providers, progress=not args.no_progress, **run
+        bench,
+        cases,
+        modes=args.modes,
+        providers=args.providers,
+        progress=not args.no_progress,
+        launches=args.launch,
+        **run,
     )
     for line in result.skipped:
         print(f"skipped: {line}", file=sys.stderr)
@@ -258,7 +264,7 @@ def _op_benchmark(name: str):
 
 def _add_op_bench(bench_sub: argparse._SubParsersAction, name: str) -> None:
     """`hfkit bench <op>`: the op's providers, dtypes, modes and case options, from its case table."""
-    from hfkit.bench.runner import MODES
+    from hfkit.bench.runner import LAUNCHES, MODES
 
     bench = _op_benchmark(name)
     p = bench_sub.add_parser(name, help=bench.description, description=bench.description)
@@ -267,6 +273,7 @@ def _add_op_bench(bench_sub: argparse._SubParsersAction, name: str) -> None:
         ("providers", bench.providers, bench.providers),
         ("dtypes", bench.dtypes, bench.default_dtypes),
         ("modes", MODES, MODES),
+        ("launch", LAUNCHES, ("graph",)),
     ):
         p.add_argument(
             f"--{flag}",
@@ -471,6 +478,52 @@ def _add_data_bench(bench_sub: argparse._SubParsersAction) -> None:
     data.set_defaults(func=_cmd_bench_data)
 
 
+def _add_launch_bench(bench_sub: argparse._SubParsersAction) -> None:
+    """`hfkit bench launch`: host time per call of each swappable module, plain vs `to_hfkit`."""
+    p = bench_sub.add_parser(
+        "launch", help="launch cost: host time per call of every swappable block module, plain vs hfkit"
+    )
+    p.add_argument(
+        "--out", default=None, help="results JSON (default: data/results/<gpu>/launch_overhead.json)"
+    )
+    p.add_argument("--calls", type=int, default=300, help="timed calls per module (default 300)")
+    p.add_argument("--append", action="store_true", help="keep the other rows already in --out")
+    _add_run_options(p)
+    p.set_defaults(func=_cmd_bench_launch)
+
+
+def _cmd_bench_launch(args: argparse.Namespace) -> int:
+    import torch
+
+    from hfkit.bench import gpu_slug, resolve_device
+    from hfkit.bench.ceilings import device_name
+    from hfkit.bench.launch import run_launch_benchmark
+    from hfkit.bench.results import rows_to_frame
+    from hfkit.model import ModelConfig
+
+    device = resolve_device(args.device)
+    out = _results_path(args, gpu_slug(device_name(device)), "launch_overhead.json")
+    smoke = (args.profile or ("full" if device.type == "cuda" else "smoke")) == "smoke"
+    if args.calls < 1:
+        print(f"hfkit bench launch: --calls: expected >= 1, got {args.calls}", file=sys.stderr)
+        return 2
+    rows = run_launch_benchmark(
+        device,
+        config=ModelConfig.tiny() if smoke else None,
+        dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+        calls=args.calls,
+        out=out,
+        append=args.append,
+        command=args.command,
+    )
+    frame = rows_to_frame(rows)
+    frame["module"] = [r.extra["module"] or "(block)" for r in rows]
+    table = frame.pivot_table(index=["module", "mode"], columns="provider", values="p50_ms", sort=False)
+    print((table * 1e3).round(1).rename(columns=lambda c: f"{c} us").to_string())
+    print(f"\nwrote {len(rows)} rows to {out}")
+    return 0
+
+
 def _add_comms_bench(bench_sub: argparse._SubParsersAction) -> None:
     """`hfkit bench comms`: allreduce bandwidth per backend and the DDP step decomposition."""
     comms = bench_sub.add_parser(
@@ -666,6 +719,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_bench(bench_sub)
     _add_comms_bench(bench_sub)
     _add_data_bench(bench_sub)
+    _add_launch_bench(bench_sub)
 
     pre = sub.add_parser(
         "preprocess",

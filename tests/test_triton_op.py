@@ -142,3 +142,64 @@ def test_every_op_is_registered_with_torch():
     assert len(ops) == 20
     for op in ops:
         assert getattr(torch.ops.hfkit, op.name).default is not None
+
+
+# --- binding each kernel's launch once per specialization (hfkit.ops._triton.launch) ------------------
+
+
+def _bound_launches(kernel) -> dict:
+    from hfkit.ops._triton import _BOUND
+
+    return _BOUND.get(kernel, {})
+
+
+def test_launch_binds_once_per_specialization_and_matches_the_reference():
+    ln = importlib.import_module("hfkit.ops.layer_norm")
+    kernel = ln._layer_norm_fwd_kernel
+    ln_ref = ln.layer_norm_reference
+    torch.manual_seed(0)
+    before = len(_bound_launches(kernel))
+    w, b = _randn(24, grad=False), _randn(24, grad=False)
+    for _ in range(3):  # fresh inputs of one specialization: one binding, right results every call
+        x = _randn(5, 24, grad=False)
+        torch.testing.assert_close(hops.layer_norm(x, (24,), w, b), ln_ref(x, (24,), w, b))
+    assert len(_bound_launches(kernel)) == before + 1
+    # Another row length of the same tile and divisibility (25: BLOCK_N 32, not a multiple of 16) is
+    # the same specialization; a multiple of 16 (32) and a 16-byte-misaligned view are others
+    # (Triton compiles separate kernels for them): each of those gets its own binding.
+    for n in (25, 32):
+        x, wn, bn = _randn(5, n, grad=False), _randn(n, grad=False), _randn(n, grad=False)
+        torch.testing.assert_close(hops.layer_norm(x, (n,), wn, bn), ln_ref(x, (n,), wn, bn))
+    misaligned = _randn(5 * 24 + 1, grad=False)[1:].view(5, 24)
+    torch.testing.assert_close(hops.layer_norm(misaligned, (24,), w, b), ln_ref(misaligned, (24,), w, b))
+    assert len(_bound_launches(kernel)) == before + 3
+    # Without weight and bias the HAS_W/HAS_B constexprs differ: another binding, still right.
+    x = _randn(5, 24, grad=False)
+    torch.testing.assert_close(hops.layer_norm(x, (24,)), ln_ref(x, (24,)))
+    assert len(_bound_launches(kernel)) == before + 4
+
+
+def test_bind_arguments_orders_keywords_and_defaults_and_refuses_positional_constexprs():
+    from hfkit.ops._triton import bind_arguments
+
+    ln = importlib.import_module("hfkit.ops.layer_norm")
+    kernel = ln._layer_norm_fwd_kernel
+    meta = {"BLOCK_N": 32, "HAS_W": True, "HAS_B": False, "BLOCK_M": 4, "num_warps": 1}
+    names, defaults, options = bind_arguments(kernel, 11, meta)
+    assert names == ("HAS_W", "HAS_B", "BLOCK_M", "BLOCK_N")  # the kernel's order, not the call's
+    assert defaults == () and options == {"num_warps": 1}
+    with pytest.raises(ValueError, match="HAS_W.*by keyword"):
+        bind_arguments(kernel, 12, {"HAS_B": False, "BLOCK_M": 4, "BLOCK_N": 32})
+    with pytest.raises(ValueError, match="BLOCK_N"):
+        bind_arguments(kernel, 11, {"HAS_W": True, "HAS_B": False, "BLOCK_M": 4})
+
+
+def test_profiler_sees_each_op_by_name_with_shapes():
+    x, w, b = _randn(3, 7, 10), _randn(10), _randn(10)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        out = hops.layer_norm(x, (10,), w, b)
+        out.sum().backward()
+    events = {e.key: e for e in prof.key_averages(group_by_input_shape=True)}
+    assert "hfkit::layer_norm_fwd" in events and "hfkit::layer_norm_bwd" in events
+    assert events["hfkit::layer_norm_fwd"].input_shapes[0] == [3, 7, 10]
+    torch.testing.assert_close(out, torch.nn.functional.layer_norm(x, (10,), w, b))

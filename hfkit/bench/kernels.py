@@ -67,19 +67,21 @@ def kernel_frame(results: pd.DataFrame | Sequence[ResultRow]) -> pd.DataFrame:
     frame["error"] = [e.get("error") for e in extras]
     frame["check_ok"] = [e.get("check_ok") for e in extras]
     frame["max_err"] = [e.get("max_abs_err_vs_fp32_ref", e.get("rel_err_vs_fp32_eager")) for e in extras]
+    frame["launch"] = [e.get("launch", "graph") for e in extras]
     return frame
 
 
 def best_peer_table(results: pd.DataFrame | Sequence[ResultRow], ours: str = OURS) -> pd.DataFrame:
-    """Per op, case, dtype and mode: our p50 and peak memory next to the fastest other provider's
-    (errors and failed checks left out), and the speed-up `best peer p50 / our p50` (>1: we are
-    faster). Cases where every peer failed show the failures in `peers_failed`."""
+    """Per op, case, dtype, mode and launch (a CUDA graph of the calls, or the calls launched from
+    Python): our p50 and peak memory next to the fastest other provider's (errors and failed checks
+    left out), and the speed-up `best peer p50 / our p50` (>1: we are faster). Cases where every peer
+    failed show the failures in `peers_failed`."""
     import pandas as pd
 
     frame = kernel_frame(results)
     ok = frame[frame["error"].isna() & (frame["check_ok"] != False)]  # noqa: E712 - None means unchecked
     records = []
-    keys = ["op", "case", "dtype", "mode"]
+    keys = ["op", "case", "dtype", "mode", "launch"]
     for key, group in frame.groupby(keys, sort=False):
         good = ok.loc[ok.index.intersection(group.index)]
         mine = good[good["provider"] == ours]

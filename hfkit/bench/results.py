@@ -296,9 +296,11 @@ def check_choice(name: str, values: Sequence[str], allowed: Sequence[str]) -> li
 
 
 def row_key(row: Mapping[str, Any]) -> tuple:
-    """What identifies a measurement: op, provider, mode, shape and dtype. A later run of the same
+    """What identifies a measurement: op, provider, mode, shape, dtype and how the calls were launched
+    (`extra["launch"]`, absent for the default of the file's benchmark). A later run of the same
     configuration replaces it (`merge_rows`)."""
-    return (row["op"], row["provider"], row["mode"], tuple(row["shape"]), row["dtype"])
+    extra = row.get("extra") or {}
+    return (row["op"], row["provider"], row["mode"], tuple(row["shape"]), row["dtype"], extra.get("launch"))
 
 
 def merge_rows(

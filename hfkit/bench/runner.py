@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -50,6 +51,8 @@ __all__ = [
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MODES: tuple[str, ...] = ("fwd", "fwd+bwd")
+# How an op's calls are timed: replayed as a CUDA graph, or launched from Python one by one.
+LAUNCHES: tuple[str, ...] = ("graph", "eager")
 # smoke: tiny odd sizes (CPU, CI, the Triton interpreter); full: the AlphaFold sizes a GPU run measures.
 PROFILES: tuple[str, ...] = ("smoke", "full")
 
@@ -359,16 +362,21 @@ def run_benchmark(
     warmup: int | None = None,
     reps: int | None = None,
     on_row: Callable[[ResultRow], None] | None = None,
+    launches: Sequence[str] = ("graph",),
 ) -> BenchResult:
-    """Measure every (case, dtype, provider, mode) of `bench` on `device` with `measure_case`.
+    """Measure every (case, dtype, provider, mode, launch) of `bench` on `device` with `measure_case`.
 
     `dtypes` default to `bench.default_dtypes`, `providers` to all of `bench.providers`; `warmup`/`reps`
     to `bench.gpu_warmup`/`bench.gpu_reps` on a GPU and 1/3 on a CPU. Ceilings are measured first
     unless given; `command` is stored in every row (default: this process's command line). A provider
     that raises `Skip` is listed with its reason and its rows are left out; any other failure, in
     preparing inputs too, gives error rows. Each row goes to `on_row` as soon as it is measured.
+    `launches`: "graph" times a CUDA graph of the calls (the kernels' own time), "eager" the calls
+    launched from Python with CUDA events (what a training loop gets, launch cost included); eager
+    rows carry `extra["launch"] = "eager"`.
     """
     modes = check_choice("modes", modes, MODES)
+    launches = check_choice("launches", launches, LAUNCHES)
     providers = check_choice("providers", providers or bench.providers, bench.providers)
     device, dtypes, warmup, reps, ceilings, env = run_settings(
         bench, device, dtypes, warmup, reps, ceilings, command
@@ -377,7 +385,8 @@ def run_benchmark(
     skipped: list[str] = []
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(cases) * len(dtypes) * len(providers) * len(modes), disable=not progress)
+    per_provider = len(modes) * len(launches)
+    bar = tqdm(total=len(cases) * len(dtypes) * len(providers) * per_provider, disable=not progress)
     bar.set_description(bench.name)
     for case in cases:
         for dtype in dtypes:
@@ -390,18 +399,20 @@ def run_benchmark(
                     impl = bench.provider(provider, case, device)
                 except Skip as why:
                     skipped.append(f"{case.label} {dtype}: {why}")
-                    bar.update(len(modes))
+                    bar.update(per_provider)
                     continue
-                for mode in modes:
-                    bar.set_postfix_str(f"{case.label} {dtype} {mode} {provider}")
+                for mode, launch in itertools.product(modes, launches):
+                    bar.set_postfix_str(f"{case.label} {dtype} {mode} {provider} {launch}")
                     nbytes, flops = bench.cost(case, dtype, mode)
-
+                    extra = {**prepared.extra, **getattr(impl, "note", {})}
+                    if launch == "eager":
+                        extra["launch"] = "eager"
                     build = functools.partial(_build, bench, case, impl, prepared, mode, dtype, failed)
                     row = measure_case(
                         env=env, ceilings=ceilings, device=device, op=getattr(case, "op", bench.name),
                         provider=provider, mode=mode, shape=case.shape, dtype=dtype, nbytes=nbytes,
-                        flops=flops, build=build, warmup=warmup, reps=reps,
-                        extra={**prepared.extra, **getattr(impl, "note", {})},
+                        flops=flops, build=build, warmup=warmup, reps=reps, extra=extra,
+                        graph=launch == "graph",
                     )  # fmt: skip
                     rows.append(row)
                     if on_row is not None:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -21,8 +22,13 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 try:
     import triton
     import triton.language as tl
-    from torch._library.triton import set_wrap_triton_enabled
-    from torch.library import triton_op
+    from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
+    from torch.library import triton_op, wrap_triton
+
+    try:  # Triton's runtime settings (launch hooks); without them every launch takes the JIT path
+        from triton import knobs as _knobs
+    except ImportError:  # pragma: no cover - older Triton
+        _knobs = None
 
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - exercised only on machines without Triton
@@ -67,12 +73,30 @@ def triton_can_run(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and interpreting()
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for grid sizes on the host (`triton.cdiv` is a constexpr function object in recent
+    Triton, several microseconds a call)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), for tile sizes on the host."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; 4 elsewhere (the interpreter runs programs one after
     another, so few persistent programs keep it quick)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _SM_COUNTS.get(index)
+    if count is None:
+        count = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
+
+
+_SM_COUNTS: dict[int, int] = {}
 
 
 def dot_mode(x: torch.Tensor) -> int:
@@ -110,6 +134,116 @@ if HAS_TRITON:
             return tl.dot(a, b)
 
 
+def _arg_key(arg: Any) -> Any:
+    """What Triton specializes a kernel argument on, or finer: a tensor's dtype and 16-byte alignment;
+    an int's value class (0, 1, divisible by 16, 32- or 64-bit); a float's type; constexprs by value."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, bool) or arg is None:
+        return arg
+    if isinstance(arg, int):
+        return arg in (0, 1), arg % 16 == 0, -(2**31) <= arg < 2**31, arg < 2**63
+    if isinstance(arg, float):
+        return float
+    return arg
+
+
+class BoundLaunch(NamedTuple):
+    """One kernel bound to one specialization: `launch(grid, stream, args)` starts it.
+
+    `names` are the kernel's keyword arguments this call site passes, in the kernel's parameter order
+    after the positional ones; `defaults` the values of the parameters after those; `options` the
+    launch options that are not parameters (num_warps, num_stages)."""
+
+    launch: Callable[[tuple[int, int, int], int, tuple[Any, ...]], None]
+    names: tuple[str, ...]
+    defaults: tuple[Any, ...]
+    options: dict[str, Any]
+
+
+def bind_arguments(
+    kernel: Any, n_args: int, meta: dict[str, Any]
+) -> tuple[tuple[str, ...], tuple[Any, ...], dict[str, Any]]:
+    """How a call `kernel[grid](*args, **meta)` with `n_args` positional arguments maps onto the
+    kernel's parameters: (the meta names that fill the parameters after the positional ones, in
+    order; the defaults of the parameters after those; the meta entries that are launch options,
+    e.g. num_warps). Constexpr parameters must come by keyword (the bound launch tells calls apart by
+    the meta's values, and by the positional arguments' `_arg_key` only). Raises ValueError naming
+    the kernel and the parameter otherwise, or when a parameter has no value."""
+    name = getattr(kernel.fn, "__name__", repr(kernel))
+    params = list(inspect.signature(kernel.fn).parameters.values())
+    for param in params[:n_args]:
+        if "constexpr" in str(param.annotation):
+            raise ValueError(f"{name}: pass the constexpr parameter {param.name!r} by keyword")
+    names: list[str] = []
+    defaults: list[Any] = []
+    for param in params[n_args:]:
+        if param.name in meta and not defaults:
+            names.append(param.name)
+        elif param.name in meta or param.default is inspect.Parameter.empty:
+            raise ValueError(
+                f"{name}: parameter {param.name!r} needs a value by keyword, before any defaulted one"
+            )
+        else:
+            defaults.append(param.default)
+    options = {k: v for k, v in meta.items() if k not in names}
+    return tuple(names), tuple(defaults), options
+
+
+def _compiled_launch(compiled: Any) -> Callable[[tuple[int, int, int], int, tuple[Any, ...]], None]:
+    # The compiled kernel's own launcher, as Triton's JIT calls it once its cache found the kernel:
+    # grid, stream, function handle, packed metadata, no launch metadata or hooks, every argument.
+    run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+
+    def start(grid: tuple[int, int, int], stream: int, args: tuple[Any, ...]) -> None:
+        run(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *args)
+
+    return start
+
+
+def _interpreted_launch(kernel: Any, options: dict[str, Any]) -> Callable[..., None]:
+    def start(grid: tuple[int, int, int], stream: int, args: tuple[Any, ...]) -> None:
+        kernel[grid](*args, **options)
+
+    return start
+
+
+# {kernel: {specialization key: BoundLaunch}}; kernels are module-level and live as long as the process.
+_BOUND: dict[Any, dict[tuple, BoundLaunch]] = {}
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
+    """Launch a Triton kernel: `launch(kernel, grid, *args, **meta)` does what `kernel[grid](*args,
+    **meta)` does, binding the launch once per specialization.
+
+    While torch traces the call (`torch.compile`, the custom op's dispatch: `wrap_triton` is enabled)
+    the kernel goes through `wrap_triton`, so Inductor sees it. Otherwise the first call with a given
+    specialization (each argument's `_arg_key`, the meta values, the device) goes through Triton's JIT,
+    which compiles or finds the kernel; later calls start that compiled kernel directly, skipping the
+    JIT's per-call argument binding, cache lookup and hooks (Triton's launch hooks, when set, take the
+    JIT path every time). Under the interpreter the bound launch calls the interpreted kernel with the
+    same argument order, so the binding is exercised there too.
+    """
+    if is_wrap_triton_enabled():
+        wrap_triton(kernel)[grid](*args, **meta)
+        return
+    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    cuda = not interpreting()
+    device = torch.cuda.current_device() if cuda else -1
+    key = (device, *map(_arg_key, args), *meta.items())
+    table = _BOUND.get(kernel)
+    bound = table.get(key) if table is not None else None
+    if bound is None or (cuda and (_knobs is None or _knobs.runtime.launch_enter_hook is not None)):
+        compiled = kernel[grid3](*args, **meta)
+        if bound is None:
+            names, defaults, options = bind_arguments(kernel, len(args), meta)
+            start = _compiled_launch(compiled) if cuda else _interpreted_launch(kernel, options)
+            _BOUND.setdefault(kernel, {})[key] = BoundLaunch(start, names, defaults, options)
+        return
+    full = (*args, *[meta[name] for name in bound.names], *bound.defaults)
+    bound.launch(grid3, torch._C._cuda_getCurrentRawStream(device) if cuda else 0, full)
+
+
 _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 
 
@@ -134,7 +268,8 @@ class TritonOp:
     plain `autograd.Function` when `autograd` was given. The custom-op route costs hundreds of
     microseconds of Python per call on the H200 host (the dispatcher, the custom-op autograd wrapper
     and its per-call aliasing checks; data/results/h200/launch_overhead.json), more than many of
-    these kernels take on the GPU. Both routes run the same body and the same backward.
+    these kernels take on the GPU. Both routes run the same body and the same backward. While a
+    profiler records, calls take the custom op, so that they show as `hfkit::<name>` with shapes.
     """
 
     def __init__(self, name: str, body: Callable[..., Any], mutates_args: Any = ()) -> None:
@@ -168,7 +303,10 @@ class TritonOp:
         self._function = _Eager
 
     def __call__(self, *args: Any) -> Any:
-        if not direct_call(args):
+        # While a profiler records, the custom op runs: torch.profiler then shows the call as
+        # `hfkit::<name>` with its input shapes (what notebook 03's census counts), at the custom op's
+        # CPU cost; the kernels, and so the device times, are the same.
+        if not direct_call(args) or torch.autograd._profiler_enabled():
             return self.op(*args)
         if self._function is not None and torch.is_grad_enabled():
             return self._function.apply(*args)
@@ -177,8 +315,8 @@ class TritonOp:
 
 
 def hfkit_op(name: str, mutates_args: Any = ()) -> Callable[[Callable[..., Any]], TritonOp]:
-    """Decorator: `@hfkit_op("layer_norm_fwd")` over a body that launches its kernels through
-    `wrap_triton` makes a `TritonOp` named `hfkit::layer_norm_fwd`."""
+    """Decorator: `@hfkit_op("layer_norm_fwd")` over a body that starts its kernels with `launch`
+    makes a `TritonOp` named `hfkit::layer_norm_fwd`."""
 
     def wrap(body: Callable[..., Any]) -> TritonOp:
         return TritonOp(name, body, mutates_args)

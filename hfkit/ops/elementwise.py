@@ -19,12 +19,11 @@ import math
 import torch
 
 from hfkit.ops._checks import check_float, check_optional, check_same_device
-from hfkit.ops._triton import HAS_TRITON, hfkit_op, triton_can_run
+from hfkit.ops._triton import HAS_TRITON, cdiv, hfkit_op, launch, next_power_of_2, triton_can_run
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
-    from torch.library import wrap_triton
 
 __all__ = [
     "bias_dropout_add",
@@ -268,9 +267,7 @@ def dropout_keep_mask(
     n = mask.numel()
     if n:
         seed_t = _seed_tensor(seed, None, device)
-        _keep_mask_kernel[(triton.cdiv(n, _TILE),)](
-            seed_t, mask, n, float(p), MASK64=n > _INT32_MAX, BLOCK=_TILE
-        )
+        _keep_mask_kernel[(cdiv(n, _TILE),)](seed_t, mask, n, float(p), MASK64=n > _INT32_MAX, BLOCK=_TILE)
     return mask
 
 
@@ -304,7 +301,7 @@ def _dropout_layout(shape: torch.Size, shared_dim: int) -> tuple[int, int, int, 
 
 def _tile(n: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for a [M, n] elementwise pass: about `_TILE` elements a program."""
-    block_n = min(triton.next_power_of_2(max(n, 1)), _TILE)
+    block_n = min(next_power_of_2(max(n, 1)), _TILE)
     return _TILE // block_n, block_n, 4
 
 
@@ -314,7 +311,7 @@ def _dropout_tile(b: int, s: int) -> tuple[int, int, int, bool]:
     straddle two mask rows, so each program draws its keep flags once per column."""
     rows = min(16, s & -s)  # the largest power of two dividing s
     if s > 1 and rows >= 4:
-        block_n = min(triton.next_power_of_2(max(b, 1)), _TILE // rows)
+        block_n = min(next_power_of_2(max(b, 1)), _TILE // rows)
         return rows, block_n, 4, True
     return (*_tile(b), False)
 
@@ -428,8 +425,19 @@ if HAS_TRITON:
         y = torch.empty(g.shape, dtype=torch.promote_types(g.dtype, o.dtype), device=g.device)
         m, n = _gate_layout(g, bias)
         bm, bn, warps = _tile(n)
-        wrap_triton(_gate_fwd_kernel)[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
-            gc, oc, bias, y, m, n, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps
+        launch(
+            _gate_fwd_kernel,
+            (cdiv(m, bm) * cdiv(n, bn),),
+            gc,
+            oc,
+            bias,
+            y,
+            m,
+            n,
+            HAS_BIAS=bias is not None,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            num_warps=warps,
         )
         return y
 
@@ -442,7 +450,7 @@ if HAS_TRITON:
         do = torch.empty(o.shape, dtype=o.dtype, device=o.device)
         m, n = _gate_layout(g, bias)
         bm, bn, warps = _tile(n)
-        wrap_triton(_gate_bwd_kernel)[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
+        launch(_gate_bwd_kernel, (cdiv(m, bm) * cdiv(n, bn),),
             gc, oc, bias, dyc, dg, do, m, n,
             HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
         )  # fmt: skip
@@ -478,7 +486,7 @@ if HAS_TRITON:
         r, b, s, mb, mc, c = _dropout_layout(x.shape, shared_dim)
         bm, bn, warps, row_shared = _dropout_tile(b, s)
         dropout = seed is not None
-        wrap_triton(_bias_dropout_add_kernel)[(triton.cdiv(r, bm) * triton.cdiv(b, bn),)](
+        launch(_bias_dropout_add_kernel, (cdiv(r, bm) * cdiv(b, bn),),
             xc, rc, bias, seed, y, r, b, s, mb, mc, c, p, 1.0 / (1.0 - p),
             HAS_BIAS=bias is not None, DROPOUT=dropout, MASK64=dropout and x.numel() // s > _INT32_MAX,
             ROW_SHARED=row_shared, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
@@ -492,7 +500,7 @@ if HAS_TRITON:
         dx = torch.empty_like(dyc)
         r, b, s, mb, mc, _ = _dropout_layout(dy.shape, shared_dim)
         bm, bn, warps, row_shared = _dropout_tile(b, s)
-        wrap_triton(_dropout_bwd_kernel)[(triton.cdiv(r, bm) * triton.cdiv(b, bn),)](
+        launch(_dropout_bwd_kernel, (cdiv(r, bm) * cdiv(b, bn),),
             dyc, dx, seed, r, b, s, mb, mc, p, 1.0 / (1.0 - p),
             MASK64=dy.numel() // s > _INT32_MAX, ROW_SHARED=row_shared,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,

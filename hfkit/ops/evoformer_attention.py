@@ -20,13 +20,19 @@ from typing import NamedTuple
 import torch
 
 from hfkit.ops._checks import broadcasts_to, check_float, check_optional, check_same_device
-from hfkit.ops._triton import HAS_TRITON, dot_mode, hfkit_op, num_sms, triton_can_run
+from hfkit.ops._triton import (
+    HAS_TRITON,
+    cdiv,
+    dot_mode,
+    hfkit_op,
+    launch,
+    next_power_of_2,
+    num_sms,
+    triton_can_run,
+)
 from hfkit.ops.softmax import MASK_INF
 
 if HAS_TRITON:
-    import triton
-    from torch.library import wrap_triton
-
     from hfkit.ops._evoformer_attention_kernels import _evo_bwd_kernel, _evo_fwd_kernel
 
 __all__ = ["MAX_HEAD_DIM", "evoformer_attention", "evoformer_attention_reference", "uses_triton"]
@@ -214,7 +220,7 @@ if HAS_TRITON:
 
     def _config(pass_: str, d: int, device: torch.device) -> Config:
         """Tile configuration of one kernel pass ('fwd', 'dkdv', 'dq', 'dbias') for head dim d."""
-        block_d = max(16, triton.next_power_of_2(d))
+        block_d = max(16, next_power_of_2(d))
         if device.type != "cuda":
             return Config(32, 32, block_d, 4, 1)  # small tiles so that tests cross block edges cheaply
         table = CONFIGS_SMALL_D if block_d <= 32 else CONFIGS_LARGE_D
@@ -234,7 +240,7 @@ if HAS_TRITON:
         """Run the forward kernel with tiles `cfg` (q, k, v with unit-stride rows; o, mx, lg outputs)."""
         b, s, h, n_q, d = q.shape
         n_k = k.shape[3]
-        wrap_triton(_evo_fwd_kernel)[(triton.cdiv(n_q, cfg.block_m), b * s * h)](
+        launch(_evo_fwd_kernel, (cdiv(n_q, cfg.block_m), b * s * h),
             q, k, v, bias, key_bias, o, mx, lg,
             s, h, n_q, n_k, d, LOG2E / math.sqrt(d),
             *_qkv_strides(q), *_qkv_strides(k), *_qkv_strides(v), *_qkv_strides(o),
@@ -251,7 +257,7 @@ if HAS_TRITON:
         [splits, nb_b, nb_s, nb_h, Q, K] partial sums (or a dummy when there is no bias gradient)."""
         b, s, h, n_q, d = q.shape
         n_k = k.shape[3]
-        n_mb, n_nb = triton.cdiv(n_q, cfg.block_m), triton.cdiv(n_k, cfg.block_n)
+        n_mb, n_nb = cdiv(n_q, cfg.block_m), cdiv(n_k, cfg.block_n)
         nb = list(db.shape[1:4]) if db.dim() == 6 else [1, 1, 1]
         splits = db.shape[0] if db.dim() == 6 else 1
         reps = (b // nb[0]) * (s // nb[1]) * (h // nb[2])
@@ -260,9 +266,9 @@ if HAS_TRITON:
             "dq": (n_mb, b * s * h, 1),
             "dbias": (n_mb * n_nb, nb[0] * nb[1] * nb[2], splits),
         }[pass_]
-        wrap_triton(_evo_bwd_kernel)[grid](
+        launch(_evo_bwd_kernel, grid,
             q, k, v, bias, key_bias, o, do, mx, lg, delta, dq, dk, dv, db,
-            b, s, h, n_q, n_k, d, LOG2E / math.sqrt(d), 1.0 / math.sqrt(d), triton.cdiv(reps, splits),
+            b, s, h, n_q, n_k, d, LOG2E / math.sqrt(d), 1.0 / math.sqrt(d), cdiv(reps, splits),
             *_qkv_strides(q), *_qkv_strides(k), *_qkv_strides(v),
             *_qkv_strides(o), *_qkv_strides(do),
             *_qkv_strides(dq), *_qkv_strides(dk), *_qkv_strides(dv),
@@ -279,9 +285,9 @@ if HAS_TRITON:
         tiles: enough for about four programs per SM, each walking at least 16 rows."""
         if device.type != "cuda":
             return min(reps, 2)  # the interpreter: exercise the partial sums cheaply
-        want = triton.cdiv(4 * num_sms(device), max(1, tiles))
-        per = max(16, triton.cdiv(reps, want))
-        return triton.cdiv(reps, per)
+        want = cdiv(4 * num_sms(device), max(1, tiles))
+        per = max(16, cdiv(reps, want))
+        return cdiv(reps, per)
 
     @hfkit_op("evoformer_attention_fwd")
     def _evo_fwd(
@@ -329,7 +335,7 @@ if HAS_TRITON:
             return dq, dk, dv, dummy
         nb = list(bias.shape[:3])
         cfg = _config("dbias", d, q.device)
-        tiles = triton.cdiv(n_q, cfg.block_m) * triton.cdiv(n_k, cfg.block_n) * nb[0] * nb[1] * nb[2]
+        tiles = cdiv(n_q, cfg.block_m) * cdiv(n_k, cfg.block_n) * nb[0] * nb[1] * nb[2]
         splits = dbias_splits((b // nb[0]) * (s // nb[1]) * (h // nb[2]), tiles, q.device)
         parts = torch.empty((splits, *nb, n_q, n_k), dtype=torch.float32, device=q.device)
         launch_bwd("dbias", *args, parts, cfg)

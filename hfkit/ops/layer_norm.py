@@ -16,12 +16,11 @@ from collections.abc import Sequence
 import torch
 
 from hfkit.ops._checks import check_eps, check_float, check_optional
-from hfkit.ops._triton import HAS_TRITON, hfkit_op, num_sms, triton_can_run
+from hfkit.ops._triton import HAS_TRITON, cdiv, hfkit_op, launch, next_power_of_2, num_sms, triton_can_run
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
-    from torch.library import wrap_triton
 
 __all__ = ["layer_norm", "layer_norm_reference", "MAX_FUSED_SIZE", "uses_triton"]
 
@@ -274,7 +273,7 @@ def _fwd_config(n: int, elem_bytes: int) -> tuple[int, int, int]:
     about 1024 elements per program and 16 per thread was best or within 5% of best at every census
     size (64-1024), for fp32 and bf16 alike. `elem_bytes` is kept for dtype-specific tuning.
     """
-    block_n = triton.next_power_of_2(n)
+    block_n = next_power_of_2(n)
     block_m = max(1, 1024 // block_n)
     return block_m, block_n, _warps_for(block_m * block_n)
 
@@ -285,7 +284,7 @@ def _bwd_config(n: int, elem_bytes: int) -> tuple[int, int, int]:
     The sweep favoured small tiles with many resident programs (16 single-warp programs per SM at
     N = 64-256): more independent loads in flight per SM than a few wide programs give.
     """
-    block_n = triton.next_power_of_2(n)
+    block_n = next_power_of_2(n)
     block_m = max(1, 512 // block_n)
     return block_m, block_n, _warps_for(block_m * block_n)
 
@@ -298,7 +297,7 @@ def _warps_for(tile: int) -> int:
 def _launch_fwd(x2, y2, weight, bias, mean, rstd, eps: float, cfg: tuple[int, int, int]) -> None:
     block_m, block_n, num_warps = cfg
     m, n = x2.shape
-    wrap_triton(_layer_norm_fwd_kernel)[(triton.cdiv(m, block_m),)](
+    launch(_layer_norm_fwd_kernel, (cdiv(m, block_m),),
         x2, y2, weight, bias, mean, rstd,
         x2.stride(0), y2.stride(0), m, n, eps,
         HAS_W=weight is not None, HAS_B=bias is not None,
@@ -317,7 +316,7 @@ def _launch_bwd(
         # The H200 sweep: 3-9% faster for 2-byte dtypes, neutral to slightly worse for float32.
         prefetch = x2.element_size() < 4
     m, n = x2.shape
-    wrap_triton(_layer_norm_bwd_kernel)[(programs,)](
+    launch(_layer_norm_bwd_kernel, (programs,),
         x2, dy2, dx2, weight, mean, rstd, dwb,
         x2.stride(0), dy2.stride(0), dx2.stride(0), m, n,
         HAS_W=weight is not None, HAS_DW=need_dwb, PREFETCH=prefetch, ACC2D=acc2d,
@@ -328,7 +327,7 @@ def _launch_bwd(
 def _bwd_programs(m: int, cfg: tuple[int, int, int], device: torch.device, per_sm: int | None = None) -> int:
     """Persistent grid size: enough resident programs to fill every SM, never more than row blocks."""
     block_m, _, num_warps = cfg
-    num_blocks = triton.cdiv(m, block_m) if m else 0
+    num_blocks = cdiv(m, block_m) if m else 0
     if per_sm is None:
         per_sm = max(1, 16 // num_warps)  # 16 resident warps an SM: the sweep's best
     return max(1, min(num_blocks, num_sms(device) * per_sm))

@@ -13,12 +13,11 @@ from __future__ import annotations
 import torch
 
 from hfkit.ops._checks import broadcasts_to, check_float, check_optional
-from hfkit.ops._triton import HAS_TRITON, hfkit_op, triton_can_run
+from hfkit.ops._triton import HAS_TRITON, cdiv, hfkit_op, launch, next_power_of_2, triton_can_run
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
-    from torch.library import wrap_triton
 
 __all__ = ["MASK_INF", "MAX_FUSED_SIZE", "softmax", "softmax_reference", "uses_triton"]
 
@@ -190,7 +189,7 @@ if HAS_TRITON:
     def _block_k(k: int) -> int:
         # Tiles are compile-time constants: under dynamic shapes int() specialises on the row length
         # (a guard), where a symbolic size would leave a SymInt in the traced kernel call.
-        return max(16, triton.next_power_of_2(int(k)))
+        return max(16, next_power_of_2(int(k)))
 
     def launch_fwd(
         x: torch.Tensor,
@@ -207,7 +206,7 @@ if HAS_TRITON:
         pad = _LEAD - len(sizes)
         sizes, bs, ms = [1] * pad + sizes, [0] * pad + bs, [0] * pad + ms
         block_m, warps = tiles
-        wrap_triton(_softmax_fwd_kernel)[(triton.cdiv(m, block_m),)](
+        launch(_softmax_fwd_kernel, (cdiv(m, block_m),),
             x, bias, mask, y,
             m, k, sizes[1], sizes[2], sizes[3],
             *bs, bsk, *ms, msk,
@@ -221,8 +220,17 @@ if HAS_TRITON:
         k = y.shape[-1]
         m = y.numel() // k
         block_m, warps = tiles
-        wrap_triton(_softmax_bwd_kernel)[(triton.cdiv(m, block_m),)](
-            y, dy, dx, m, k, BLOCK_M=block_m, BLOCK_K=_block_k(k), num_warps=warps
+        launch(
+            _softmax_bwd_kernel,
+            (cdiv(m, block_m),),
+            y,
+            dy,
+            dx,
+            m,
+            k,
+            BLOCK_M=block_m,
+            BLOCK_K=_block_k(k),
+            num_warps=warps,
         )
 
     @hfkit_op("softmax_fwd")

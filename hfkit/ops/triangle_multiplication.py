@@ -45,7 +45,16 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from hfkit.ops._checks import broadcasts_to, check_eps, check_float, check_optional, check_same_device
-from hfkit.ops._triton import HAS_TRITON, TRITON_DTYPES, dot_mode, hfkit_op, triton_can_run
+from hfkit.ops._triton import (
+    HAS_TRITON,
+    TRITON_DTYPES,
+    cdiv,
+    dot_mode,
+    hfkit_op,
+    launch,
+    next_power_of_2,
+    triton_can_run,
+)
 from hfkit.ops.layer_norm import (
     MAX_FUSED_SIZE,
     _bwd_config,
@@ -57,9 +66,6 @@ from hfkit.ops.layer_norm import (
 )
 
 if HAS_TRITON:
-    import triton
-    from torch.library import wrap_triton
-
     from hfkit.ops._triangle_multiplication_kernels import (
         _gate_ab_bwd_kernel,
         _gate_ab_fwd_kernel,
@@ -355,18 +361,18 @@ if HAS_TRITON:
 
     def _gate_config(c_h: int) -> tuple[int, int, int]:
         """(BLOCK_P, BLOCK_C, num_warps) of the gate kernels: 64 pairs x up to 64 channels (untuned)."""
-        block_c = min(64, max(16, triton.next_power_of_2(c_h)))
+        block_c = min(64, max(16, next_power_of_2(c_h)))
         return 64, block_c, 8 if block_c >= 64 else 4
 
     def _ln_out_config(c_h: int) -> tuple[int, int, int]:
         """(BLOCK_P, BLOCK_C, num_warps) of the transposed LayerNorm: all channels, ~8K elements (untuned)."""
-        block_c = max(16, triton.next_power_of_2(c_h))
+        block_c = max(16, next_power_of_2(c_h))
         block_p = max(16, min(128, 8192 // block_c))
         return block_p, block_c, max(1, min(16, block_p * block_c // 1024))
 
     def _elementwise_config(c_z: int) -> tuple[int, int, int]:
         """(BLOCK_M, BLOCK_C, num_warps) of the output-gate kernels: ~4K elements a program (untuned)."""
-        block_c = min(128, max(16, triton.next_power_of_2(c_z)))
+        block_c = min(128, max(16, next_power_of_2(c_z)))
         return max(1, 4096 // block_c), block_c, 8
 
     @hfkit_op("tri_mul_ln_in_fwd")
@@ -418,8 +424,8 @@ if HAS_TRITON:
         a = proj.new_empty((batch, c_h, n, n))
         b = proj.new_empty((batch, c_h, n, n))
         block_p, block_c, warps = _gate_config(c_h)
-        grid = (triton.cdiv(n * n, block_p), triton.cdiv(c_h, block_c), batch)
-        wrap_triton(_gate_ab_fwd_kernel)[grid](
+        grid = (cdiv(n * n, block_p), cdiv(c_h, block_c), batch)
+        launch(_gate_ab_fwd_kernel, grid,
             proj, mask, a, b, n * n, c_h, proj.stride(0),
             HAS_MASK=mask is not None, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps,
         )  # fmt: skip
@@ -438,9 +444,9 @@ if HAS_TRITON:
     ) -> torch.Tensor:
         """Writes columns [0, 4 C_h) of d_proj; returns their float32 sums over pairs, [4 C_h]."""
         block_p, block_c, warps = _gate_config(c_h)
-        num_p_blocks = triton.cdiv(n * n, block_p)
+        num_p_blocks = cdiv(n * n, block_p)
         part = torch.empty((batch * num_p_blocks, 4 * c_h), dtype=torch.float32, device=proj.device)
-        wrap_triton(_gate_ab_bwd_kernel)[(num_p_blocks, triton.cdiv(c_h, block_c), batch)](
+        launch(_gate_ab_bwd_kernel, (num_p_blocks, cdiv(c_h, block_c), batch),
             da.contiguous(), db.contiguous(), proj, mask, d_proj, part,
             n * n, c_h, proj.stride(0), d_proj.stride(0), num_p_blocks,
             HAS_MASK=mask is not None, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps,
@@ -452,8 +458,8 @@ if HAS_TRITON:
         `PROJ_TILES` (channel and K blocks shrunk to the problem, at least 16 for tl.dot); DOT as
         `_dot` takes it."""
         block_p, block_c, block_k, warps = PROJ_TILES
-        block_c = min(block_c, max(16, triton.next_power_of_2(c_h)))
-        block_k = min(block_k, max(16, triton.next_power_of_2(c_z)))
+        block_c = min(block_c, max(16, next_power_of_2(c_h)))
+        block_k = min(block_k, max(16, next_power_of_2(c_z)))
         dot = dot_mode(zn)
         return block_p, block_c, block_k, warps, dot
 
@@ -472,8 +478,8 @@ if HAS_TRITON:
         a = zn.new_empty((batch, c_h, n, n))
         b = zn.new_empty((batch, c_h, n, n))
         block_p, block_c, block_k, warps, dot = _proj_config(c_h, c_z, zn)
-        grid = (triton.cdiv(n * n, block_p) * triton.cdiv(c_h, block_c), batch)
-        wrap_triton(_proj_gate_fwd_kernel)[grid](
+        grid = (cdiv(n * n, block_p) * cdiv(c_h, block_c), batch)
+        launch(_proj_gate_fwd_kernel, grid,
             zn, w_ab, b_ab, mask, a, b, n * n, c_h, c_z,
             HAS_BIAS=b_ab is not None, HAS_MASK=mask is not None, DOT=dot,
             BLOCK_P=block_p, BLOCK_C=block_c, BLOCK_K=block_k, num_warps=warps,
@@ -496,9 +502,9 @@ if HAS_TRITON:
         """Writes columns [0, 4 C_h) of d_proj; returns their float32 sums over pairs, [4 C_h]."""
         c_z = zn.shape[1]
         block_p, block_c, block_k, warps, dot = _proj_config(c_h, c_z, zn)
-        num_p_blocks = triton.cdiv(n * n, block_p)
+        num_p_blocks = cdiv(n * n, block_p)
         part = torch.empty((batch * num_p_blocks, 4 * c_h), dtype=torch.float32, device=zn.device)
-        wrap_triton(_proj_gate_bwd_kernel)[(num_p_blocks * triton.cdiv(c_h, block_c), batch)](
+        launch(_proj_gate_bwd_kernel, (num_p_blocks * cdiv(c_h, block_c), batch),
             da.contiguous(), db.contiguous(), zn, w_ab, b_ab, mask, d_proj, part,
             n * n, c_h, c_z, d_proj.stride(0), num_p_blocks,
             HAS_BIAS=b_ab is not None, HAS_MASK=mask is not None, DOT=dot,
@@ -520,7 +526,7 @@ if HAS_TRITON:
         mean = torch.empty(batch * nn_, dtype=torch.float32, device=x.device)
         rstd = torch.empty(batch * nn_, dtype=torch.float32, device=x.device)
         block_p, block_c, warps = _ln_out_config(c_h)
-        wrap_triton(_ln_out_t_fwd_kernel)[(triton.cdiv(nn_, block_p), batch)](
+        launch(_ln_out_t_fwd_kernel, (cdiv(nn_, block_p), batch),
             x, y, weight, bias, mean, rstd, nn_, c_h, eps,
             HAS_W=weight is not None, HAS_B=bias is not None,
             BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps,
@@ -542,11 +548,11 @@ if HAS_TRITON:
         nn_ = x.numel() // (batch * c_h)
         dx = torch.empty_like(x)
         block_p, block_c, warps = _ln_out_config(c_h)
-        num_p_blocks = triton.cdiv(nn_, block_p)
+        num_p_blocks = cdiv(nn_, block_p)
         part = torch.empty(
             (batch * num_p_blocks if need_dwb else 0, 2 * c_h), dtype=torch.float32, device=x.device
         )
-        wrap_triton(_ln_out_t_bwd_kernel)[(num_p_blocks, batch)](
+        launch(_ln_out_t_bwd_kernel, (num_p_blocks, batch),
             dy.contiguous(), x, weight, mean, rstd, dx, part, nn_, c_h, num_p_blocks,
             HAS_W=weight is not None, HAS_DW=need_dwb, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps,
         )  # fmt: skip
@@ -557,8 +563,19 @@ if HAS_TRITON:
         m, c_z = o.shape
         out = torch.empty_like(o)
         block_m, block_c, warps = _elementwise_config(c_z)
-        wrap_triton(_out_gate_fwd_kernel)[(triton.cdiv(m, block_m), triton.cdiv(c_z, block_c))](
-            o, proj, out, m, c_z, proj.stride(0), g_off, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=warps
+        launch(
+            _out_gate_fwd_kernel,
+            (cdiv(m, block_m), cdiv(c_z, block_c)),
+            o,
+            proj,
+            out,
+            m,
+            c_z,
+            proj.stride(0),
+            g_off,
+            BLOCK_M=block_m,
+            BLOCK_C=block_c,
+            num_warps=warps,
         )
         return out
 
@@ -575,9 +592,9 @@ if HAS_TRITON:
         do = torch.empty_like(o)
         d_proj = o.new_empty((m, d_proj_width))
         block_m, block_c, warps = _elementwise_config(c_z)
-        num_m_blocks = triton.cdiv(m, block_m)
+        num_m_blocks = cdiv(m, block_m)
         part = torch.empty((num_m_blocks, 2 * c_z), dtype=torch.float32, device=o.device)
-        wrap_triton(_out_gate_bwd_kernel)[(num_m_blocks, triton.cdiv(c_z, block_c))](
+        launch(_out_gate_bwd_kernel, (num_m_blocks, cdiv(c_z, block_c)),
             dout, o, g_src, do, d_proj, part, m, c_z, dout.stride(0), g_src.stride(0), d_proj.stride(0),
             g_off, d_proj_width - c_z, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=warps,
         )  # fmt: skip
