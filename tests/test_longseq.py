@@ -1,0 +1,198 @@
+"""The memory-lean inference path (`hfkit.model.inference.lean_forward`) against the modules' own
+forward, its chunk-size choice from free memory, MSA offload on a CPU, and `hfkit bench longseq`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hfkit.model import EvoformerStack, ExtraMSAStack, ModelConfig
+from hfkit.model.inference import (
+    DEFAULT_CHUNK_SIZE,
+    BlockWidths,
+    choose_chunk_size,
+    lean_forward,
+    lean_working_set_bytes,
+)
+
+TINY = ModelConfig.tiny().replace(msa_dropout=0.0, pair_dropout=0.0)
+S, N = 5, 11  # odd on purpose: chunks of 2, 3, 4 do not divide them
+# Relative tolerance of the lean path against the module's forward, by dtype (task: float64 1e-10).
+REL_TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def _randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter random (AlphaFold's zero "final" and gating inits would hide most paths)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            r = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)
+            if p.dim() == 2:
+                p.copy_(r * p.shape[1] ** -0.5)
+            elif "layer_norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * r)
+            else:
+                p.copy_(0.1 * r)
+    return module.eval()
+
+
+def _stack(blocks: int = 1, mask_trans: bool = True, dtype=torch.float64, seed: int = 0) -> EvoformerStack:
+    config = TINY.replace(no_blocks=blocks, _mask_trans=mask_trans)
+    return _randomize(EvoformerStack.from_config(config), seed).to(dtype)
+
+
+def _inputs(c_m: int, dtype=torch.float64, seed: int = 1, s: int = S, n: int = N):
+    """m, z and masks with the last MSA row, the last two residues and a few pairs masked out."""
+    gen = torch.Generator().manual_seed(seed)
+    m = torch.randn(1, s, n, c_m, generator=gen, dtype=torch.float64).to(dtype)
+    z = torch.randn(1, n, n, TINY.c_z, generator=gen, dtype=torch.float64).to(dtype)
+    msa_mask = torch.ones(1, s, n, dtype=dtype)
+    msa_mask[:, -1] = 0
+    msa_mask[:, :, -2:] = 0
+    pair_mask = msa_mask[:, 0, :, None] * msa_mask[:, 0, None, :]
+    pair_mask[:, 0, 3] = 0
+    return m, z, msa_mask, pair_mask
+
+
+def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).abs().max() / expected.abs().max())
+
+
+@pytest.mark.parametrize("mask_trans", [True, False])
+@pytest.mark.parametrize("chunk_size", [1, 3, 4, 16, None])
+def test_lean_block_equals_forward_float64(chunk_size, mask_trans) -> None:
+    block = _stack(mask_trans=mask_trans).blocks[0]
+    m, z, msa_mask, pair_mask = _inputs(TINY.c_m)
+    with torch.no_grad():
+        m_ref, z_ref = block(m, z, msa_mask, pair_mask)
+    m_in, z_in = m.clone(), z.clone()
+    m_out, z_out = lean_forward(block, m_in, z_in, msa_mask, pair_mask, chunk_size=chunk_size)
+    assert m_out is m_in and z_out is z_in  # updated in place
+    assert _rel(m_out, m_ref) <= REL_TOL[torch.float64]
+    assert _rel(z_out, z_ref) <= REL_TOL[torch.float64]
+    # The block does change both representations: equality is not trivial.
+    assert _rel(m_ref, m) > 1e-2 and _rel(z_ref, z) > 1e-2
+
+
+@pytest.mark.parametrize("chunk_size", [2, 5])
+def test_lean_stack_equals_forward_float32(chunk_size) -> None:
+    stack = _stack(blocks=2, dtype=torch.float32)
+    m, z, msa_mask, pair_mask = _inputs(TINY.c_m, torch.float32)
+    with torch.no_grad():
+        ref = stack(m, z, msa_mask, pair_mask)
+    out = lean_forward(stack, m.clone(), z.clone(), msa_mask, pair_mask, chunk_size=chunk_size)
+    assert len(out) == 3
+    for actual, expected in zip(out, ref, strict=True):
+        assert _rel(actual, expected) <= REL_TOL[torch.float32]
+
+
+def test_lean_extra_msa_stack_equals_forward_float64() -> None:
+    config = TINY.replace(_mask_trans=False)
+    stack = _randomize(ExtraMSAStack.from_config(config)).to(torch.float64)
+    a, z, msa_mask, pair_mask = _inputs(config.c_e, s=7)
+    with torch.no_grad():
+        z_ref = stack(a, z, msa_mask, pair_mask)
+    z_out = lean_forward(stack, a.clone(), z.clone(), msa_mask, pair_mask, chunk_size=3)
+    assert _rel(z_out, z_ref) <= REL_TOL[torch.float64]
+
+
+def test_lean_with_fused_modules_equals_forward() -> None:
+    """`to_hfkit` swaps every fused module in; lean_forward calls them (their references on a CPU)."""
+    import hfkit.nn  # noqa: F401 - registers every swap
+    from hfkit.nn.convert import to_hfkit
+    from hfkit.ops import reference_on_cpu
+
+    stack = _stack(blocks=1, dtype=torch.float32)
+    m, z, msa_mask, pair_mask = _inputs(TINY.c_m, torch.float32)
+    fused, report = to_hfkit(stack, inplace=False, report=True)
+    assert report.summary()  # something was swapped
+    with torch.no_grad(), reference_on_cpu():
+        ref = fused(m, z, msa_mask, pair_mask)
+        out = lean_forward(fused, m.clone(), z.clone(), msa_mask, pair_mask, chunk_size=4)
+    for actual, expected in zip(out, ref, strict=True):
+        assert _rel(actual, expected) <= REL_TOL[torch.float32]
+
+
+def test_offload_on_cpu_and_auto_chunk_give_the_same_result() -> None:
+    block = _stack().blocks[0]
+    m, z, msa_mask, pair_mask = _inputs(TINY.c_m)
+    with torch.no_grad():
+        m_ref, z_ref = block(m, z, msa_mask, pair_mask)
+    for kwargs in ({"chunk_size": 3, "offload_msa": True}, {"chunk_size": "auto"}):
+        m_out, z_out = lean_forward(block, m.clone(), z.clone(), msa_mask, pair_mask, **kwargs)
+        assert _rel(m_out, m_ref) <= REL_TOL[torch.float64], kwargs
+        assert _rel(z_out, z_ref) <= REL_TOL[torch.float64], kwargs
+
+
+def test_bad_arguments_raise() -> None:
+    stack = _stack()
+    m, z, msa_mask, pair_mask = _inputs(TINY.c_m)
+    with pytest.raises(ValueError, match="chunk_size"):
+        lean_forward(stack, m, z, msa_mask, pair_mask, chunk_size=0)
+    with pytest.raises(ValueError, match="eval mode"):
+        lean_forward(stack.train(), m, z, msa_mask, pair_mask)
+    with pytest.raises(ValueError, match="m, z"):
+        lean_forward(stack.eval(), m[..., :-1, :], z, msa_mask, pair_mask)
+    with pytest.raises(ValueError, match="module"):
+        lean_forward(stack.linear, m, z, msa_mask, pair_mask)
+
+
+AF2_WIDTHS = BlockWidths.from_block(
+    EvoformerStack.from_config(ModelConfig.af2_initial().replace(no_blocks=1)).blocks[0]
+)
+
+
+def test_block_widths_read_from_the_block() -> None:
+    assert BlockWidths(
+        c_m=256, c_z=128, heads_msa=8, c_hidden_msa=32, heads_pair=4, c_hidden_pair=32,
+        c_hidden_mul=128, c_hidden_opm=32, transition_n=4,
+    ) == AF2_WIDTHS  # fmt: skip
+
+
+def test_working_set_formula() -> None:
+    """One term worked by hand: at N = 4096, S = 128, chunk 32, bf16, the row attention's
+    (H_m N² + r N (2 C_m + 5 H_m d_m) + 2 r H_m N²) is the largest; with batch 2, twice that."""
+    n, s, r = 4096, 128, 32
+    row_att = 8 * n * n + r * n * (2 * 256 + 5 * 8 * 32) + 2 * r * 8 * n * n
+    assert lean_working_set_bytes(AF2_WIDTHS, s, n, r, 2) == 2 * row_att
+    assert lean_working_set_bytes(AF2_WIDTHS, s, n, r, 2, batch=2) == 4 * row_att
+    # Larger chunks never need less.
+    sizes = [lean_working_set_bytes(AF2_WIDTHS, s, n, c, 2) for c in (1, 2, 8, 64, 512, 4096)]
+    assert sizes == sorted(sizes)
+
+
+def test_auto_chunk_choice_from_free_memory() -> None:
+    n, s = 4096, 128
+    free = 40 * 2**30
+    chunk = choose_chunk_size(AF2_WIDTHS, s, n, 2, free)
+    assert chunk & (chunk - 1) == 0  # a power of two
+    assert lean_working_set_bytes(AF2_WIDTHS, s, n, chunk, 2) <= 0.9 * free
+    assert lean_working_set_bytes(AF2_WIDTHS, s, n, 2 * chunk, 2) > 0.9 * free
+    assert choose_chunk_size(AF2_WIDTHS, s, n, 2, 10 * free) >= chunk
+    # All the memory in the world: unchunked (the first power of two >= N).
+    assert choose_chunk_size(AF2_WIDTHS, s, n, 2, 2**60) == 4096
+    with pytest.raises(torch.OutOfMemoryError, match="chunk 1"):
+        choose_chunk_size(AF2_WIDTHS, s, n, 2, 2**20)
+
+
+def test_auto_off_cuda_uses_the_default_chunk() -> None:
+    from hfkit.model.inference import _resolve_chunk
+
+    block = _stack().blocks[0]
+    m, z, _, _ = _inputs(TINY.c_m)
+    assert _resolve_chunk("auto", block, m, z) == DEFAULT_CHUNK_SIZE
+
+
+def test_lean_with_fused_kernels_under_the_interpreter() -> None:
+    """The Triton kernels (compiled on a GPU, interpreted on a CPU) on the strided chunks the lean path
+    hands them: transposed views for column and ending-node attention, incoming triangle updates."""
+    import hfkit.nn  # noqa: F401 - registers every swap
+    from hfkit.nn.convert import to_hfkit
+
+    stack = to_hfkit(_stack(blocks=1, dtype=torch.float32), inplace=False)
+    m, z, msa_mask, pair_mask = _inputs(TINY.c_m, torch.float32, s=3, n=6)
+    with torch.no_grad():
+        ref = stack(m, z, msa_mask, pair_mask)
+    out = lean_forward(stack, m.clone(), z.clone(), msa_mask, pair_mask, chunk_size=4)
+    for actual, expected in zip(out, ref, strict=True):
+        assert _rel(actual, expected) <= REL_TOL[torch.float32]
