@@ -9,10 +9,12 @@ import torch
 from hfkit.model import EvoformerStack, ExtraMSAStack, ModelConfig
 from hfkit.model.inference import (
     DEFAULT_CHUNK_SIZE,
+    LEAN_OPS,
     BlockWidths,
     choose_chunk_size,
     lean_forward,
     lean_working_set_bytes,
+    resolve_chunk_sizes,
 )
 
 TINY = ModelConfig.tiny().replace(msa_dropout=0.0, pair_dropout=0.0)
@@ -150,37 +152,51 @@ def test_block_widths_read_from_the_block() -> None:
 
 
 def test_working_set_formula() -> None:
-    """One term worked by hand: at N = 4096, S = 128, chunk 32, bf16, the row attention's
-    (H_m N² + r N (2 C_m + 5 H_m d_m) + 2 r H_m N²) is the largest; with batch 2, twice that."""
-    n, s, r = 4096, 128, 32
-    row_att = 8 * n * n + r * n * (2 * 256 + 5 * 8 * 32) + 2 * r * 8 * n * n
-    assert lean_working_set_bytes(AF2_WIDTHS, s, n, r, 2) == 2 * row_att
-    assert lean_working_set_bytes(AF2_WIDTHS, s, n, r, 2, batch=2) == 4 * row_att
+    """Terms worked by hand at N = 4096, S = 128, chunk 32, bf16: the row attention's
+    H_m N² + c N (2 C_m + 5 H_m d_m) + 2 c H_m N² and the triangle multiplication's
+    C_h N² + c N (4 C_z + 6 C_h); with batch 2, twice each."""
+    n, s, c = 4096, 128, 32
+    row_att = 8 * n * n + c * n * (2 * 256 + 5 * 8 * 32) + 2 * c * 8 * n * n
+    tri_mul = 128 * n * n + c * n * (4 * 128 + 6 * 128)
+    sizes = lean_working_set_bytes(AF2_WIDTHS, s, n, c, 2)
+    assert tuple(sizes) == LEAN_OPS
+    assert sizes["msa_row_attention"] == 2 * row_att
+    assert sizes["triangle_multiplication"] == 2 * tri_mul
+    assert lean_working_set_bytes(AF2_WIDTHS, s, n, c, 2, batch=2)["msa_row_attention"] == 4 * row_att
     # Larger chunks never need less.
-    sizes = [lean_working_set_bytes(AF2_WIDTHS, s, n, c, 2) for c in (1, 2, 8, 64, 512, 4096)]
-    assert sizes == sorted(sizes)
+    for op in LEAN_OPS:
+        by_chunk = [lean_working_set_bytes(AF2_WIDTHS, s, n, k, 2)[op] for k in (1, 2, 8, 64, 512, 4096)]
+        assert by_chunk == sorted(by_chunk), op
 
 
 def test_auto_chunk_choice_from_free_memory() -> None:
     n, s = 4096, 128
     free = 40 * 2**30
-    chunk = choose_chunk_size(AF2_WIDTHS, s, n, 2, free)
-    assert chunk & (chunk - 1) == 0  # a power of two
-    assert lean_working_set_bytes(AF2_WIDTHS, s, n, chunk, 2) <= 0.9 * free
-    assert lean_working_set_bytes(AF2_WIDTHS, s, n, 2 * chunk, 2) > 0.9 * free
-    assert choose_chunk_size(AF2_WIDTHS, s, n, 2, 10 * free) >= chunk
-    # All the memory in the world: unchunked (the first power of two >= N).
-    assert choose_chunk_size(AF2_WIDTHS, s, n, 2, 2**60) == 4096
+    chosen = choose_chunk_size(AF2_WIDTHS, s, n, 2, free)
+    assert tuple(chosen) == LEAN_OPS
+    for op, chunk in chosen.items():
+        assert chunk & (chunk - 1) == 0, op  # a power of two
+        assert lean_working_set_bytes(AF2_WIDTHS, s, n, chunk, 2)[op] <= 0.9 * free, op
+        axis = s if op in ("msa_row_attention", "msa_transition") else n
+        if chunk < axis:  # the next power of two would not fit
+            assert lean_working_set_bytes(AF2_WIDTHS, s, n, 2 * chunk, 2)[op] > 0.9 * free, op
+    # The attention's logits limit its chunk, not the triangle multiplication's.
+    assert chosen["msa_row_attention"] < chosen["triangle_multiplication"]
+    more = choose_chunk_size(AF2_WIDTHS, s, n, 2, 10 * free)
+    assert all(more[op] >= chosen[op] for op in LEAN_OPS)
+    # All the memory in the world: one chunk per op (the first power of two >= its axis).
+    assert set(choose_chunk_size(AF2_WIDTHS, s, n, 2, 2**60).values()) == {128, 4096}
     with pytest.raises(torch.OutOfMemoryError, match="chunk 1"):
         choose_chunk_size(AF2_WIDTHS, s, n, 2, 2**20)
 
 
-def test_auto_off_cuda_uses_the_default_chunk() -> None:
-    from hfkit.model.inference import _resolve_chunk
-
-    block = _stack().blocks[0]
+def test_resolve_chunk_sizes() -> None:
+    stack = _stack()
     m, z, _, _ = _inputs(TINY.c_m)
-    assert _resolve_chunk("auto", block, m, z) == DEFAULT_CHUNK_SIZE
+    assert resolve_chunk_sizes(stack, m, z, "auto") == dict.fromkeys(LEAN_OPS, DEFAULT_CHUNK_SIZE)
+    assert resolve_chunk_sizes(stack, m, z, 3) == dict.fromkeys(LEAN_OPS, 3)
+    whole = resolve_chunk_sizes(stack.blocks[0], m, z, None)
+    assert whole["msa_row_attention"] == S and whole["triangle_attention"] == N
 
 
 def test_lean_with_fused_kernels_under_the_interpreter() -> None:

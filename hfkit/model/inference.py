@@ -21,8 +21,9 @@ their references). What each op keeps while it runs, with c the chunk size:
 
 With `offload_msa`, the MSA representation is copied to pinned host memory once the outer product mean
 has read it and its device memory is released while the pair ops run; it is copied back before the
-next block's MSA ops (and before returning). `chunk_size="auto"` picks the largest power of two whose
-estimate `lean_working_set_bytes` fits in free device memory (`choose_chunk_size`).
+next block's MSA ops (and before returning). `chunk_size="auto"` picks, per op, the largest power of two
+whose estimate `lean_working_set_bytes` fits in free device memory (`choose_chunk_size`): the
+attention's chunks may then be small while the triangle updates keep large, efficient matmuls.
 """
 
 from __future__ import annotations
@@ -43,13 +44,27 @@ from hfkit.model.triangular_multiplicative_update import TriangleMultiplicativeU
 __all__ = [
     "AUTO_MEMORY_FRACTION",
     "DEFAULT_CHUNK_SIZE",
+    "LEAN_OPS",
     "BlockWidths",
     "choose_chunk_size",
     "free_device_memory",
     "lean_forward",
     "lean_working_set_bytes",
+    "resolve_chunk_sizes",
 ]
 
+# The ops of a block as `lean_forward` chunks them, in the order it runs them.
+LEAN_OPS = (
+    "msa_row_attention",
+    "msa_column_attention",
+    "msa_transition",
+    "outer_product_mean",
+    "triangle_multiplication",
+    "triangle_attention",
+    "pair_transition",
+)
+# Ops chunked along the S MSA rows (the others along the N residues or pair rows).
+_MSA_ROW_OPS = frozenset({"msa_row_attention", "msa_transition"})
 # The chunk `chunk_size="auto"` uses where free memory cannot be queried (any device but CUDA).
 DEFAULT_CHUNK_SIZE = 64
 # The share of free memory the estimated working set may take: the estimate leaves out allocator
@@ -92,25 +107,25 @@ class BlockWidths:
 
 def lean_working_set_bytes(
     widths: BlockWidths, n_seq: int, n_res: int, chunk_size: int, itemsize: int, batch: int = 1
-) -> int:
-    """Estimated peak bytes `lean_forward` allocates beyond m [B, S, N, C_m] and z [B, N, N, C_z]
-    for one block: the largest of its ops' working sets, each the tensor it stores whole plus the
-    temporaries of one chunk, in elements of `itemsize` bytes times `batch`. With r = min(c, S) MSA
-    rows and k = min(c, N) residues or pair rows a chunk (H_m, d_m, H_z, d_z: heads and head widths of
+) -> dict[str, int]:
+    """Estimated peak bytes each op of `lean_forward` allocates beyond m [B, S, N, C_m] and
+    z [B, N, N, C_z] with chunks of `chunk_size`: the tensor the op stores whole plus the temporaries
+    of one chunk, in elements of `itemsize` bytes times `batch`. With c the chunk along the op's axis
+    (at most S for MSA rows, N for residues or pair rows; H_m, d_m, H_z, d_z: heads and head widths of
     the MSA and pair attention; C_h, C_o: triangle and outer-product hidden widths; n: transition
     factor):
 
-        row attention     H_m N² + r N (2 C_m + 5 H_m d_m) + 2 r H_m N²   (bias, LN'd input and
-                          output, q k v g o, logits and their softmax)
-        column attention  k S (2 C_m + 5 H_m d_m) + 2 k H_m S²
-        MSA transition    r N C_m (2 + 2 n)
-        outer product     2 S N C_o + k N (C_o² + 2 C_z)
-        triangle mult.    C_h N² + k N (4 C_z + 6 C_h)
-        triangle att.     H_z N² + k N (2 C_z + 5 H_z d_z) + 2 k H_z N²
-        pair transition   k N C_z (2 + 2 n)
+        msa_row_attention       H_m N² + c N (2 C_m + 5 H_m d_m) + 2 c H_m N²  (pair bias, LN'd
+                                input and output, q k v g o, logits and their softmax)
+        msa_column_attention    c S (2 C_m + 5 H_m d_m) + 2 c H_m S²
+        msa_transition          c N C_m (2 + 2 n)
+        outer_product_mean      2 S N C_o + c N (C_o² + 2 C_z)
+        triangle_multiplication C_h N² + c N (4 C_z + 6 C_h)
+        triangle_attention      H_z N² + c N (2 C_z + 5 H_z d_z) + 2 c H_z N²
+        pair_transition         c N C_z (2 + 2 n)
 
-    The attention terms count the plain-torch logits; the fused attention never holds them, so the
-    estimate is an upper bound there.
+    The attention terms count plain-torch logits; the fused attention never holds them, so there the
+    estimate is an upper bound. Returns {op: bytes} in the order above (`LEAN_OPS`).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
@@ -118,7 +133,7 @@ def lean_working_set_bytes(
     r, k = min(chunk_size, s), min(chunk_size, n)
     qkvgo_m = 5 * w.heads_msa * w.c_hidden_msa
     qkvgo_z = 5 * w.heads_pair * w.c_hidden_pair
-    elements = max(
+    elements = (
         w.heads_msa * n * n + r * n * (2 * w.c_m + qkvgo_m) + 2 * r * w.heads_msa * n * n,
         k * s * (2 * w.c_m + qkvgo_m) + 2 * k * w.heads_msa * s * s,
         r * n * w.c_m * (2 + 2 * w.transition_n),
@@ -127,7 +142,7 @@ def lean_working_set_bytes(
         w.heads_pair * n * n + k * n * (2 * w.c_z + qkvgo_z) + 2 * k * w.heads_pair * n * n,
         k * n * w.c_z * (2 + 2 * w.transition_n),
     )
-    return int(elements * itemsize * batch)
+    return {op: int(e * itemsize * batch) for op, e in zip(LEAN_OPS, elements, strict=True)}
 
 
 def choose_chunk_size(
@@ -138,24 +153,30 @@ def choose_chunk_size(
     free_bytes: int,
     batch: int = 1,
     fraction: float = AUTO_MEMORY_FRACTION,
-) -> int:
-    """The largest power of two c (from 1 up to the first power of two >= max(S, N): unchunked) with
-    `lean_working_set_bytes(widths, n_seq, n_res, c, itemsize, batch) <= fraction * free_bytes`.
-    Raises `torch.OutOfMemoryError` when not even c = 1 fits."""
+) -> dict[str, int]:
+    """Per op of `LEAN_OPS`, the largest power of two c (from 1 up to the first power of two >= the
+    op's chunked axis, S or N: one chunk) whose `lean_working_set_bytes` fits in `fraction *
+    free_bytes`. Raises `torch.OutOfMemoryError` naming the op when not even c = 1 fits."""
     if free_bytes < 0:
         raise ValueError(f"free_bytes: expected >= 0, got {free_bytes}")
     budget = fraction * free_bytes
-    top = 1 << max(0, math.ceil(math.log2(max(n_seq, n_res, 1))))
-    chunk = top
-    while chunk >= 1:
-        if lean_working_set_bytes(widths, n_seq, n_res, chunk, itemsize, batch) <= budget:
-            return chunk
-        chunk //= 2
-    need = lean_working_set_bytes(widths, n_seq, n_res, 1, itemsize, batch)
-    raise torch.OutOfMemoryError(
-        f"chunk_size='auto': expected some chunk to fit in {fraction:.0%} of {free_bytes / 2**30:.2f} GiB "
-        f"free, but even chunk 1 needs an estimated {need / 2**30:.2f} GiB (S={n_seq}, N={n_res})"
-    )
+    chosen: dict[str, int] = {}
+    for op in LEAN_OPS:
+        axis = n_seq if op in _MSA_ROW_OPS else n_res
+        chunk = 1 << max(0, math.ceil(math.log2(max(axis, 1))))
+        while (
+            chunk >= 1 and lean_working_set_bytes(widths, n_seq, n_res, chunk, itemsize, batch)[op] > budget
+        ):
+            chunk //= 2
+        if chunk < 1:
+            need = lean_working_set_bytes(widths, n_seq, n_res, 1, itemsize, batch)[op]
+            raise torch.OutOfMemoryError(
+                f"chunk_size='auto': expected a chunk of {op} to fit in {fraction:.0%} of "
+                f"{free_bytes / 2**30:.2f} GiB free, but even chunk 1 needs an estimated "
+                f"{need / 2**30:.2f} GiB (S={n_seq}, N={n_res})"
+            )
+        chosen[op] = chunk
+    return chosen
 
 
 def free_device_memory(device: torch.device) -> int | None:
@@ -184,7 +205,8 @@ def lean_forward(
     m: [*, S, N, C_m], z: [*, N, N, C_z], msa_mask: [*, S, N], pair_mask: [*, N, N] (None: all kept).
     m and z are updated in place and returned (pass clones to keep the inputs). `chunk_size`: rows
     (MSA rows, residues or pair rows, per op) a chunk; None runs each op in one chunk; "auto" chooses
-    with `choose_chunk_size` from `free_device_memory` (`DEFAULT_CHUNK_SIZE` off CUDA). `offload_msa`
+    each op's chunk with `choose_chunk_size` from `free_device_memory` (`DEFAULT_CHUNK_SIZE` off CUDA;
+    `resolve_chunk_sizes` says what a call will use). `offload_msa`
     keeps m in pinned host memory while the pair ops run (on a CPU there is nothing to offload); it
     needs m to own its storage (a contiguous tensor, not a view of a larger one).
     """
@@ -207,11 +229,11 @@ def lean_forward(
         msa_mask = m.new_ones(m.shape[:-1])
     if pair_mask is None:
         pair_mask = z.new_ones(z.shape[:-1])
-    chunk = _resolve_chunk(chunk_size, blocks[0], m, z)
+    chunks = resolve_chunk_sizes(module, m, z, chunk_size)
     offload = _MSAOffload(m) if offload_msa else None
     with torch.no_grad():
         for block in blocks:
-            _lean_block_(block, m, z, msa_mask, pair_mask, chunk, offload)
+            _lean_block_(block, m, z, msa_mask, pair_mask, chunks, offload)
         if offload is not None:
             offload.restore()
         if isinstance(module, EvoformerStack):
@@ -219,22 +241,28 @@ def lean_forward(
     return z if isinstance(module, ExtraMSAStack) else (m, z)
 
 
-def _resolve_chunk(
-    chunk_size: int | str | None, block: EvoformerBlock, m: torch.Tensor, z: torch.Tensor
-) -> int:
-    """The chunk every op uses: `chunk_size`, the longest axis for None, or the "auto" choice."""
+def resolve_chunk_sizes(
+    module: EvoformerBlock | EvoformerStack | ExtraMSAStack,
+    m: torch.Tensor,
+    z: torch.Tensor,
+    chunk_size: int | str | None,
+) -> dict[str, int]:
+    """The chunk of each op of `LEAN_OPS` that `lean_forward(module, m, z, ..., chunk_size)` uses: an
+    int for every op; None: each op's whole axis (S or N) in one chunk; "auto": `choose_chunk_size`
+    from `free_device_memory(z.device)` (off CUDA: `DEFAULT_CHUNK_SIZE` for every op)."""
     n_seq, n_res = m.shape[-3], m.shape[-2]
     if chunk_size is None:
-        return max(n_seq, n_res, 1)
+        return {op: max(n_seq if op in _MSA_ROW_OPS else n_res, 1) for op in LEAN_OPS}
     if chunk_size == "auto":
         free = free_device_memory(z.device)
         if free is None:
-            return DEFAULT_CHUNK_SIZE
+            return dict.fromkeys(LEAN_OPS, DEFAULT_CHUNK_SIZE)
+        block = module if isinstance(module, EvoformerBlock) else module.blocks[0]
         batch = math.prod(z.shape[:-3])
         return choose_chunk_size(BlockWidths.from_block(block), n_seq, n_res, z.element_size(), free, batch)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive int, None or 'auto', got {chunk_size!r}")
-    return chunk_size
+    return dict.fromkeys(LEAN_OPS, chunk_size)
 
 
 class _MSAOffload:
@@ -284,24 +312,27 @@ def _lean_block_(
     z: torch.Tensor,
     msa_mask: torch.Tensor,
     pair_mask: torch.Tensor,
-    chunk: int,
+    chunks: dict[str, int],
     offload: _MSAOffload | None,
 ) -> None:
     """One block, in the order of `EvoformerBlock.forward`, updating m and z in place."""
     if offload is not None:
         offload.restore()
     core = block.core
-    _msa_row_attention_(block.msa_att_row, m, z, msa_mask, chunk)
-    _msa_column_attention_(block.msa_att_col, m, msa_mask, chunk)
-    _transition_(core.msa_transition, m, msa_mask if core.mask_msa_transition else None, chunk)
-    _outer_product_mean_(core.outer_product_mean, m, z, msa_mask, chunk)
+    c = chunks
+    _msa_row_attention_(block.msa_att_row, m, z, msa_mask, c["msa_row_attention"])
+    _msa_column_attention_(block.msa_att_col, m, msa_mask, c["msa_column_attention"])
+    msa_transition_mask = msa_mask if core.mask_msa_transition else None
+    _transition_(core.msa_transition, m, msa_transition_mask, c["msa_transition"])
+    _outer_product_mean_(core.outer_product_mean, m, z, msa_mask, c["outer_product_mean"])
     if offload is not None:
         offload.offload()
-    _triangle_multiplication_(core.tri_mul_out, z, pair_mask, chunk)
-    _triangle_multiplication_(core.tri_mul_in, z, pair_mask, chunk)
-    _triangle_attention_(core.tri_att_start, z, pair_mask, chunk)
-    _triangle_attention_(core.tri_att_end, z, pair_mask, chunk)
-    _transition_(core.pair_transition, z, pair_mask if core.mask_pair_transition else None, chunk)
+    _triangle_multiplication_(core.tri_mul_out, z, pair_mask, c["triangle_multiplication"])
+    _triangle_multiplication_(core.tri_mul_in, z, pair_mask, c["triangle_multiplication"])
+    _triangle_attention_(core.tri_att_start, z, pair_mask, c["triangle_attention"])
+    _triangle_attention_(core.tri_att_end, z, pair_mask, c["triangle_attention"])
+    pair_transition_mask = pair_mask if core.mask_pair_transition else None
+    _transition_(core.pair_transition, z, pair_transition_mask, c["pair_transition"])
 
 
 def _msa_row_attention_(att, m: torch.Tensor, z: torch.Tensor, mask: torch.Tensor, chunk: int) -> None:
