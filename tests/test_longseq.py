@@ -3,6 +3,8 @@ forward, its chunk-size choice from free memory, MSA offload on a CPU, and `hfki
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -212,3 +214,83 @@ def test_lean_with_fused_kernels_under_the_interpreter() -> None:
     out = lean_forward(stack, m.clone(), z.clone(), msa_mask, pair_mask, chunk_size=4)
     for actual, expected in zip(out, ref, strict=True):
         assert _rel(actual, expected) <= REL_TOL[torch.float32]
+
+
+@pytest.mark.parametrize(
+    ("threshold", "start", "limit", "resolution"),
+    [(1000, 256, 32768, 32), (1000, 4096, 32768, 64), (100, 8, 64, 4), (50, 64, 64, 1)],
+)
+def test_largest_fitting_n_doubles_then_bisects(threshold, start, limit, resolution) -> None:
+    from hfkit.bench.longseq import largest_fitting_n
+
+    tried: list[int] = []
+
+    def fits(n: int) -> bool:
+        tried.append(n)
+        return n <= threshold
+
+    best = largest_fitting_n(fits, start, limit, resolution)
+    expected = min(threshold, limit)
+    assert best is not None and expected - resolution < best <= expected
+    assert len(tried) == len(set(tried))  # never the same N twice
+    assert all(n <= limit for n in tried)
+    # Doubling first: the N tried before the first failure are start, 2 start, 4 start, ...
+    first_fail = next((i for i, n in enumerate(tried) if n > threshold), len(tried))
+    assert tried[:first_fail] == [min(start * 2**i, limit) for i in range(first_fail)]
+
+
+def test_largest_fitting_n_stops_at_the_limit_and_reports_none() -> None:
+    from hfkit.bench.longseq import largest_fitting_n
+
+    tried: list[int] = []
+    assert largest_fitting_n(lambda n: tried.append(n) is None, 8, 24, 4) == 24
+    assert tried == [8, 16, 24]
+    assert largest_fitting_n(lambda n: False, 64, 1024, 16) is None
+    with pytest.raises(ValueError, match="resolution"):
+        largest_fitting_n(lambda n: True, 8, 24, 0)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_bench_longseq_smoke_writes_rows(tmp_path) -> None:
+    from hfkit.cli import main
+
+    out = tmp_path / "longseq.json"
+    argv = ["bench", "longseq", "--profile", "smoke", "--device", "cpu", "--out", str(out), "--no-progress"]
+    argv += ["--sizes", "9", "--providers", "hfkit_unchunked,hfkit_chunked,hfkit_lean"]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert "partial" not in doc["meta"]
+    blocks = [r for r in rows if r["op"] == "longseq_block"]
+    # unchunked once, chunked at 4 and 5 (not "auto"), lean at 4, 5 and auto
+    assert sorted((r["provider"], str(r["extra"]["chunk_size"])) for r in blocks) == [
+        ("hfkit_chunked", "4"),
+        ("hfkit_chunked", "5"),
+        ("hfkit_lean", "4"),
+        ("hfkit_lean", "5"),
+        ("hfkit_lean", "auto"),
+        ("hfkit_unchunked", "None"),
+    ]
+    for r in blocks:
+        assert r["method"] == "wall" and r["p50_ms"] > 0 and r["shape"] == [4, 9], r
+        assert r["extra"]["check_ok"] is True, r["extra"]
+        assert r["extra"]["rel_err_z_vs_unchunked"] <= 0.05
+    lean_auto = next(r for r in blocks if r["extra"]["chunk_size"] == "auto")
+    assert lean_auto["extra"]["chunks"] == dict.fromkeys(LEAN_OPS, DEFAULT_CHUNK_SIZE)
+    estimates = [r for r in rows if r["op"] == "longseq_stack_estimate"]
+    assert len(estimates) == len(blocks) + 1  # every block row and the largest N
+    n_blocks = TINY.no_blocks
+    for est in estimates:
+        source = next(
+            r
+            for r in rows
+            if r["op"] in ("longseq_block", "longseq_max_n")
+            and (r["provider"], r["shape"], r["extra"].get("chunk_size"))
+            == (est["provider"], est["shape"], est["extra"].get("chunk_size"))
+        )
+        assert est["p50_ms"] == pytest.approx(n_blocks * source["p50_ms"])
+        assert est["extra"]["n_blocks"] == n_blocks and "not measured" in est["extra"]["estimate"]
+    (max_n,) = [r for r in rows if r["op"] == "longseq_max_n"]
+    # A CPU never runs out of memory: the search stops at the smoke profile's limit.
+    assert max_n["shape"] == [4, 24] and max_n["extra"]["capped"] is True
+    assert [a["n"] for a in max_n["extra"]["attempts"]] == [8, 16, 24]
