@@ -117,7 +117,7 @@ def test_lean_with_fused_modules_equals_forward() -> None:
         assert _rel(actual, expected) <= REL_TOL[torch.float32]
 
 
-def test_offload_on_cpu_and_auto_chunk_give_the_same_result() -> None:
+def test_offload_and_auto_chunk_give_the_same_result() -> None:
     block = _stack().blocks[0]
     m, z, msa_mask, pair_mask = _inputs(TINY.c_m)
     with torch.no_grad():
@@ -126,6 +126,40 @@ def test_offload_on_cpu_and_auto_chunk_give_the_same_result() -> None:
         m_out, z_out = lean_forward(block, m.clone(), z.clone(), msa_mask, pair_mask, **kwargs)
         assert _rel(m_out, m_ref) <= REL_TOL[torch.float64], kwargs
         assert _rel(z_out, z_ref) <= REL_TOL[torch.float64], kwargs
+
+
+@pytest.mark.parametrize("offload_msa", [True, False])
+def test_offload_releases_the_msa_during_the_pair_ops(offload_msa) -> None:
+    """With offload_msa, m's storage is empty while the triangle ops run (seen from a hook on a
+    LayerNorm they call), and m holds its values again after each of two blocks."""
+    stack = _stack(blocks=2)
+    m, z, msa_mask, pair_mask = _inputs(TINY.c_m)
+    with torch.no_grad():
+        m_ref, z_ref, s_ref = stack(m, z, msa_mask, pair_mask)
+    m_in = m.clone()
+    seen: list[int] = []
+    hooks = [
+        block.core.tri_mul_out.layer_norm_in.register_forward_pre_hook(
+            lambda *_: seen.append(m_in.untyped_storage().nbytes())
+        )
+        for block in stack.blocks
+    ]
+    out = lean_forward(stack, m_in, z.clone(), msa_mask, pair_mask, chunk_size=4, offload_msa=offload_msa)
+    for hook in hooks:
+        hook.remove()
+    full = m.numel() * m.element_size()
+    assert set(seen) == ({0} if offload_msa else {full}) and len(seen) > 2
+    assert m_in.untyped_storage().nbytes() == full
+    for actual, expected in zip(out, (m_ref, z_ref, s_ref), strict=True):
+        assert _rel(actual, expected) <= REL_TOL[torch.float64]
+
+
+def test_offload_needs_m_to_own_its_storage() -> None:
+    block = _stack().blocks[0]
+    m, z, msa_mask, pair_mask = _inputs(TINY.c_m)
+    wide = torch.cat([m, m], dim=0)  # m as a view of a larger tensor
+    with pytest.raises(ValueError, match="own its storage"):
+        lean_forward(block, wide[:1], z, msa_mask, pair_mask, offload_msa=True)
 
 
 def test_bad_arguments_raise() -> None:

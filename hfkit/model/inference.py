@@ -207,8 +207,8 @@ def lean_forward(
     (MSA rows, residues or pair rows, per op) a chunk; None runs each op in one chunk; "auto" chooses
     each op's chunk with `choose_chunk_size` from `free_device_memory` (`DEFAULT_CHUNK_SIZE` off CUDA;
     `resolve_chunk_sizes` says what a call will use). `offload_msa`
-    keeps m in pinned host memory while the pair ops run (on a CPU there is nothing to offload); it
-    needs m to own its storage (a contiguous tensor, not a view of a larger one).
+    keeps m in host memory (pinned) while the pair ops run, its device memory released; it needs m to
+    own its storage (a contiguous tensor, not a view of a larger one).
     """
     if isinstance(module, EvoformerBlock):
         blocks = [module]
@@ -232,10 +232,12 @@ def lean_forward(
     chunks = resolve_chunk_sizes(module, m, z, chunk_size)
     offload = _MSAOffload(m) if offload_msa else None
     with torch.no_grad():
-        for block in blocks:
-            _lean_block_(block, m, z, msa_mask, pair_mask, chunks, offload)
-        if offload is not None:
-            offload.restore()
+        try:
+            for block in blocks:
+                _lean_block_(block, m, z, msa_mask, pair_mask, chunks, offload)
+        finally:  # m holds its values again, even when a block failed (e.g. out of memory)
+            if offload is not None:
+                offload.restore()
         if isinstance(module, EvoformerStack):
             return m, z, module.linear(m[..., 0, :, :])
     return z if isinstance(module, ExtraMSAStack) else (m, z)
@@ -266,29 +268,28 @@ def resolve_chunk_sizes(
 
 
 class _MSAOffload:
-    """m's storage released to the device allocator while a pinned host copy holds its values. The
-    copies run on the current stream, so the allocator's reuse of the released memory is ordered after
-    the device-to-host copy, and the copy back after it."""
+    """m's storage released to its device's allocator while a host copy (pinned for a CUDA m) holds its
+    values. The copies run on the current stream, so the allocator's reuse of the released memory is
+    ordered after the device-to-host copy, and the copy back after it. A CPU m goes through the same
+    steps (into a second host buffer), which is where they are tested."""
 
     def __init__(self, m: torch.Tensor) -> None:
         self.m = m
         self.host: torch.Tensor | None = None
         self.offloaded = False
         self.nbytes = m.numel() * m.element_size()
-        if m.device.type != "cpu" and (
-            not m.is_contiguous() or m.storage_offset() != 0 or m.untyped_storage().nbytes() != self.nbytes
-        ):
+        if not m.is_contiguous() or m.storage_offset() != 0 or m.untyped_storage().nbytes() != self.nbytes:
             raise ValueError(
                 f"m: offload_msa needs m to own its storage (contiguous, not a view), got shape "
                 f"{tuple(m.shape)}, strides {m.stride()}, storage of {m.untyped_storage().nbytes()} bytes"
             )
 
     def offload(self) -> None:
-        if self.m.device.type == "cpu" or self.offloaded:
+        if self.offloaded:
             return
         if self.host is None:
-            self.host = torch.empty(self.m.shape, dtype=self.m.dtype, pin_memory=True)
-        self.host.copy_(self.m, non_blocking=True)
+            self.host = torch.empty(self.m.shape, dtype=self.m.dtype, pin_memory=self.m.is_cuda)
+        self.host.copy_(self.m, non_blocking=self.m.is_cuda)
         self.m.untyped_storage().resize_(0)
         self.offloaded = True
 
@@ -296,7 +297,7 @@ class _MSAOffload:
         if not self.offloaded:
             return
         self.m.untyped_storage().resize_(self.nbytes)
-        self.m.copy_(self.host, non_blocking=True)
+        self.m.copy_(self.host, non_blocking=self.m.is_cuda)
         self.offloaded = False
 
 
