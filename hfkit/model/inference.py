@@ -206,9 +206,9 @@ def lean_forward(
     m and z are updated in place and returned (pass clones to keep the inputs). `chunk_size`: rows
     (MSA rows, residues or pair rows, per op) a chunk; None runs each op in one chunk; "auto" chooses
     each op's chunk with `choose_chunk_size` from `free_device_memory` (`DEFAULT_CHUNK_SIZE` off CUDA;
-    `resolve_chunk_sizes` says what a call will use). `offload_msa`
-    keeps m in host memory (pinned) while the pair ops run, its device memory released; it needs m to
-    own its storage (a contiguous tensor, not a view of a larger one).
+    `resolve_chunk_sizes` says what a call will use). `offload_msa` keeps m in host memory (pinned)
+    while the pair ops run, its device memory released; it needs m to own its storage (a contiguous
+    tensor, not a view of a larger one).
     """
     if isinstance(module, EvoformerBlock):
         blocks = [module]
