@@ -290,7 +290,7 @@ def test_bench_longseq_smoke_writes_rows(tmp_path) -> None:
 
     out = tmp_path / "longseq.json"
     argv = ["bench", "longseq", "--profile", "smoke", "--device", "cpu", "--out", str(out), "--no-progress"]
-    argv += ["--sizes", "9", "--providers", "hfkit_unchunked,hfkit_chunked,hfkit_lean"]
+    argv += ["--sizes", "9", "--providers", "hfkit_unchunked,hfkit_chunked,hfkit_lean", "--stack-n", "10"]
     assert main(argv) == 0
     doc = json.loads(out.read_text())
     rows = doc["rows"]
@@ -328,3 +328,7 @@ def test_bench_longseq_smoke_writes_rows(tmp_path) -> None:
     # A CPU never runs out of memory: the search stops at the smoke profile's limit.
     assert max_n["shape"] == [4, 24] and max_n["extra"]["capped"] is True
     assert [a["n"] for a in max_n["extra"]["attempts"]] == [8, 16, 24]
+    # The real stack run: every block of the preset, through lean_forward.
+    (stack,) = [r for r in rows if r["op"] == "longseq_stack"]
+    assert stack["method"] == "wall" and stack["shape"] == [4, 10] and "error" not in stack["extra"]
+    assert stack["extra"]["n_blocks"] == n_blocks
