@@ -554,6 +554,98 @@ def _add_comms_bench(bench_sub: argparse._SubParsersAction) -> None:
     comms.set_defaults(func=_cmd_bench_comms)
 
 
+def _add_longseq_bench(bench_sub: argparse._SubParsersAction) -> None:
+    """`hfkit bench longseq`: one Evoformer block's inference time and peak memory against N and chunk
+    size (unchunked, chunked, the lean path), the largest N that fits, 48-block estimates."""
+    from hfkit.bench.longseq import PROVIDERS
+    from hfkit.bench.runner import DTYPES
+
+    def chunk(text: str) -> int | str:
+        return text if text == "auto" else int(text)
+
+    def run(args: argparse.Namespace) -> int:
+        import pandas as pd
+
+        from hfkit.bench import gpu_slug, resolve_device
+        from hfkit.bench.ceilings import device_name
+        from hfkit.bench.longseq import run_longseq_benchmark, summary_table
+
+        device = resolve_device(args.device)
+        out = _results_path(args, gpu_slug(device_name(device)), "longseq.json")
+        try:
+            rows = run_longseq_benchmark(
+                device,
+                profile=args.profile or ("full" if device.type == "cuda" else "smoke"),
+                sizes=args.sizes,
+                chunks=args.chunks,
+                providers=args.providers,
+                dtype=args.dtype,
+                search=args.search,
+                search_chunk=args.search_chunk,
+                search_start=args.search_start,
+                search_limit=args.search_limit,
+                search_resolution=args.search_resolution,
+                stack_n=args.stack_n,
+                offload_msa=args.offload_msa,
+                out=out,
+                append=args.append,
+                command=args.command,
+                progress=not args.no_progress,
+            )
+        except ValueError as err:
+            print(f"hfkit bench longseq: {err}", file=sys.stderr)
+            return 2
+        with pd.option_context("display.max_rows", None, "display.width", 250, "display.max_columns", None):
+            print(summary_table(rows).to_string(index=False))
+        failed = sum(r.method == "error" for r in rows)
+        print(
+            f"\nwrote {len(rows)} rows to {out} ({failed} failed: see 'error'; "
+            "estimate rows: the stack's block count x one block, not measured)"
+        )
+        return 0 if len(rows) > failed else 1
+
+    ints = lambda t: [int(v) for v in _csv(t)]  # noqa: E731
+    p = bench_sub.add_parser(
+        "longseq", help="long-sequence inference: one block's time and memory against N and chunk size"
+    )
+    p.add_argument("--out", default=None, help="results JSON (default: data/results/<gpu>/longseq.json)")
+    p.add_argument("--sizes", type=ints, default=None, help="N values (default: 1024,2048,4096)")
+    p.add_argument(
+        "--chunks",
+        type=lambda t: [chunk(v) for v in _csv(t)],
+        default=None,
+        help="chunk sizes, ints or auto (default: 32,64,128,auto)",
+    )
+    p.add_argument(
+        "--providers",
+        type=_choices(PROVIDERS),
+        default=["hfkit_unchunked", "hfkit_lean"],
+        help=f"comma list of {','.join(PROVIDERS)} (default: hfkit_unchunked,hfkit_lean)",
+    )
+    p.add_argument(
+        "--dtype", choices=list(DTYPES), default="bf16", help="parameters and inputs (default bf16)"
+    )
+    p.add_argument(
+        "--search",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="search the largest N whose block runs (doubling, then bisection)",
+    )
+    p.add_argument(
+        "--search-chunk", type=chunk, default="auto", help="lean chunk of the search and stack run"
+    )
+    p.add_argument("--search-start", type=int, default=None, help="first N of the search (default 4096)")
+    p.add_argument("--search-limit", type=int, default=None, help="largest N tried (default 32768)")
+    p.add_argument("--search-resolution", type=int, default=None, help="bisection resolution (default 256)")
+    p.add_argument("--stack-n", type=int, default=None, help="also run the whole 48-block stack at this N")
+    p.add_argument("--offload-msa", action="store_true", help="lean path: MSA in pinned host memory")
+    p.add_argument(
+        "--append", action="store_true", help="keep the rows in --out that this run does not repeat"
+    )
+    _add_run_options(p)  # --profile smoke: the tiny preset and sizes
+    p.set_defaults(func=run)
+
+
 def _add_train(sub: argparse._SubParsersAction) -> None:
     """`hfkit train`: AlphaFoldLite trained from preprocessed records or synthetic batches through
     `hfkit.train.graphed_step`."""
@@ -720,6 +812,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_comms_bench(bench_sub)
     _add_data_bench(bench_sub)
     _add_launch_bench(bench_sub)
+    _add_longseq_bench(bench_sub)
 
     pre = sub.add_parser(
         "preprocess",

@@ -23,6 +23,7 @@ from hfkit.model.evoformer import (
     openfold_v2_to_v1_keys,
 )
 from hfkit.model.heads import AuxiliaryHeads, DistogramHead, MaskedMSAHead
+from hfkit.model.inference import BlockWidths, choose_chunk_size, lean_forward, lean_working_set_bytes
 from hfkit.model.loss import distogram_loss, masked_msa_loss, pseudo_beta
 from hfkit.model.model import AlphaFoldLite
 from hfkit.model.msa import (
@@ -50,6 +51,7 @@ __all__ = [
     "AlphaFoldLite",
     "Attention",
     "AuxiliaryHeads",
+    "BlockWidths",
     "DistogramHead",
     "DropoutColumnwise",
     "DropoutRowwise",
@@ -78,6 +80,9 @@ __all__ = [
     "TriangleMultiplicationIncoming",
     "TriangleMultiplicationOutgoing",
     "build_extra_msa_feat",
+    "choose_chunk_size",
+    "lean_forward",
+    "lean_working_set_bytes",
     "load_openfold_state_dict",
     "distogram_loss",
     "masked_msa_loss",
