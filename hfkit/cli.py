@@ -799,7 +799,7 @@ def _parser() -> argparse.ArgumentParser:
     env.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: the GPU if any)")
     env.set_defaults(func=_cmd_env)
 
-    names = ", ".join([*NAMES, "model", "comms", "data"])
+    names = ", ".join([*NAMES, "model", "comms", "data", "launch", "longseq"])
     bench = sub.add_parser(
         "bench",
         help=f"run a benchmark ({names}); results under data/results/",
