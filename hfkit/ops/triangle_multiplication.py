@@ -288,6 +288,8 @@ class _TriangleMultiplication(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, outgoing, eps, fuse):
+        # Intermediates are dropped as soon as they are used (`del`): the peak is that of the live
+        # [M, C] tensors, not of all of them.
         *lead, n, _, c_z = z.shape
         c_h = w_z.shape[1]
         batch = math.prod(lead)
@@ -299,9 +301,11 @@ class _TriangleMultiplication(torch.autograd.Function):
         else:
             g_src, g_off = F.linear(zn, w_proj, b_proj), 4 * c_h  # [M, 4 C_h + C_z]
             a, b = _gate_ab_fwd(g_src, mask, batch, n, c_h)
+        del zn
         x = _contract(a.view(-1, n, n), b.view(-1, n, n), outgoing)
         y, _, _ = _ln_out_t_fwd(x, w_out_ln, b_out_ln, batch, c_h, eps)
         o = F.linear(y, w_z, b_z)  # [M, C_z]
+        del y
         out = _out_gate_fwd(o, g_src, g_off)
         ctx.save_for_backward(z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, a, b, x)
         ctx.meta = (outgoing, fuse, g_off, batch, n, c_h, eps)
@@ -314,6 +318,7 @@ class _TriangleMultiplication(torch.autograd.Function):
         c_z = z.shape[-1]
         needs = ctx.needs_input_grad
         # Recompute what the forward did not keep (the same kernels on the same inputs: the same values).
+        # Each [M, C] intermediate is dropped (`del`) right after its last use.
         zn, mean_in, rstd_in = _ln_in_fwd(z, w_in, b_in, eps, w_proj.dtype)
         if fuse:
             _, _, w_g, b_g = _split_projection(w_proj, b_proj, c_h)
@@ -324,11 +329,17 @@ class _TriangleMultiplication(torch.autograd.Function):
         o = F.linear(y, w_z, b_z)
         # d(out) -> d(o) and dg (into columns 4 C_h: of d_proj), with the sums of each over pairs.
         do, d_proj, do_dg_sum = _out_gate_bwd(dout.reshape(-1, c_z), o, g_src, g_off, 4 * c_h + c_z)
+        del o
+        if fuse:  # the unfused gate backward reads the projections again
+            del g_src
         grad_w_z = do.t().mm(y) if needs[8] else None
         grad_b_z = do_dg_sum[:c_z].to(b_z.dtype) if b_z is not None and needs[9] else None
+        del y
         dy = do.mm(w_z)  # [M, C_h]
+        del do
         need_ln_out = (w_out_ln is not None and needs[6]) or (b_out_ln is not None and needs[7])
         dx, dwb_out = _ln_out_t_bwd(dy, x, w_out_ln, mean_out, rstd_out, batch, c_h, need_ln_out)
+        del dy
         grad_w_out_ln = dwb_out[0].to(w_out_ln.dtype) if w_out_ln is not None and needs[6] else None
         grad_b_out_ln = dwb_out[1].to(b_out_ln.dtype) if b_out_ln is not None and needs[7] else None
         dx = dx.view(-1, n, n)
@@ -337,18 +348,24 @@ class _TriangleMultiplication(torch.autograd.Function):
             da, db = torch.bmm(dx, b3), torch.bmm(dx.transpose(1, 2), a3)
         else:  # x = a^T b
             da, db = torch.bmm(b3, dx.transpose(1, 2)), torch.bmm(a3, dx)
+        del dx, a3, b3
         if fuse:
             w_ab, b_ab, _, _ = _split_projection(w_proj, b_proj, c_h)
             dab_sum = _proj_gate_bwd(da, db, zn, w_ab, b_ab, mask, d_proj, batch, n, c_h)
         else:
             dab_sum = _gate_ab_bwd(da, db, g_src, mask, d_proj, batch, n, c_h)
+            del g_src
+        del da, db
         grad_w_proj = d_proj.t().mm(zn) if needs[4] else None
+        del zn
         grad_b_proj = None
         if b_proj is not None and needs[5]:
             grad_b_proj = torch.cat([dab_sum, do_dg_sum[c_z:]]).to(b_proj.dtype)
         dzn = d_proj.mm(w_proj)  # [M, C_z]
+        del d_proj
         need_ln_in = (w_in is not None and needs[2]) or (b_in is not None and needs[3])
         dz, dwb_in = _ln_in_bwd(dzn, z, w_in, mean_in, rstd_in, need_ln_in)
+        del dzn
         grad_w_in = dwb_in[0].to(w_in.dtype) if w_in is not None and needs[2] else None
         grad_b_in = dwb_in[1].to(b_in.dtype) if b_in is not None and needs[3] else None
         return (
