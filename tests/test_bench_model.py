@@ -97,7 +97,7 @@ def test_block_stack_step_rows_on_cpu(tmp_path) -> None:
     }
     assert len(by_op["evoformer_block"]) == 3 * 2  # variants x modes
     assert len(by_op["evoformer_stack"]) == 2 * 3  # checkpointing x variants
-    assert len(by_op["train_step"]) == 2 * 2
+    assert len(by_op["train_step"]) == 2 * 2 * 2  # launches x checkpointing x variants
     for r in rows:
         assert r.method == "wall" and "error" not in r.extra, r.extra
         assert r.p50_ms > 0 and r.n_reps >= 1 and r.extra["first_call_s"] > 0
@@ -155,8 +155,12 @@ def test_waterfall_stages_and_train_step_subset() -> None:
     ops = swappable_ops()
     assert "LayerNorm" in ops and "Attention" in ops
     stages = waterfall_stages()
-    assert [s[0] for s in stages] == ["eager", *(f"+{op}" for op in ops), "+compile"]
+    assert [s[0] for s in stages] == ["eager", *(f"+{op}" for op in ops), "+graph", "+compile"]
     assert stages[-1][2] == ops and stages[1][2] == ops[:1]
+    assert all(len(s) == 4 for s in stages)
+    assert [s[3] for s in stages] == ["eager"] * (len(ops) + 1) + ["graph", "graph"]
+    assert stages[-2][1:3] == ("hfkit", ops) and stages[-1][1] == "compile_hfkit"
+    assert [s[0] for s in waterfall_stages(["LayerNorm"], compile=False)] == ["eager", "+LayerNorm", "+graph"]
     out = measure_train_step(TINY, "cpu", "fp32", "hfkit", ops=["LayerNorm"], reps=1)
     assert "LayerNorm" in out["notes"]["swap"] and out["timing"].p50 > 0
     assert math.isfinite(out["loss"])
@@ -254,3 +258,51 @@ def test_stack_launches_are_separate_configurations(tmp_path) -> None:
     assert (table["vs eager"] == 1.0).all()  # each launch is compared with eager's own launch
     with pytest.raises(ValueError, match="stack_launch"):
         run_model_benchmark("cpu", parts=("stack",), stack_launch=("graphs",), **QUICK)
+
+
+def test_step_launch_graph_runs_eagerly_on_cpu(tmp_path) -> None:
+    # Without CUDA graphed_step runs the step eagerly: the same code path as on a GPU, launch "graph".
+    out = tmp_path / "model.json"
+    rows = run_model_benchmark(
+        "cpu",
+        parts=("step",),
+        step_variants=("hfkit",),
+        checkpointing=(True,),
+        step_launch=("eager", "graph"),
+        out=out,
+        **QUICK,
+    )
+    assert [r.extra["launch"] for r in rows] == ["eager", "graph"]
+    eager, graph = rows
+    assert graph.op == "train_step" and graph.provider == "hfkit" and graph.method == "wall"
+    assert "error" not in graph.extra, graph.extra
+    assert graph.extra["graphed"] is False and graph.extra["capture_s"] >= 0
+    assert graph.extra["first_call_s"] >= graph.extra["capture_s"]
+    assert math.isfinite(graph.extra["loss"]) and graph.p50_ms > 0
+    assert "phases_s" in eager.extra and "phases_s" not in graph.extra
+    assert sorted(load_results(out)["extra"].apply(lambda e: e["launch"])) == ["eager", "graph"]
+    out_graph = measure_train_step(TINY, "cpu", "fp32", "eager", reps=1, launch="graph")
+    assert out_graph["notes"]["launch"] == "graph" and out_graph["phases_s"] == {}
+    assert math.isfinite(out_graph["loss"])
+    with pytest.raises(ValueError, match="launch"):
+        measure_train_step(TINY, "cpu", "fp32", "eager", reps=1, launch="graphs")
+    with pytest.raises(ValueError, match="step_launch"):
+        run_model_benchmark("cpu", parts=("step",), step_launch=("cuda",), **QUICK)
+
+
+def test_cli_bench_model_step_launch(tmp_path) -> None:
+    out = tmp_path / "m.json"
+    argv = ["bench", "model", "--profile", "smoke", "--device", "cpu", "--parts", "step", "--no-progress"]
+    argv += [
+        "--step-variants",
+        "eager",
+        "--checkpointing",
+        "off",
+        "--step-launch",
+        "graph",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["op"], r["extra"]["launch"]) for r in rows] == [("train_step", "graph")]

@@ -458,7 +458,8 @@ HEADLINES = (
     Headline(
         "Training step, af2_initial, checkpointed, launched from Python",
         "train_step",
-        _extra_is(checkpointing=True),
+        # Rows without a launch are `train_step` from a Python loop.
+        lambda r: _extra_is(checkpointing=True)(r) and (r["extra"] or {}).get("launch", "eager") == "eager",
     ),
     Headline(
         "Triangle attention, N = 1024, bf16",
