@@ -342,6 +342,7 @@ def _cmd_bench_model(args: argparse.Namespace) -> int:
         checkpointing=args.checkpointing,
         stack_launch=args.stack_launch,
         step_launch=args.step_launch,
+        block_launch=args.block_launch,
         compile_backend=args.compile_backend,
         compile_mode=args.compile_mode,
         budget_s=args.budget_s,
@@ -404,6 +405,12 @@ def _add_model_bench(bench_sub: argparse._SubParsersAction) -> None:
         type=_choices(LAUNCHES),
         default=["eager"],
         help="eager,graph: stack launched from Python each call and/or replayed as one CUDA graph",
+    )
+    p.add_argument(
+        "--block-launch",
+        type=_choices(LAUNCHES),
+        default=["graph", "eager"],
+        help="graph,eager: block timed as a CUDA graph and/or launched from Python each call",
     )
     p.add_argument(
         "--step-launch",

@@ -95,7 +95,7 @@ def test_block_stack_step_rows_on_cpu(tmp_path) -> None:
     by_op = {
         op: [r for r in rows if r.op == op] for op in ("evoformer_block", "evoformer_stack", "train_step")
     }
-    assert len(by_op["evoformer_block"]) == 3 * 2  # variants x modes
+    assert len(by_op["evoformer_block"]) == 2 * 3 * 2  # launches x variants x modes
     assert len(by_op["evoformer_stack"]) == 2 * 3  # checkpointing x variants
     assert len(by_op["train_step"]) == 2 * 2 * 2  # launches x checkpointing x variants
     for r in rows:
@@ -132,7 +132,7 @@ def test_failures_and_budget_become_rows(tmp_path) -> None:
             **{**QUICK, "compile_backend": broken_backend},
         )
     failed = [r for r in rows if r.provider == "compile"]
-    assert len(failed) == 2 and all(r.method == "error" and math.isnan(r.p50_ms) for r in failed)
+    assert len(failed) == 2 * 2 and all(r.method == "error" and math.isnan(r.p50_ms) for r in failed)
     assert all("backend exploded" in r.extra["error"] for r in failed)
     assert all(r.method == "wall" for r in rows if r.provider == "eager")  # the run went on
 
@@ -142,7 +142,9 @@ def test_failures_and_budget_become_rows(tmp_path) -> None:
 
 def test_append_keeps_other_configurations(tmp_path) -> None:
     out = tmp_path / "model.json"
-    common = dict(parts=("block",), dtypes=("fp32",), modes=("fwd",), out=out, **QUICK)
+    common = dict(
+        parts=("block",), dtypes=("fp32",), modes=("fwd",), block_launch=("graph",), out=out, **QUICK
+    )
     run_model_benchmark("cpu", variants=("eager",), **common)
     run_model_benchmark("cpu", variants=("eager", "hfkit"), append=True, **common)
     doc = json.loads(out.read_text())
@@ -306,3 +308,24 @@ def test_cli_bench_model_step_launch(tmp_path) -> None:
     assert main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["op"], r["extra"]["launch"]) for r in rows] == [("train_step", "graph")]
+
+
+def test_block_launches_are_separate_configurations(tmp_path) -> None:
+    out = tmp_path / "model.json"
+    common = dict(parts=("block",), variants=("eager", "hfkit"), dtypes=("fp32",), out=out, **QUICK)
+    rows = run_model_benchmark("cpu", block_launch=("graph", "eager"), **common)
+    assert [(r.extra["launch"], r.provider) for r in rows if r.mode == "fwd"] == [
+        ("graph", "eager"),
+        ("graph", "hfkit"),
+        ("eager", "eager"),
+        ("eager", "hfkit"),
+    ]
+    assert all(r.method == "wall" and "error" not in r.extra for r in rows)
+    run_model_benchmark("cpu", block_launch=("eager",), append=True, **common)
+    saved = load_results(out)
+    assert len(saved) == len(rows)  # the eager launch replaced its own rows only
+    table = summary_table(saved)
+    assert sorted(set(table["launch"])) == ["eager", "graph"]
+    assert (table[table["variant"] == "eager"]["vs eager"] == 1.0).all()
+    with pytest.raises(ValueError, match="block_launch"):
+        run_model_benchmark("cpu", parts=("block",), block_launch=("python",), **QUICK)

@@ -7,7 +7,8 @@ Parts (`run_model_benchmark(parts=...)`, `hfkit bench model --parts`):
 - `block`: `EvoformerBlock` at the preset's channel sizes with dropout off (rate 0, as OpenFold's
   block benchmark), forward and forward+backward at (S, N) in `BLOCK_SHAPES`. "fwd" is the training
   forward (inputs require grad, activations are kept for backward), so a compiled block serves both
-  modes with one compiled graph. Timed with CUDA graphs (CUDA events when capture fails).
+  modes with one compiled graph. `block_launch` "graph": timed as a CUDA graph (CUDA events when
+  capture fails); "eager": launched from Python each call, timed with CUDA events.
 - `stack`: the 48-block `EvoformerStack` at the preset's sample size (S = clusters, N = crop),
   forward+backward, with and without per-block checkpointing. `stack_launch` "eager": launched from
   Python each call, timed with CUDA events (what a plain training loop gets); "graph": the whole
@@ -357,19 +358,23 @@ def _module_steps(run: _Run, module: nn.Module, variant: str, inputs, precision,
     return Steps(step, step, 1, lambda: notes)
 
 
-def _bench_blocks(run, config, shapes, precisions, variants, modes, timing) -> None:
-    extra = {"n_blocks": 1, "dropout": "off", "fwd_grad": True}
-    for precision in precisions:
-        for s, n in shapes:
-            torch.manual_seed(0)
-            base = make_block(config).to(run.device, precision.params)
-            inputs = _block_inputs(config, s, n, run.device, precision.params)
-            flops = evoformer_block_flops(s, n, config)
-            for variant in variants:
-                key = ("evoformer_block", variant, modes, [s, n], precision, flops)
-                build = functools.partial(_module_steps, run, base, variant, inputs, precision, False)
-                run.measure(f"block {s}x{n} {precision.name} {variant}", key, extra, build, (*timing, True))
-            del base, inputs
+def _bench_blocks(run, config, shapes, precisions, variants, modes, launches, timing) -> None:
+    """Block rows: each launch ("graph": a CUDA graph replayed; "eager": launched from Python each
+    call, CUDA events) x precision x shape x variant x mode."""
+    for launch in launches:
+        extra = {"n_blocks": 1, "dropout": "off", "fwd_grad": True, "launch": launch}
+        for precision in precisions:
+            for s, n in shapes:
+                torch.manual_seed(0)
+                base = make_block(config).to(run.device, precision.params)
+                inputs = _block_inputs(config, s, n, run.device, precision.params)
+                flops = evoformer_block_flops(s, n, config)
+                for variant in variants:
+                    key = ("evoformer_block", variant, modes, [s, n], precision, flops)
+                    build = functools.partial(_module_steps, run, base, variant, inputs, precision, False)
+                    label = f"block {launch} {s}x{n} {precision.name} {variant}"
+                    run.measure(label, key, extra, build, (*timing, launch == "graph"))
+                del base, inputs
 
 
 def _stack_steps(run: _Run, config: ModelConfig, variant: str, precision: Precision, mode: str) -> Steps:
@@ -715,8 +720,9 @@ def _row_key(row: Mapping[str, Any]) -> tuple:
 
 
 def _launch(extra: Mapping[str, Any]) -> str:
-    # Rows from before the stack had a graph launch were all launched eagerly.
-    return extra.get("launch", "eager")
+    # Rows without a launch: blocks (n_blocks 1) were timed as CUDA graphs, stacks and steps launched
+    # from Python.
+    return extra.get("launch", "graph" if extra.get("n_blocks") == 1 else "eager")
 
 
 def run_model_benchmark(
@@ -733,6 +739,7 @@ def run_model_benchmark(
     modes: Sequence[str] = MODES,
     checkpointing: Sequence[bool] = (False, True),
     stack_launch: Sequence[str] = ("eager",),
+    block_launch: Sequence[str] = ("graph", "eager"),
     step_launch: Sequence[str] = LAUNCHES,
     compile_backend: str = "inductor",
     compile_mode: str | None = None,
@@ -750,8 +757,8 @@ def run_model_benchmark(
     `af2_initial` and `BLOCK_SHAPES` (`shapes` overrides: (S, N) pairs). `variants` apply to the block
     and stack, `step_variants` to the step; `dtypes` are the block's precisions, `stack_dtypes` the
     stack's, `step_dtype` the step's, waterfall's and profile's; `stack_launch` how the stack is
-    launched ("eager", "graph"; see the module docstring), `step_launch` how the step is (see
-    `measure_train_step`). `budget_s`: configurations that
+    launched ("eager", "graph"; see the module docstring), `block_launch` how the block is, `step_launch`
+    how the step is (see `measure_train_step`). `budget_s`: configurations that
     would start after this many seconds are recorded as skipped. With `out`, results are saved after
     every configuration (with `append`, rows already in `out` are kept unless this run measures the
     same configuration). Ceilings are measured first unless given (small ones on a CPU). On a CPU
@@ -770,6 +777,7 @@ def run_model_benchmark(
     check_choice("checkpointing", list(checkpointing), [False, True])
     check_choice("stack_launch", stack_launch, LAUNCHES)
     check_choice("step_launch", step_launch, LAUNCHES)
+    check_choice("block_launch", block_launch, LAUNCHES)
     step_precision = _precision(step_dtype)
     shape_list = [
         tuple(int(d) for d in s) for s in (shapes or (QUICK_BLOCK_SHAPES if quick else BLOCK_SHAPES))
@@ -784,7 +792,7 @@ def run_model_benchmark(
     env = environment_info(device, command)  # the file's meta; rows repeat its ENV_KEYS
 
     counts = {
-        "block": len(dtypes) * len(shape_list) * len(variants) * len(modes),
+        "block": len(block_launch) * len(dtypes) * len(shape_list) * len(variants) * len(modes),
         "stack": len(stack_launch) * len(stack_dtypes) * len(checkpointing) * len(variants),
         "step": len(step_launch) * len(checkpointing) * len(step_variants),
         "waterfall": len(waterfall_stages()),
@@ -809,7 +817,7 @@ def run_model_benchmark(
             for part in parts:
                 if part == "block":
                     precisions = [_precision(d) for d in dtypes]
-                    _bench_blocks(run, config, shape_list, precisions, variants, modes, fast)
+                    _bench_blocks(run, config, shape_list, precisions, variants, modes, block_launch, fast)
                 elif part == "stack":
                     precisions = [_precision(d) for d in stack_dtypes]
                     _bench_stack(run, config, precisions, variants, checkpointing, stack_launch, slow)
@@ -855,7 +863,7 @@ def summary_table(frame: Any) -> Any:
             "S x N": frame["shape"].apply(lambda s: "x".join(map(str, s))),
             "dtype": frame["dtype"],
             "ckpt": extra.apply(lambda e: e.get("checkpointing")),
-            "launch": extra.apply(lambda e: _launch(e) if e.get("n_blocks", 1) > 1 else None),
+            "launch": extra.apply(lambda e: _launch(e) if "n_blocks" in e else None),
             "p50 ms": frame["p50_ms"],
             "TFLOP/s": frame["tflops"],
             "peak GiB": frame["peak_mem_bytes"].astype(float) / 2**30,
