@@ -278,8 +278,8 @@ def test_step_launch_graph_runs_eagerly_on_cpu(tmp_path) -> None:
     eager, graph = rows
     assert graph.op == "train_step" and graph.provider == "hfkit" and graph.method == "wall"
     assert "error" not in graph.extra, graph.extra
-    assert graph.extra["graphed"] is False and graph.extra["capture_s"] >= 0
-    assert graph.extra["first_call_s"] >= graph.extra["capture_s"]
+    assert graph.extra["capture"]["cuda_graph"] is False and graph.extra["capture"]["seconds"] >= 0
+    assert graph.extra["first_call_s"] >= graph.extra["capture"]["seconds"]
     assert math.isfinite(graph.extra["loss"]) and graph.p50_ms > 0
     assert "phases_s" in eager.extra and "phases_s" not in graph.extra
     assert sorted(load_results(out)["extra"].apply(lambda e: e["launch"])) == ["eager", "graph"]

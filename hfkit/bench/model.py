@@ -564,8 +564,10 @@ def _train_steps(
         made["loss"] = made["step"](batch).item()
 
     def graph_notes() -> dict[str, Any]:
-        # `graphed`: whether the step is a CUDA graph (without CUDA graphed_step runs it eagerly).
-        notes = {"graphed": made["step"].graphed, "capture_s": made["capture_s"], "loss": made["loss"]}
+        # `cuda_graph`: whether the step is one (without CUDA graphed_step runs it eagerly). A dict:
+        # the launch, not these notes, tells the configurations apart.
+        capture = {"cuda_graph": made["step"].graphed, "seconds": made["capture_s"]}
+        notes = {"capture": capture, "loss": made["loss"]}
         if made["capture_peak_bytes"] is not None:
             notes["capture_peak_bytes"] = made["capture_peak_bytes"]
         return notes
@@ -639,8 +641,9 @@ def measure_train_step(
     Returns {"timing": Timing, "first_call_s" (compilation and capture included), "peak_mem_bytes"
     (None off CUDA; graph: the capture's peak), "phases_s" (eager: forward, backward, optimizer
     seconds of the last call; graph: {}), "loss", "notes" (swap summary, compile settings; graph:
-    `graphed`, `capture_s`)}. On a CPU hfkit's ops run their references unless `interpret` (see
-    `reference_ops_on_cpu`). Raises RuntimeError with the error when the step fails.
+    `capture`: {"cuda_graph": whether it is one, "seconds": to make it})}. On a CPU hfkit's ops run
+    their references unless `interpret` (see `reference_ops_on_cpu`). Raises RuntimeError with the
+    error when the step fails.
     """
     device = resolve_device(device)
     prec = _precision(precision)
