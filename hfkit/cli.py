@@ -348,6 +348,8 @@ def _cmd_bench_model(args: argparse.Namespace) -> int:
         step_dtype=args.step_dtype,
         checkpointing=args.checkpointing,
         stack_launch=args.stack_launch,
+        step_launch=args.step_launch,
+        block_launch=args.block_launch,
         compile_backend=args.compile_backend,
         compile_mode=args.compile_mode,
         budget_s=args.budget_s,
@@ -367,7 +369,7 @@ def _cmd_bench_model(args: argparse.Namespace) -> int:
 
 def _add_model_bench(bench_sub: argparse._SubParsersAction) -> None:
     """`hfkit bench model`: Evoformer block, 48-block stack and training step, eager/hfkit/compile."""
-    from hfkit.bench.model import LAUNCHES, PARTS, PRECISIONS, VARIANTS
+    from hfkit.bench.model import LAUNCHES, MODULE_VARIANTS, PARTS, PRECISIONS, VARIANTS
 
     on_off = {"off": False, "on": True}
     p = bench_sub.add_parser(
@@ -381,7 +383,10 @@ def _add_model_bench(bench_sub: argparse._SubParsersAction) -> None:
         help=f"comma list of {','.join(PARTS)}",
     )
     p.add_argument(
-        "--variants", type=_choices(VARIANTS), default=list(VARIANTS), help="block and stack variants"
+        "--variants",
+        type=_choices(MODULE_VARIANTS),
+        default=list(MODULE_VARIANTS),
+        help="block and stack variants (openfold*: OpenFold's own modules, skipped where it is absent)",
     )
     p.add_argument(
         "--step-variants", type=_choices(VARIANTS), default=["eager", "hfkit"], help="step variants"
@@ -410,6 +415,18 @@ def _add_model_bench(bench_sub: argparse._SubParsersAction) -> None:
         type=_choices(LAUNCHES),
         default=["eager"],
         help="eager,graph: stack launched from Python each call and/or replayed as one CUDA graph",
+    )
+    p.add_argument(
+        "--block-launch",
+        type=_choices(LAUNCHES),
+        default=["graph", "eager"],
+        help="graph,eager: block timed as a CUDA graph and/or launched from Python each call",
+    )
+    p.add_argument(
+        "--step-launch",
+        type=_choices(LAUNCHES),
+        default=list(LAUNCHES),
+        help="eager,graph: training step as train_step from a Python loop and/or as hfkit.train.graphed_step",
     )
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode (default: none)")

@@ -1,22 +1,29 @@
 """Model benchmark: one Evoformer block, the 48-block Evoformer stack and a whole AlphaFold training
-step, each for eager PyTorch, `to_hfkit`, `torch.compile` and `torch.compile(to_hfkit)`; the swap
-waterfall (eager, then one more swapped op at a time, then compile) and a profile of the step.
+step, each for eager PyTorch, `to_hfkit`, `torch.compile` and `torch.compile(to_hfkit)`, the block
+and stack also for OpenFold's own modules (`OPENFOLD_VARIANTS`: as they are, compiled, swapped by
+`to_hfkit`); the swap waterfall (eager, then one more swapped op at a time, then the graphed step,
+then compile) and a profile of the step.
 
 Parts (`run_model_benchmark(parts=...)`, `hfkit bench model --parts`):
 
 - `block`: `EvoformerBlock` at the preset's channel sizes with dropout off (rate 0, as OpenFold's
   block benchmark), forward and forward+backward at (S, N) in `BLOCK_SHAPES`. "fwd" is the training
   forward (inputs require grad, activations are kept for backward), so a compiled block serves both
-  modes with one compiled graph. Timed with CUDA graphs (CUDA events when capture fails).
+  modes with one compiled graph. `block_launch` "graph": timed as a CUDA graph (CUDA events when
+  capture fails); "eager": launched from Python each call, timed with CUDA events.
 - `stack`: the 48-block `EvoformerStack` at the preset's sample size (S = clusters, N = crop),
   forward+backward, with and without per-block checkpointing. `stack_launch` "eager": launched from
   Python each call, timed with CUDA events (what a plain training loop gets); "graph": the whole
   forward+backward captured as one CUDA graph and replayed (what `torch.cuda.graph` capture of a
   static-shape training step gets: no per-op launch cost).
-- `step`: `hfkit.train.train_step` of `AlphaFoldLite` (embedders, extra-MSA stack, Evoformer, heads,
-  losses, Adam, clipping) on a synthetic batch of the preset's shapes, with and without checkpointing.
+- `step`: a training step of `AlphaFoldLite` (embedders, extra-MSA stack, Evoformer, heads, losses,
+  Adam, clipping) on a synthetic batch of the preset's shapes, with and without checkpointing, called
+  from a Python loop as a user calls it. `step_launch` "eager": `hfkit.train.train_step`; "graph":
+  the step `hfkit.train.graphed_step` makes (one CUDA graph; made once, its capture counted in
+  `first_call_s`, eager where there is no CUDA), then `step(batch).item()` a call.
 - `waterfall`: the step with the registered ops of `hfkit.nn.convert.registered_ops()` swapped in
-  one at a time (cumulative), then compiled.
+  one at a time (cumulative, launched eagerly), then as a graphed step, then with compiled blocks
+  inside the graphed step (`waterfall_stages`).
 - `profile`: `torch.profiler` of one step: the top operators and the LayerNorm input-shape census
   with torch's and hfkit's LayerNorm timed on every census shape.
 
@@ -45,6 +52,12 @@ import torch
 from torch import nn
 
 from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
+from hfkit.bench.peers import (
+    load_openfold,
+    openfold_evoformer_block,
+    openfold_evoformer_stack,
+    openfold_training_kwargs,
+)
 from hfkit.bench.results import (
     ENV_KEYS,
     ResultFile,
@@ -63,6 +76,8 @@ __all__ = [
     "BLOCK_SHAPES",
     "LAUNCHES",
     "MODES",
+    "MODULE_VARIANTS",
+    "OPENFOLD_VARIANTS",
     "PARTS",
     "PRECISIONS",
     "QUICK_BLOCK_SHAPES",
@@ -85,6 +100,11 @@ __all__ = [
 PARTS = ("block", "stack", "step", "waterfall", "profile")
 LAUNCHES = ("eager", "graph")
 VARIANTS = ("eager", "hfkit", "compile", "compile_hfkit")
+# OpenFold's own block and stack (`hfkit.bench.peers.load_openfold`): as it is, compiled like
+# `compile_blocks`, and swapped by `to_hfkit` (hfkit.nn.openfold's registrations).
+OPENFOLD_VARIANTS = ("openfold", "openfold_compile", "openfold_hfkit")
+MODULE_VARIANTS = VARIANTS + OPENFOLD_VARIANTS  # the block's and the stack's
+_OPENFOLD_AS = {"openfold": "eager", "openfold_compile": "compile", "openfold_hfkit": "hfkit"}
 MODES = ("fwd", "fwd+bwd")
 BLOCK_SHAPES: tuple[tuple[int, int], ...] = ((128, 256), (256, 384), (128, 512))
 # Tiny (S, N) for CPU runs and tests; odd sizes on purpose.
@@ -156,10 +176,10 @@ def evoformer_block_flops(s: int, n: int, config: ModelConfig) -> int:
     return int(flops)
 
 
-def _block_forward(block: nn.Module, *args: Any) -> Any:
+def _block_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # The class's forward, not block(...): blocks routed through `compile_blocks` have this very
     # function as their instance forward, and calling the module would come back here.
-    return type(block).forward(block, *args)
+    return type(block).forward(block, *args, **kwargs)
 
 
 @functools.cache
@@ -170,8 +190,14 @@ def _compiled_block_forward(backend: str, mode: str | None) -> Callable[..., Any
     return torch.compile(_block_forward, backend=backend, mode=mode, dynamic=False)
 
 
-def compile_blocks(model: nn.Module, backend: str = "inductor", mode: str | None = None) -> int:
-    """Route the forward of every `EvoformerBlock` (extra-MSA blocks included) in `model` through
+def compile_blocks(
+    model: nn.Module,
+    backend: str = "inductor",
+    mode: str | None = None,
+    blocks: tuple[type[nn.Module], ...] = (EvoformerBlock,),
+) -> int:
+    """Route the forward of every module of a `blocks` class in `model` (default: hfkit's
+    `EvoformerBlock`, extra-MSA blocks included; OpenFold's `EvoformerBlock` for its stack) through
     one shared `torch.compile`d function, in place; return how many blocks were routed.
 
     Per-block compilation keeps compile time to one block's graph (a 48-block stack compiled whole
@@ -180,7 +206,7 @@ def compile_blocks(model: nn.Module, backend: str = "inductor", mode: str | None
     compiled = _compiled_block_forward(backend, mode)
     count = 0
     for module in model.modules():
-        if isinstance(module, EvoformerBlock):
+        if isinstance(module, blocks):
             module.forward = functools.partial(compiled, module)
             count += 1
     return count
@@ -208,13 +234,18 @@ def make_variant(
     inplace: bool = False,
     compile_backend: str = "inductor",
     compile_mode: str | None = None,
+    blocks: tuple[type[nn.Module], ...] = (EvoformerBlock,),
 ) -> tuple[nn.Module, dict[str, Any]]:
     """`module` as `variant`: "eager" (unchanged), "hfkit" (`to_hfkit`, only `ops` when given),
-    "compile" (`compile_blocks`), "compile_hfkit" (both). A deep copy unless `inplace`. Returns the
-    module and notes for the result row (`swap`: the swap report's summary, `compiled_blocks`)."""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
+    "compile" (`compile_blocks` of the `blocks` classes), "compile_hfkit" (both); for an OpenFold
+    module "openfold", "openfold_hfkit" and "openfold_compile" are "eager", "hfkit" and "compile"
+    (with `blocks` OpenFold's block class). A deep copy unless `inplace`. Returns the module and
+    notes for the result row (`swap`: the swap report's summary, `compiled_blocks`)."""
+    if variant not in MODULE_VARIANTS:
+        raise ValueError(f"variant: expected one of {MODULE_VARIANTS}, got {variant!r}")
     from hfkit.nn.convert import to_hfkit
+
+    variant = _OPENFOLD_AS.get(variant, variant)
 
     if not inplace:
         module = copy.deepcopy(module)
@@ -226,7 +257,7 @@ def make_variant(
         if ops is not None:
             notes["ops"] = list(ops)
     if variant in ("compile", "compile_hfkit"):
-        notes["compiled_blocks"] = compile_blocks(module, compile_backend, compile_mode)
+        notes["compiled_blocks"] = compile_blocks(module, compile_backend, compile_mode, blocks)
         notes["compile"] = {"backend": compile_backend, "mode": compile_mode, "dynamic": False}
     return module, notes
 
@@ -238,10 +269,13 @@ def _grad_step(
     backward: bool,
     device: torch.device,
     precision: Precision,
+    accumulate: bool = False,
 ) -> Callable[[], None]:
     """One call: `forward()` under the precision's autocast, then (if `backward`) the gradients of
     its outputs against random output gradients, w.r.t. `inputs` and `params` (`autograd.grad`: no
-    `.grad` accumulation, so the call can be captured in a CUDA graph)."""
+    `.grad` accumulation, so the call can be captured in a CUDA graph). With `accumulate` they are
+    added to each `.grad` instead (`autograd.backward`, as a training loop's `loss.backward()`): the
+    way for modules whose reentrant checkpointing rejects `autograd.grad` (OpenFold's stack)."""
     cache: dict[str, list[torch.Tensor]] = {}
 
     def step() -> None:
@@ -251,7 +285,10 @@ def _grad_step(
             return
         if "grads" not in cache:  # made on the first (unmeasured) call, never during capture
             cache["grads"] = [torch.randn_like(o) for o in outs]
-        torch.autograd.grad(outs, [*inputs, *params], cache["grads"])
+        if accumulate:
+            torch.autograd.backward(outs, cache["grads"])
+        else:
+            torch.autograd.grad(outs, [*inputs, *params], cache["grads"])
 
     return step
 
@@ -270,6 +307,25 @@ class _Run:
     progress: Any
     interpret: bool = False
     rows: list[ResultRow] = field(default_factory=list)
+    openfold_loaded: tuple[Any, str | None] | None = None
+
+    def openfold(self) -> tuple[Any, str | None]:
+        """`load_openfold()`, once a run: (OpenFold's modules, None) or (None, why not)."""
+        if self.openfold_loaded is None:
+            self.openfold_loaded = load_openfold()
+        return self.openfold_loaded
+
+    def skip(self, label: str, key: tuple, extra: Mapping[str, Any], reason: str) -> None:
+        """Rows for a configuration that cannot run here: each mode of `key` (as in `measure`) gets a
+        row with NaN times and `extra["error"]` "skipped: <reason>"."""
+        op, provider, modes, shape, precision, flops = key
+        self.progress.set_postfix_str(label)
+        notes = {**precision.describe(), **extra, "error": f"skipped: {reason}"}
+        for mode in modes:
+            row = dict(op=op, provider=provider, mode=mode, shape=shape, dtype=precision.name)
+            row["flops"] = None if flops is None else flops * (3 if mode == "fwd+bwd" else 1)
+            self.rows.append(make_row(self.env, None, ceilings=self.ceilings, extra=notes, **row))
+        self.done(len(modes))
 
     def measure(
         self,
@@ -297,21 +353,12 @@ class _Run:
                 continue
             warmup, reps, graph = timing
             with self.cpu_path():
-                self.rows.append(
-                    measure_case(
-                        env=self.env,
-                        ceilings=self.ceilings,
-                        device=self.device,
-                        nbytes=0,
-                        build=functools.partial(build, mode=mode),
-                        warmup=warmup,
-                        reps=reps,
-                        extra=notes,
-                        graph=graph,
-                        first_call=True,
-                        **row,
-                    )  # fmt: skip
-                )
+                measured = measure_case(
+                    env=self.env, ceilings=self.ceilings, device=self.device, nbytes=0,
+                    build=functools.partial(build, mode=mode), warmup=warmup, reps=reps, extra=notes,
+                    graph=graph, first_call=True, **row,
+                )  # fmt: skip
+            self.rows.append(_graph_peak(measured))
         self.done(len(modes))
 
     def done(self, count: int) -> None:
@@ -351,41 +398,103 @@ def _block_inputs(
     return m, z, msa_mask, pair_mask
 
 
-def _module_steps(run: _Run, module: nn.Module, variant: str, inputs, precision, inplace, mode) -> Steps:
-    """`module(*inputs)` (inputs: m, z, msa_mask, pair_mask) as `variant`, one call of `mode`."""
+def _module_steps(
+    run: _Run,
+    module: nn.Module,
+    variant: str,
+    inputs: Sequence[torch.Tensor],
+    precision: Precision,
+    inplace: bool,
+    mode: str,
+    *,
+    call_kwargs: Mapping[str, Any] | None = None,
+    blocks: tuple[type[nn.Module], ...] = (EvoformerBlock,),
+    accumulate: bool = False,
+) -> Steps:
+    """`module(*inputs, **call_kwargs)` (inputs: m, z, msa_mask, pair_mask) as `variant`, one call of
+    `mode`; `blocks`: the block classes a compiled variant compiles; `accumulate`: see `_grad_step`."""
     module, notes = make_variant(
-        module, variant, inplace=inplace, compile_backend=run.compile_backend, compile_mode=run.compile_mode
+        module,
+        variant,
+        inplace=inplace,
+        compile_backend=run.compile_backend,
+        compile_mode=run.compile_mode,
+        blocks=blocks,
     )
     params = [p for p in module.parameters() if p.requires_grad]
-    forward = functools.partial(module, *inputs)
-    step = _grad_step(forward, inputs[:2], params, mode == "fwd+bwd", run.device, precision)
+    forward = functools.partial(module, *inputs, **(call_kwargs or {}))
+    step = _grad_step(forward, inputs[:2], params, mode == "fwd+bwd", run.device, precision, accumulate)
+    if accumulate:
+        notes["backward"] = "autograd.backward (gradients accumulate in .grad)"
     return Steps(step, step, 1, lambda: notes)
 
 
-def _bench_blocks(run, config, shapes, precisions, variants, modes, timing) -> None:
-    extra = {"n_blocks": 1, "dropout": "off", "fwd_grad": True}
-    for precision in precisions:
-        for s, n in shapes:
-            torch.manual_seed(0)
-            base = make_block(config).to(run.device, precision.params)
-            inputs = _block_inputs(config, s, n, run.device, precision.params)
-            flops = evoformer_block_flops(s, n, config)
-            for variant in variants:
-                key = ("evoformer_block", variant, modes, [s, n], precision, flops)
-                build = functools.partial(_module_steps, run, base, variant, inputs, precision, False)
-                run.measure(f"block {s}x{n} {precision.name} {variant}", key, extra, build, (*timing, True))
-            del base, inputs
+def _openfold_call(of: Any, config: ModelConfig) -> dict[str, Any]:
+    """`_module_steps` keywords for an OpenFold block or stack: its training call, its block class."""
+    return {"call_kwargs": openfold_training_kwargs(config), "blocks": (of.evoformer.EvoformerBlock,)}
+
+
+def _bench_blocks(run, config, shapes, precisions, variants, modes, launches, timing) -> None:
+    """Block rows: each launch ("graph": a CUDA graph replayed; "eager": launched from Python each
+    call, CUDA events) x precision x shape x variant x mode. OpenFold's variants use its own
+    `EvoformerBlock` at the same sizes on the same inputs, or become skipped rows without it."""
+    for launch in launches:
+        extra = {"n_blocks": 1, "dropout": "off", "fwd_grad": True, "launch": launch}
+        for precision in precisions:
+            for s, n in shapes:
+                torch.manual_seed(0)
+                base = make_block(config).to(run.device, precision.params)
+                inputs = _block_inputs(config, s, n, run.device, precision.params)
+                flops = evoformer_block_flops(s, n, config)
+                theirs = None
+                for variant in variants:
+                    key = ("evoformer_block", variant, modes, [s, n], precision, flops)
+                    label = f"block {launch} {s}x{n} {precision.name} {variant}"
+                    if variant in OPENFOLD_VARIANTS:
+                        of, reason = run.openfold()
+                        if of is None:
+                            run.skip(label, key, extra, reason)
+                            continue
+                        if theirs is None:
+                            torch.manual_seed(0)
+                            theirs = openfold_evoformer_block(of, config).to(run.device, precision.params)
+                        build = functools.partial(
+                            _module_steps,
+                            run,
+                            theirs,
+                            variant,
+                            inputs,
+                            precision,
+                            False,
+                            **_openfold_call(of, config),
+                        )
+                    else:
+                        build = functools.partial(_module_steps, run, base, variant, inputs, precision, False)
+                    run.measure(label, key, extra, build, (*timing, launch == "graph"))
+                del base, inputs, theirs
 
 
 def _stack_steps(run: _Run, config: ModelConfig, variant: str, precision: Precision, mode: str) -> Steps:
     s, n = config.max_msa_clusters, config.crop_size
     torch.manual_seed(0)
-    stack = EvoformerStack.from_config(config).to(run.device, precision.params)
+    if variant in OPENFOLD_VARIANTS:
+        of, reason = run.openfold()
+        if of is None:
+            raise RuntimeError(f"OpenFold: {reason}")
+        stack = openfold_evoformer_stack(of, config).to(run.device, precision.params)
+        # OpenFold checkpoints with torch's reentrant checkpoint, which rejects autograd.grad.
+        call = {**_openfold_call(of, config), "accumulate": config.checkpoint}
+    else:
+        stack = EvoformerStack.from_config(config).to(run.device, precision.params)
+        call = {}
     inputs = _block_inputs(config, s, n, run.device, precision.params)
-    return _module_steps(run, stack, variant, inputs, precision, True, mode)
+    return _module_steps(run, stack, variant, inputs, precision, True, mode, **call)
 
 
 def _bench_stack(run, config, precisions, variants, checkpointing, launches, timing) -> None:
+    """Stack rows: each launch x precision x checkpointing x variant. OpenFold's variants use its
+    own `EvoformerStack` (per-block checkpointing: its `blocks_per_ckpt` 1), or become skipped rows
+    without it."""
     s, n = config.max_msa_clusters, config.crop_size
     flops = config.no_blocks * evoformer_block_flops(s, n, config)
     for launch in launches:
@@ -400,8 +509,12 @@ def _bench_stack(run, config, precisions, variants, checkpointing, launches, tim
                 }
                 for variant in variants:
                     key = ("evoformer_stack", variant, ["fwd+bwd"], [s, n], precision, flops)
-                    build = functools.partial(_stack_steps, run, stack_config, variant, precision)
                     label = f"stack {launch} ckpt={ckpt} {precision.name} {variant}"
+                    reason = run.openfold()[1] if variant in OPENFOLD_VARIANTS else None
+                    if reason is not None:
+                        run.skip(label, key, extra, reason)
+                        continue
+                    build = functools.partial(_stack_steps, run, stack_config, variant, precision)
                     run.measure(label, key, extra, build, (*timing, launch == "graph"))
 
 
@@ -414,12 +527,19 @@ def _train_steps(
     compile_backend: str,
     compile_mode: str | None,
     seed: int = 0,
+    *,
+    launch: str = "eager",
     mode: str = "fwd+bwd",
 ) -> Steps:
-    """One `train_step` a call (always forward+backward: `mode` is there for `_Run.measure`); the
-    check gives the variant's notes, `after` the last call's phases and loss."""
+    """One training step a call, as a user's Python loop makes it (always forward+backward: `mode` is
+    there for `_Run.measure`). `launch` "eager": `hfkit.train.train_step`; "graph": the step made by
+    `hfkit.train.graphed_step` (AlphaFold's schedule, clipping at 0.1) on the first call, so its
+    capture (and any compilation in its warm-up) is part of the first call and not of the timing,
+    then `loss = step(batch); loss.item()` a call (the host reads the loss, as a loop that logs it
+    does). The check gives the variant's notes, `after` the last call's loss (and, eager, phases)."""
     from hfkit.train import make_optimizer, synthetic_batch, train_step
 
+    check_choice("launch", [launch], LAUNCHES)
     torch.manual_seed(seed)
     model = AlphaFoldLite(config).to(device, precision.params)
     model, notes = make_variant(
@@ -427,13 +547,75 @@ def _train_steps(
     )
     optimizer = make_optimizer(model)
     batch = synthetic_batch(config, seed=seed, device=device)
-    records: list[dict[str, Any]] = []
 
-    def step() -> None:
-        records.append(train_step(model, batch, optimizer, clip=0.1, autocast_dtype=precision.autocast))
+    if launch == "eager":
+        records: list[dict[str, Any]] = []
 
-    last = lambda: {"phases_s": records[-1]["timings"], "loss": records[-1]["loss"]}  # noqa: E731
-    return Steps(step, step, 1, lambda: dict(notes), last)
+        def step() -> None:
+            records.append(train_step(model, batch, optimizer, clip=0.1, autocast_dtype=precision.autocast))
+
+        last = lambda: {"phases_s": records[-1]["timings"], "loss": records[-1]["loss"]}  # noqa: E731
+        return Steps(step, step, 1, lambda: dict(notes), last)
+
+    made: dict[str, Any] = {}
+
+    def graph_step() -> None:
+        if "step" not in made:
+            made.update(_capture_step(model, optimizer, batch, precision, device))
+        made["loss"] = made["step"](batch).item()
+
+    def graph_notes() -> dict[str, Any]:
+        # `cuda_graph`: whether the step is one (without CUDA graphed_step runs it eagerly). A dict:
+        # the launch, not these notes, tells the configurations apart.
+        capture = {"cuda_graph": made["step"].graphed, "seconds": made["capture_s"]}
+        notes = {"capture": capture, "loss": made["loss"]}
+        if made["capture_peak_bytes"] is not None:
+            notes["capture_peak_bytes"] = made["capture_peak_bytes"]
+        return notes
+
+    return Steps(graph_step, graph_step, 1, lambda: dict(notes), graph_notes)
+
+
+def _capture_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Mapping[str, torch.Tensor],
+    precision: Precision,
+    device: torch.device,
+) -> dict[str, Any]:
+    """`hfkit.train.graphed_step` of `model` as a user makes it -> {"step", "capture_s": seconds to
+    make it (warm-up steps and capture), "capture_peak_bytes": CUDA memory it peaked at above what
+    was allocated before (None off CUDA)}. Replays allocate nothing, so this peak, not a replay's, is
+    the memory the graphed step needs."""
+    from hfkit.train import graphed_step, make_scheduler
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    started = time.perf_counter()
+    step = graphed_step(
+        model,
+        optimizer,
+        batch,
+        autocast_dtype=precision.autocast,
+        clip_norm=0.1,
+        scheduler=make_scheduler(optimizer),
+    )
+    capture_s = time.perf_counter() - started
+    peak = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        peak = int(torch.cuda.max_memory_allocated(device) - base)
+    return {"step": step, "capture_s": capture_s, "capture_peak_bytes": peak}
+
+
+def _graph_peak(row: ResultRow) -> ResultRow:
+    """A graph-launched step's row with the capture's peak memory as its peak (see `_capture_step`)."""
+    peak = row.extra.pop("capture_peak_bytes", None)
+    if peak is not None:
+        row.peak_mem_bytes = peak
+    return row
 
 
 def measure_train_step(
@@ -449,21 +631,27 @@ def measure_train_step(
     compile_mode: str | None = None,
     seed: int = 0,
     interpret: bool = False,
+    launch: str = "eager",
 ) -> dict[str, Any]:
-    """Time `hfkit.train.train_step` of a fresh `AlphaFoldLite(config)` (seeded) as `variant`
-    (`ops`: the registered ops "hfkit" swaps; None: all) on a synthetic batch of the preset's
-    shapes, with CUDA events (a step syncs the host, so no CUDA graph) or the wall clock.
+    """Time a training step of a fresh `AlphaFoldLite(config)` (seeded) as `variant` (`ops`: the
+    registered ops "hfkit" swaps; None: all) on a synthetic batch of the preset's shapes, called
+    from a Python loop, with CUDA events (a step reads its loss on the host) or the wall clock.
+    `launch` "eager": `hfkit.train.train_step`; "graph": the step `hfkit.train.graphed_step` makes
+    (made on the first call, outside the timing; eager where there is no CUDA).
 
-    Returns {"timing": Timing, "first_call_s", "peak_mem_bytes" (None off CUDA), "phases_s"
-    (forward, backward, optimizer seconds of the last call), "loss", "notes" (swap summary, compile
-    settings)}. On a CPU hfkit's ops run their references unless `interpret` (see
-    `reference_ops_on_cpu`). Raises RuntimeError with the error when the step fails.
+    Returns {"timing": Timing, "first_call_s" (compilation and capture included), "peak_mem_bytes"
+    (None off CUDA; graph: the capture's peak), "phases_s" (eager: forward, backward, optimizer
+    seconds of the last call; graph: {}), "loss", "notes" (swap summary, compile settings; graph:
+    `capture`: {"cuda_graph": whether it is one, "seconds": to make it})}. On a CPU hfkit's ops run
+    their references unless `interpret` (see `reference_ops_on_cpu`). Raises RuntimeError with the
+    error when the step fails.
     """
     device = resolve_device(device)
     prec = _precision(precision)
     on_cuda = device.type == "cuda"
+    check_choice("launch", [launch], LAUNCHES)
     build = functools.partial(
-        _train_steps, config, device, prec, variant, ops, compile_backend, compile_mode, seed
+        _train_steps, config, device, prec, variant, ops, compile_backend, compile_mode, seed, launch=launch
     )
     with _recompile_limit(), _cpu_path(device, interpret):
         row = measure_case(
@@ -471,8 +659,9 @@ def measure_train_step(
             provider=variant, mode="fwd+bwd", shape=[config.max_msa_clusters, config.crop_size],
             dtype=prec.name, nbytes=0, flops=None, build=build, graph=False, first_call=True,
             warmup=warmup if warmup is not None else (1 if on_cuda else 0),
-            reps=reps if reps is not None else (3 if on_cuda else 1),
+            reps=reps if reps is not None else (3 if on_cuda else 1), extra={"launch": launch},
         )  # fmt: skip
+    row = _graph_peak(row)
     if row.method == "error":
         raise RuntimeError(f"measure_train_step: {row.extra['error']}")
     notes = {k: v for k, v in row.extra.items() if k not in ("first_call_s", "setup_s", "phases_s", "loss")}
@@ -480,7 +669,7 @@ def measure_train_step(
         "timing": Timing(row.p20_ms, row.p50_ms, row.p80_ms, row.n_reps, row.method),
         "first_call_s": row.extra["first_call_s"],
         "peak_mem_bytes": row.peak_mem_bytes,
-        "phases_s": row.extra["phases_s"],
+        "phases_s": row.extra.get("phases_s", {}),
         "loss": row.extra["loss"],
         "notes": notes,
     }
@@ -497,26 +686,39 @@ def _step_extra(config: ModelConfig) -> dict[str, Any]:
 
 
 def _bench_train_steps(run: _Run, op: str, runs: list, precision: Precision, timing: tuple[int, int]) -> None:
-    """Training steps, a row each: `runs` of (provider, config, variant, swapped ops or None, notes)."""
-    for provider, config, variant, ops, notes in runs:
+    """Training steps, a row each: `runs` of (provider, config, variant, swapped ops or None, launch,
+    notes); see `_train_steps` for the launches."""
+    for provider, config, variant, ops, launch, notes in runs:
         key = (op, provider, ["fwd+bwd"], [config.max_msa_clusters, config.crop_size], precision, None)
         build = functools.partial(
-            _train_steps, config, run.device, precision, variant, ops, run.compile_backend, run.compile_mode
+            _train_steps,
+            config,
+            run.device,
+            precision,
+            variant,
+            ops,
+            run.compile_backend,
+            run.compile_mode,
+            launch=launch,
         )
-        label = f"{op} {provider} ckpt={config.checkpoint} {precision.name}"
-        run.measure(label, key, {**_step_extra(config), **notes}, build, (*timing, False))
+        label = f"{op} {provider} {launch} ckpt={config.checkpoint} {precision.name}"
+        extra = {**_step_extra(config), "launch": launch, **notes}
+        run.measure(label, key, extra, build, (*timing, False))
 
 
 def waterfall_stages(
     ops: Sequence[str] | None = None, compile: bool = True
-) -> list[tuple[str, str, list[str]]]:
-    """The waterfall's stages as (label, variant, swapped ops): "eager", then "+<op>" for each op of
-    `ops` (default: `swappable_ops()`) swapped in cumulatively, then "+compile" (all swapped, compiled)."""
+) -> list[tuple[str, str, list[str], str]]:
+    """The waterfall's stages as (label, variant, swapped ops, launch): "eager", then "+<op>" for each
+    op of `ops` (default: `swappable_ops()`) swapped in cumulatively, all launched eagerly
+    (`train_step`); then "+graph" (all swapped, the step made by `graphed_step`), then "+compile"
+    (all swapped, blocks compiled, inside the graphed step) unless `compile` is False."""
     ops = swappable_ops() if ops is None else list(ops)
-    stages = [("eager", "eager", [])]
-    stages += [(f"+{op}", "hfkit", ops[: i + 1]) for i, op in enumerate(ops)]
+    stages = [("eager", "eager", [], "eager")]
+    stages += [(f"+{op}", "hfkit", ops[: i + 1], "eager") for i, op in enumerate(ops)]
+    stages.append(("+graph", "hfkit", list(ops), "graph"))
     if compile:
-        stages.append(("+compile", "compile_hfkit", list(ops)))
+        stages.append(("+compile", "compile_hfkit", list(ops), "graph"))
     return stages
 
 
@@ -634,8 +836,9 @@ def _row_key(row: Mapping[str, Any]) -> tuple:
 
 
 def _launch(extra: Mapping[str, Any]) -> str:
-    # Rows from before the stack had a graph launch were all launched eagerly.
-    return extra.get("launch", "eager")
+    # Rows without a launch: blocks (n_blocks 1) were timed as CUDA graphs, stacks and steps launched
+    # from Python.
+    return extra.get("launch", "graph" if extra.get("n_blocks") == 1 else "eager")
 
 
 def run_model_benchmark(
@@ -643,7 +846,7 @@ def run_model_benchmark(
     parts: Sequence[str] = ("block", "stack", "step"),
     *,
     quick: bool = False,
-    variants: Sequence[str] = VARIANTS,
+    variants: Sequence[str] = MODULE_VARIANTS,
     step_variants: Sequence[str] = ("eager", "hfkit"),
     shapes: Sequence[Sequence[int]] | None = None,
     dtypes: Sequence[str] = ("bf16", "fp32"),
@@ -652,6 +855,8 @@ def run_model_benchmark(
     modes: Sequence[str] = MODES,
     checkpointing: Sequence[bool] = (False, True),
     stack_launch: Sequence[str] = ("eager",),
+    block_launch: Sequence[str] = ("graph", "eager"),
+    step_launch: Sequence[str] = LAUNCHES,
     compile_backend: str = "inductor",
     compile_mode: str | None = None,
     budget_s: float | None = None,
@@ -668,7 +873,9 @@ def run_model_benchmark(
     `af2_initial` and `BLOCK_SHAPES` (`shapes` overrides: (S, N) pairs). `variants` apply to the block
     and stack, `step_variants` to the step; `dtypes` are the block's precisions, `stack_dtypes` the
     stack's, `step_dtype` the step's, waterfall's and profile's; `stack_launch` how the stack is
-    launched ("eager", "graph"; see the module docstring). `budget_s`: configurations that
+    launched ("eager", "graph"; see the module docstring), `block_launch` how the block is, `step_launch`
+    how the step is (see `measure_train_step`). `variants` "openfold*" run OpenFold's own modules
+    (`hfkit.bench.peers.load_openfold`), skipped rows where it is absent. `budget_s`: configurations that
     would start after this many seconds are recorded as skipped. With `out`, results are saved after
     every configuration (with `append`, rows already in `out` are kept unless this run measures the
     same configuration). Ceilings are measured first unless given (small ones on a CPU). On a CPU
@@ -679,13 +886,15 @@ def run_model_benchmark(
     device = resolve_device(device)
     on_cuda = device.type == "cuda"
     check_choice("parts", parts, PARTS)
-    check_choice("variants", variants, VARIANTS)
+    check_choice("variants", variants, MODULE_VARIANTS)
     check_choice("step_variants", step_variants, VARIANTS)
     check_choice("dtypes", dtypes, list(PRECISIONS))
     check_choice("stack_dtypes", stack_dtypes, list(PRECISIONS))
     check_choice("modes", modes, MODES)
     check_choice("checkpointing", list(checkpointing), [False, True])
     check_choice("stack_launch", stack_launch, LAUNCHES)
+    check_choice("step_launch", step_launch, LAUNCHES)
+    check_choice("block_launch", block_launch, LAUNCHES)
     step_precision = _precision(step_dtype)
     shape_list = [
         tuple(int(d) for d in s) for s in (shapes or (QUICK_BLOCK_SHAPES if quick else BLOCK_SHAPES))
@@ -700,9 +909,9 @@ def run_model_benchmark(
     env = environment_info(device, command)  # the file's meta; rows repeat its ENV_KEYS
 
     counts = {
-        "block": len(dtypes) * len(shape_list) * len(variants) * len(modes),
+        "block": len(block_launch) * len(dtypes) * len(shape_list) * len(variants) * len(modes),
         "stack": len(stack_launch) * len(stack_dtypes) * len(checkpointing) * len(variants),
-        "step": len(checkpointing) * len(step_variants),
+        "step": len(step_launch) * len(checkpointing) * len(step_variants),
         "waterfall": len(waterfall_stages()),
         "profile": 1,
     }
@@ -725,13 +934,14 @@ def run_model_benchmark(
             for part in parts:
                 if part == "block":
                     precisions = [_precision(d) for d in dtypes]
-                    _bench_blocks(run, config, shape_list, precisions, variants, modes, fast)
+                    _bench_blocks(run, config, shape_list, precisions, variants, modes, block_launch, fast)
                 elif part == "stack":
                     precisions = [_precision(d) for d in stack_dtypes]
                     _bench_stack(run, config, precisions, variants, checkpointing, stack_launch, slow)
                 elif part == "step":
                     runs = [
-                        (v, config.replace(checkpoint=c), v, None, {})
+                        (v, config.replace(checkpoint=c), v, None, launch, {})
+                        for launch in step_launch
                         for c in checkpointing
                         for v in step_variants
                     ]
@@ -740,8 +950,8 @@ def run_model_benchmark(
                     cfg = config.replace(checkpoint=bool(checkpointing[-1]))
                     stages = enumerate(waterfall_stages())
                     runs = [
-                        (label, cfg, v, ops, {"stage": i, "variant": v, "ops": ops})
-                        for i, (label, v, ops) in stages
+                        (label, cfg, v, ops, launch, {"stage": i, "variant": v, "ops": ops})
+                        for i, (label, v, ops, launch) in stages
                     ]
                     _bench_train_steps(run, "step_waterfall", runs, step_precision, slow)
                 elif part == "profile":
@@ -770,7 +980,7 @@ def summary_table(frame: Any) -> Any:
             "S x N": frame["shape"].apply(lambda s: "x".join(map(str, s))),
             "dtype": frame["dtype"],
             "ckpt": extra.apply(lambda e: e.get("checkpointing")),
-            "launch": extra.apply(lambda e: _launch(e) if e.get("n_blocks", 1) > 1 else None),
+            "launch": extra.apply(lambda e: _launch(e) if "n_blocks" in e else None),
             "p50 ms": frame["p50_ms"],
             "TFLOP/s": frame["tflops"],
             "peak GiB": frame["peak_mem_bytes"].astype(float) / 2**30,
