@@ -423,6 +423,104 @@ def test_saved_activation_table_and_figure():
     assert {t.name for t in saved_activation_figure(memory).data} == {"eager", "hfkit"}
 
 
+# --- notebook 05: batches of the real data pipeline ----------------------------------------------------
+
+
+def test_deepen_msa_appends_mutated_copies_of_real_rows_and_keeps_the_real_ones():
+    import numpy as np
+
+    from hfkit.viz.batches import deepen_msa
+
+    msa = np.array([[0, 1, 2, 21, 4], [5, 6, 21, 8, 9], [10, 11, 12, 13, 21]], dtype=np.int8)
+    deletions = np.arange(15, dtype=np.uint8).reshape(3, 5)
+    raw = {"msa": msa, "deletion_matrix": deletions, "num_alignments": np.asarray(3, dtype=np.int32)}
+    copies = deepen_msa(raw, 40, mutation_rate=0.0, seed=1)
+    assert copies["msa"].shape == (40, 5) and copies["msa"].dtype == np.int8
+    assert (copies["msa"][:3] == msa).all() and (copies["deletion_matrix"][:3] == deletions).all()
+    source = [int(np.flatnonzero((msa == row).all(1))[0]) for row in copies["msa"][3:]]  # exact copies
+    assert (copies["deletion_matrix"][3:] == deletions[source]).all() and len(set(source)) == 3
+    assert int(copies["num_alignments"]) == 40 and copies["num_alignments"].dtype == np.int32
+    np.testing.assert_allclose(copies["hhblits_profile"].sum(-1), 1.0, rtol=1e-6)
+    mutated = deepen_msa(raw, 4000, mutation_rate=0.5, seed=1)["msa"][3:]
+    gaps = mutated == 21
+    assert (gaps.sum(0) > 0).sum() == 3  # gaps stay where the copied rows have them, nowhere else
+    changed = [(mutated[:, c] != np.bincount(mutated[:, c]).argmax()).mean() for c in range(5)]
+    assert 0.3 < float(np.mean(changed)) < 0.8 and mutated.max() < 22
+    assert (deepen_msa(raw, 4000, 0.5, seed=1)["msa"][3:] == mutated).all()  # seeded
+    assert deepen_msa(raw, 3)["msa"] is msa and deepen_msa(raw, 2)["msa"] is msa  # deep enough already
+    with pytest.raises(ValueError, match="depth: expected >= 1"):
+        deepen_msa(raw, 0)
+    with pytest.raises(ValueError, match=r"mutation_rate: expected a probability in \[0, 1\], got 1.5"):
+        deepen_msa(raw, 5, mutation_rate=1.5)
+
+
+def test_sample_msa_depth_covers_block_deletion():
+    from dataclasses import replace
+
+    from hfkit.data.msa_sampling import FeatureConfig
+    from hfkit.model import ModelConfig
+    from hfkit.viz.batches import sample_msa_depth
+
+    assert sample_msa_depth(ModelConfig.tiny()) == math.ceil(24 / 0.7**5) == 143
+    assert sample_msa_depth(replace(FeatureConfig.tiny(), block_delete_msa=False)) == 24
+    assert sample_msa_depth(ModelConfig.af2_initial()) == math.ceil(1152 / 0.7**5)
+
+
+def _contains_window(chain: torch.Tensor, window: torch.Tensor) -> bool:
+    n = window.shape[0]
+    return any(torch.equal(chain[s : s + n], window) for s in range(chain.shape[0] - n + 1))
+
+
+def test_pipeline_batches_of_the_real_chains_fit_the_graphed_step(tmp_path, one_thread):
+    from conftest import real_data
+
+    from hfkit.model import AlphaFoldLite, ModelConfig
+    from hfkit.train import graphed_step, make_optimizer, synthetic_batch
+    from hfkit.viz.batches import PipelineBatches
+
+    real = real_data("alignments").parent
+    config = ModelConfig.tiny()
+    with PipelineBatches.open(real, work_dir=tmp_path) as source:
+        assert not source.synthetic and str(real) in source.label
+        chains = source.chains(config)
+        assert (chains["msa rows (real)"] < 24).all() and (chains["msa rows (deepened)"] == 143).all()
+        batch = source.batch(config)
+        torch.manual_seed(0)
+        model = AlphaFoldLite(config)
+        step = graphed_step(model, make_optimizer(model), synthetic_batch(config))
+        step.check_batch(batch)  # the example batch's features, shapes and dtypes
+        assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
+            k: (v.shape, v.dtype) for k, v in synthetic_batch(config).items()
+        }
+        chain = torch.as_tensor(source.dataset(config).raw_features(0)["aatype"]).long()
+        n = int(batch["seq_length"][0])
+        assert n == config.crop_size < chain.shape[0]  # cropped from the real chain
+        assert _contains_window(chain, batch["aatype"][0, :n])
+        assert batch["extra_msa_mask"][0].amax(-1).sum() == config.max_extra_msa  # deepened: rows full
+        stream = source.stream(config)
+        losses = [float(step(next(stream))) for _ in range(2)]
+        assert all(math.isfinite(x) for x in losses)
+        assert Path(source.inputs.records).is_dir()
+    assert not Path(source.inputs.records).exists()  # the temporary records are gone
+
+
+def test_pipeline_batches_fall_back_to_synthetic_chains_and_say_so(tmp_path, capsys, one_thread):
+    from hfkit.model import ModelConfig
+    from hfkit.train import synthetic_batch
+    from hfkit.viz.batches import PipelineBatches
+
+    config = ModelConfig.tiny().replace(crop_size=40)
+    with PipelineBatches.open(tmp_path / "absent", work_dir=tmp_path) as source:
+        assert source.synthetic and "synthetic" in source.label
+        assert "real inputs not found" in capsys.readouterr().out
+        batch = next(source.stream(config))
+        assert {k: v.shape for k, v in batch.items()} == {
+            k: v.shape for k, v in synthetic_batch(config).items()
+        }
+        with pytest.raises(ValueError, match="batch_size: expected at most 2"):
+            source.stream(config, batch_size=3)
+
+
 # --- notebook 01: data cost -----------------------------------------------------------------------------
 
 
