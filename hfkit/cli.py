@@ -341,6 +341,8 @@ def _cmd_bench_model(args: argparse.Namespace) -> int:
         step_dtype=args.step_dtype,
         checkpointing=args.checkpointing,
         stack_launch=args.stack_launch,
+        step_launch=args.step_launch,
+        block_launch=args.block_launch,
         compile_backend=args.compile_backend,
         compile_mode=args.compile_mode,
         budget_s=args.budget_s,
@@ -403,6 +405,18 @@ def _add_model_bench(bench_sub: argparse._SubParsersAction) -> None:
         type=_choices(LAUNCHES),
         default=["eager"],
         help="eager,graph: stack launched from Python each call and/or replayed as one CUDA graph",
+    )
+    p.add_argument(
+        "--block-launch",
+        type=_choices(LAUNCHES),
+        default=["graph", "eager"],
+        help="graph,eager: block timed as a CUDA graph and/or launched from Python each call",
+    )
+    p.add_argument(
+        "--step-launch",
+        type=_choices(LAUNCHES),
+        default=list(LAUNCHES),
+        help="eager,graph: training step as train_step from a Python loop and/or as hfkit.train.graphed_step",
     )
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode (default: none)")

@@ -95,9 +95,9 @@ def test_block_stack_step_rows_on_cpu(tmp_path) -> None:
     by_op = {
         op: [r for r in rows if r.op == op] for op in ("evoformer_block", "evoformer_stack", "train_step")
     }
-    assert len(by_op["evoformer_block"]) == 3 * 2  # variants x modes
+    assert len(by_op["evoformer_block"]) == 2 * 3 * 2  # launches x variants x modes
     assert len(by_op["evoformer_stack"]) == 2 * 3  # checkpointing x variants
-    assert len(by_op["train_step"]) == 2 * 2
+    assert len(by_op["train_step"]) == 2 * 2 * 2  # launches x checkpointing x variants
     for r in rows:
         assert r.method == "wall" and "error" not in r.extra, r.extra
         assert r.p50_ms > 0 and r.n_reps >= 1 and r.extra["first_call_s"] > 0
@@ -132,7 +132,7 @@ def test_failures_and_budget_become_rows(tmp_path) -> None:
             **{**QUICK, "compile_backend": broken_backend},
         )
     failed = [r for r in rows if r.provider == "compile"]
-    assert len(failed) == 2 and all(r.method == "error" and math.isnan(r.p50_ms) for r in failed)
+    assert len(failed) == 2 * 2 and all(r.method == "error" and math.isnan(r.p50_ms) for r in failed)
     assert all("backend exploded" in r.extra["error"] for r in failed)
     assert all(r.method == "wall" for r in rows if r.provider == "eager")  # the run went on
 
@@ -142,7 +142,9 @@ def test_failures_and_budget_become_rows(tmp_path) -> None:
 
 def test_append_keeps_other_configurations(tmp_path) -> None:
     out = tmp_path / "model.json"
-    common = dict(parts=("block",), dtypes=("fp32",), modes=("fwd",), out=out, **QUICK)
+    common = dict(
+        parts=("block",), dtypes=("fp32",), modes=("fwd",), block_launch=("graph",), out=out, **QUICK
+    )
     run_model_benchmark("cpu", variants=("eager",), **common)
     run_model_benchmark("cpu", variants=("eager", "hfkit"), append=True, **common)
     doc = json.loads(out.read_text())
@@ -155,8 +157,12 @@ def test_waterfall_stages_and_train_step_subset() -> None:
     ops = swappable_ops()
     assert "LayerNorm" in ops and "Attention" in ops
     stages = waterfall_stages()
-    assert [s[0] for s in stages] == ["eager", *(f"+{op}" for op in ops), "+compile"]
+    assert [s[0] for s in stages] == ["eager", *(f"+{op}" for op in ops), "+graph", "+compile"]
     assert stages[-1][2] == ops and stages[1][2] == ops[:1]
+    assert all(len(s) == 4 for s in stages)
+    assert [s[3] for s in stages] == ["eager"] * (len(ops) + 1) + ["graph", "graph"]
+    assert stages[-2][1:3] == ("hfkit", ops) and stages[-1][1] == "compile_hfkit"
+    assert [s[0] for s in waterfall_stages(["LayerNorm"], compile=False)] == ["eager", "+LayerNorm", "+graph"]
     out = measure_train_step(TINY, "cpu", "fp32", "hfkit", ops=["LayerNorm"], reps=1)
     assert "LayerNorm" in out["notes"]["swap"] and out["timing"].p50 > 0
     assert math.isfinite(out["loss"])
@@ -254,3 +260,72 @@ def test_stack_launches_are_separate_configurations(tmp_path) -> None:
     assert (table["vs eager"] == 1.0).all()  # each launch is compared with eager's own launch
     with pytest.raises(ValueError, match="stack_launch"):
         run_model_benchmark("cpu", parts=("stack",), stack_launch=("graphs",), **QUICK)
+
+
+def test_step_launch_graph_runs_eagerly_on_cpu(tmp_path) -> None:
+    # Without CUDA graphed_step runs the step eagerly: the same code path as on a GPU, launch "graph".
+    out = tmp_path / "model.json"
+    rows = run_model_benchmark(
+        "cpu",
+        parts=("step",),
+        step_variants=("hfkit",),
+        checkpointing=(True,),
+        step_launch=("eager", "graph"),
+        out=out,
+        **QUICK,
+    )
+    assert [r.extra["launch"] for r in rows] == ["eager", "graph"]
+    eager, graph = rows
+    assert graph.op == "train_step" and graph.provider == "hfkit" and graph.method == "wall"
+    assert "error" not in graph.extra, graph.extra
+    assert graph.extra["graphed"] is False and graph.extra["capture_s"] >= 0
+    assert graph.extra["first_call_s"] >= graph.extra["capture_s"]
+    assert math.isfinite(graph.extra["loss"]) and graph.p50_ms > 0
+    assert "phases_s" in eager.extra and "phases_s" not in graph.extra
+    assert sorted(load_results(out)["extra"].apply(lambda e: e["launch"])) == ["eager", "graph"]
+    out_graph = measure_train_step(TINY, "cpu", "fp32", "eager", reps=1, launch="graph")
+    assert out_graph["notes"]["launch"] == "graph" and out_graph["phases_s"] == {}
+    assert math.isfinite(out_graph["loss"])
+    with pytest.raises(ValueError, match="launch"):
+        measure_train_step(TINY, "cpu", "fp32", "eager", reps=1, launch="graphs")
+    with pytest.raises(ValueError, match="step_launch"):
+        run_model_benchmark("cpu", parts=("step",), step_launch=("cuda",), **QUICK)
+
+
+def test_cli_bench_model_step_launch(tmp_path) -> None:
+    out = tmp_path / "m.json"
+    argv = ["bench", "model", "--profile", "smoke", "--device", "cpu", "--parts", "step", "--no-progress"]
+    argv += [
+        "--step-variants",
+        "eager",
+        "--checkpointing",
+        "off",
+        "--step-launch",
+        "graph",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["op"], r["extra"]["launch"]) for r in rows] == [("train_step", "graph")]
+
+
+def test_block_launches_are_separate_configurations(tmp_path) -> None:
+    out = tmp_path / "model.json"
+    common = dict(parts=("block",), variants=("eager", "hfkit"), dtypes=("fp32",), out=out, **QUICK)
+    rows = run_model_benchmark("cpu", block_launch=("graph", "eager"), **common)
+    assert [(r.extra["launch"], r.provider) for r in rows if r.mode == "fwd"] == [
+        ("graph", "eager"),
+        ("graph", "hfkit"),
+        ("eager", "eager"),
+        ("eager", "hfkit"),
+    ]
+    assert all(r.method == "wall" and "error" not in r.extra for r in rows)
+    run_model_benchmark("cpu", block_launch=("eager",), append=True, **common)
+    saved = load_results(out)
+    assert len(saved) == len(rows)  # the eager launch replaced its own rows only
+    table = summary_table(saved)
+    assert sorted(set(table["launch"])) == ["eager", "graph"]
+    assert (table[table["variant"] == "eager"]["vs eager"] == 1.0).all()
+    with pytest.raises(ValueError, match="block_launch"):
+        run_model_benchmark("cpu", parts=("block",), block_launch=("python",), **QUICK)

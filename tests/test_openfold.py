@@ -2,87 +2,33 @@
 module type hfkit has a fused version of is swapped, outputs and gradients match OpenFold, `to_torch`
 gives OpenFold's classes back bit-identically) and `hfkit.model.load_openfold_state_dict`.
 
-OpenFold's source is read from `shared/peers/openfold` beside the repository or above it (see its
-NOTICE.md); the tests skip with the reason where it is absent. Its package `__init__` files import
-its CUDA extension, so its packages are made by hand and the extension is stubbed; `scipy` (only used
-by OpenFold's weight initialisers, and the weights are re-drawn here) gets a stand-in where it is not
-installed. OpenFold's `ExtraMSABlock` row attention calls the CUDA `attention_core` even on CPU: the
-unswapped reference runs a plain softmax attention there.
+OpenFold's modules come from `hfkit.bench.peers.load_openfold` (its source in `shared/peers/openfold`
+beside or above the repository, or `$HFKIT_OPENFOLD_PEERS`; see its NOTICE.md); the tests skip with
+the reason where it is absent. OpenFold's `ExtraMSABlock` row attention calls the CUDA
+`attention_core` even on CPU: the unswapped reference runs a plain softmax attention there.
 """
 
 from __future__ import annotations
 
 import copy
-import math
-import sys
 import types
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 import hfkit
 import hfkit.model
+from hfkit.bench.peers import load_openfold
 from hfkit.ops._triton import reference_on_cpu
-
-
-def _find_peers() -> Path | None:
-    root = Path(__file__).resolve().parents[1]
-    for folder in (root, *root.parents):
-        if (folder / "shared" / "peers" / "openfold" / "model" / "evoformer.py").is_file():
-            return folder / "shared" / "peers"
-    return None
-
-
-PEERS = _find_peers()
-NO_PEERS = "OpenFold's source not found at shared/peers/openfold beside or above the repository"
-
-
-class _TruncNorm:
-    """Stand-in for `scipy.stats.truncnorm` (OpenFold's initialisers: `std` and `rvs` only)."""
-
-    @staticmethod
-    def std(a: float, b: float, loc: float = 0.0, scale: float = 1.0) -> float:
-        pdf = lambda x: math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
-        cdf = lambda x: 0.5 * (1 + math.erf(x / math.sqrt(2)))
-        z = cdf(b) - cdf(a)
-        var = 1 + (a * pdf(a) - b * pdf(b)) / z - ((pdf(a) - pdf(b)) / z) ** 2
-        return scale * math.sqrt(var)
-
-    @staticmethod
-    def rvs(a: float, b: float, loc: float = 0.0, scale: float = 1.0, size: int = 1) -> np.ndarray:
-        t = torch.empty(size, dtype=torch.float64)
-        torch.nn.init.trunc_normal_(t, mean=loc, std=scale, a=loc + a * scale, b=loc + b * scale)
-        return t.numpy()
-
-
-def _import_openfold() -> types.SimpleNamespace:
-    """OpenFold's model modules, imported from PEERS without its CUDA extension."""
-    sys.modules.setdefault("attn_core_inplace_cuda", types.ModuleType("attn_core_inplace_cuda"))
-    try:
-        import scipy.stats  # noqa: F401
-    except ImportError:
-        scipy, stats = types.ModuleType("scipy"), types.ModuleType("scipy.stats")
-        stats.truncnorm = _TruncNorm()
-        scipy.stats = stats
-        sys.modules.update({"scipy": scipy, "scipy.stats": stats})
-    for name in ("openfold", "openfold.model", "openfold.utils", "openfold.np", "openfold.data"):
-        if name not in sys.modules:
-            pkg = types.ModuleType(name)
-            pkg.__path__ = [str(PEERS / name.replace(".", "/"))]
-            sys.modules[name] = pkg
-    import openfold.model.evoformer as evoformer
-    import openfold.model.primitives as primitives
-
-    return types.SimpleNamespace(evoformer=evoformer, primitives=primitives)
 
 
 @pytest.fixture(scope="module")
 def of() -> types.SimpleNamespace:
-    if PEERS is None:
-        pytest.skip(NO_PEERS)
-    return _import_openfold()
+    modules, reason = load_openfold()
+    if modules is None:
+        pytest.skip(reason)
+    return modules
 
 
 def _plain_attention_core(q, k, v, bias_1=None, bias_2=None):

@@ -7,16 +7,21 @@ Parts (`run_model_benchmark(parts=...)`, `hfkit bench model --parts`):
 - `block`: `EvoformerBlock` at the preset's channel sizes with dropout off (rate 0, as OpenFold's
   block benchmark), forward and forward+backward at (S, N) in `BLOCK_SHAPES`. "fwd" is the training
   forward (inputs require grad, activations are kept for backward), so a compiled block serves both
-  modes with one compiled graph. Timed with CUDA graphs (CUDA events when capture fails).
+  modes with one compiled graph. `block_launch` "graph": timed as a CUDA graph (CUDA events when
+  capture fails); "eager": launched from Python each call, timed with CUDA events.
 - `stack`: the 48-block `EvoformerStack` at the preset's sample size (S = clusters, N = crop),
   forward+backward, with and without per-block checkpointing. `stack_launch` "eager": launched from
   Python each call, timed with CUDA events (what a plain training loop gets); "graph": the whole
   forward+backward captured as one CUDA graph and replayed (what `torch.cuda.graph` capture of a
   static-shape training step gets: no per-op launch cost).
-- `step`: `hfkit.train.train_step` of `AlphaFoldLite` (embedders, extra-MSA stack, Evoformer, heads,
-  losses, Adam, clipping) on a synthetic batch of the preset's shapes, with and without checkpointing.
+- `step`: a training step of `AlphaFoldLite` (embedders, extra-MSA stack, Evoformer, heads, losses,
+  Adam, clipping) on a synthetic batch of the preset's shapes, with and without checkpointing, called
+  from a Python loop as a user calls it. `step_launch` "eager": `hfkit.train.train_step`; "graph":
+  the step `hfkit.train.graphed_step` makes (one CUDA graph; made once, its capture counted in
+  `first_call_s`, eager where there is no CUDA), then `step(batch).item()` a call.
 - `waterfall`: the step with the registered ops of `hfkit.nn.convert.registered_ops()` swapped in
-  one at a time (cumulative), then compiled.
+  one at a time (cumulative, launched eagerly), then as a graphed step, then with compiled blocks
+  inside the graphed step (`waterfall_stages`).
 - `profile`: `torch.profiler` of one step: the top operators and the LayerNorm input-shape census
   with torch's and hfkit's LayerNorm timed on every census shape.
 
@@ -297,21 +302,12 @@ class _Run:
                 continue
             warmup, reps, graph = timing
             with self.cpu_path():
-                self.rows.append(
-                    measure_case(
-                        env=self.env,
-                        ceilings=self.ceilings,
-                        device=self.device,
-                        nbytes=0,
-                        build=functools.partial(build, mode=mode),
-                        warmup=warmup,
-                        reps=reps,
-                        extra=notes,
-                        graph=graph,
-                        first_call=True,
-                        **row,
-                    )  # fmt: skip
-                )
+                measured = measure_case(
+                    env=self.env, ceilings=self.ceilings, device=self.device, nbytes=0,
+                    build=functools.partial(build, mode=mode), warmup=warmup, reps=reps, extra=notes,
+                    graph=graph, first_call=True, **row,
+                )  # fmt: skip
+            self.rows.append(_graph_peak(measured))
         self.done(len(modes))
 
     def done(self, count: int) -> None:
@@ -362,19 +358,23 @@ def _module_steps(run: _Run, module: nn.Module, variant: str, inputs, precision,
     return Steps(step, step, 1, lambda: notes)
 
 
-def _bench_blocks(run, config, shapes, precisions, variants, modes, timing) -> None:
-    extra = {"n_blocks": 1, "dropout": "off", "fwd_grad": True}
-    for precision in precisions:
-        for s, n in shapes:
-            torch.manual_seed(0)
-            base = make_block(config).to(run.device, precision.params)
-            inputs = _block_inputs(config, s, n, run.device, precision.params)
-            flops = evoformer_block_flops(s, n, config)
-            for variant in variants:
-                key = ("evoformer_block", variant, modes, [s, n], precision, flops)
-                build = functools.partial(_module_steps, run, base, variant, inputs, precision, False)
-                run.measure(f"block {s}x{n} {precision.name} {variant}", key, extra, build, (*timing, True))
-            del base, inputs
+def _bench_blocks(run, config, shapes, precisions, variants, modes, launches, timing) -> None:
+    """Block rows: each launch ("graph": a CUDA graph replayed; "eager": launched from Python each
+    call, CUDA events) x precision x shape x variant x mode."""
+    for launch in launches:
+        extra = {"n_blocks": 1, "dropout": "off", "fwd_grad": True, "launch": launch}
+        for precision in precisions:
+            for s, n in shapes:
+                torch.manual_seed(0)
+                base = make_block(config).to(run.device, precision.params)
+                inputs = _block_inputs(config, s, n, run.device, precision.params)
+                flops = evoformer_block_flops(s, n, config)
+                for variant in variants:
+                    key = ("evoformer_block", variant, modes, [s, n], precision, flops)
+                    build = functools.partial(_module_steps, run, base, variant, inputs, precision, False)
+                    label = f"block {launch} {s}x{n} {precision.name} {variant}"
+                    run.measure(label, key, extra, build, (*timing, launch == "graph"))
+                del base, inputs
 
 
 def _stack_steps(run: _Run, config: ModelConfig, variant: str, precision: Precision, mode: str) -> Steps:
@@ -414,12 +414,19 @@ def _train_steps(
     compile_backend: str,
     compile_mode: str | None,
     seed: int = 0,
+    *,
+    launch: str = "eager",
     mode: str = "fwd+bwd",
 ) -> Steps:
-    """One `train_step` a call (always forward+backward: `mode` is there for `_Run.measure`); the
-    check gives the variant's notes, `after` the last call's phases and loss."""
+    """One training step a call, as a user's Python loop makes it (always forward+backward: `mode` is
+    there for `_Run.measure`). `launch` "eager": `hfkit.train.train_step`; "graph": the step made by
+    `hfkit.train.graphed_step` (AlphaFold's schedule, clipping at 0.1) on the first call, so its
+    capture (and any compilation in its warm-up) is part of the first call and not of the timing,
+    then `loss = step(batch); loss.item()` a call (the host reads the loss, as a loop that logs it
+    does). The check gives the variant's notes, `after` the last call's loss (and, eager, phases)."""
     from hfkit.train import make_optimizer, synthetic_batch, train_step
 
+    check_choice("launch", [launch], LAUNCHES)
     torch.manual_seed(seed)
     model = AlphaFoldLite(config).to(device, precision.params)
     model, notes = make_variant(
@@ -429,11 +436,71 @@ def _train_steps(
     batch = synthetic_batch(config, seed=seed, device=device)
     records: list[dict[str, Any]] = []
 
-    def step() -> None:
-        records.append(train_step(model, batch, optimizer, clip=0.1, autocast_dtype=precision.autocast))
+    if launch == "eager":
 
-    last = lambda: {"phases_s": records[-1]["timings"], "loss": records[-1]["loss"]}  # noqa: E731
-    return Steps(step, step, 1, lambda: dict(notes), last)
+        def step() -> None:
+            records.append(train_step(model, batch, optimizer, clip=0.1, autocast_dtype=precision.autocast))
+
+        last = lambda: {"phases_s": records[-1]["timings"], "loss": records[-1]["loss"]}  # noqa: E731
+        return Steps(step, step, 1, lambda: dict(notes), last)
+
+    made: dict[str, Any] = {}
+
+    def graph_step() -> None:
+        if "step" not in made:
+            made.update(_capture_step(model, optimizer, batch, precision, device))
+        made["loss"] = made["step"](batch).item()
+
+    def graph_notes() -> dict[str, Any]:
+        # `graphed`: whether the step is a CUDA graph (without CUDA graphed_step runs it eagerly).
+        notes = {"graphed": made["step"].graphed, "capture_s": made["capture_s"], "loss": made["loss"]}
+        if made["capture_peak_bytes"] is not None:
+            notes["capture_peak_bytes"] = made["capture_peak_bytes"]
+        return notes
+
+    return Steps(graph_step, graph_step, 1, lambda: dict(notes), graph_notes)
+
+
+def _capture_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Mapping[str, torch.Tensor],
+    precision: Precision,
+    device: torch.device,
+) -> dict[str, Any]:
+    """`hfkit.train.graphed_step` of `model` as a user makes it -> {"step", "capture_s": seconds to
+    make it (warm-up steps and capture), "capture_peak_bytes": CUDA memory it peaked at above what
+    was allocated before (None off CUDA)}. Replays allocate nothing, so this peak, not a replay's, is
+    the memory the graphed step needs."""
+    from hfkit.train import graphed_step, make_scheduler
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    started = time.perf_counter()
+    step = graphed_step(
+        model,
+        optimizer,
+        batch,
+        autocast_dtype=precision.autocast,
+        clip_norm=0.1,
+        scheduler=make_scheduler(optimizer),
+    )
+    capture_s = time.perf_counter() - started
+    peak = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        peak = int(torch.cuda.max_memory_allocated(device) - base)
+    return {"step": step, "capture_s": capture_s, "capture_peak_bytes": peak}
+
+
+def _graph_peak(row: ResultRow) -> ResultRow:
+    """A graph-launched step's row with the capture's peak memory as its peak (see `_capture_step`)."""
+    peak = row.extra.pop("capture_peak_bytes", None)
+    if peak is not None:
+        row.peak_mem_bytes = peak
+    return row
 
 
 def measure_train_step(
@@ -449,21 +516,26 @@ def measure_train_step(
     compile_mode: str | None = None,
     seed: int = 0,
     interpret: bool = False,
+    launch: str = "eager",
 ) -> dict[str, Any]:
-    """Time `hfkit.train.train_step` of a fresh `AlphaFoldLite(config)` (seeded) as `variant`
-    (`ops`: the registered ops "hfkit" swaps; None: all) on a synthetic batch of the preset's
-    shapes, with CUDA events (a step syncs the host, so no CUDA graph) or the wall clock.
+    """Time a training step of a fresh `AlphaFoldLite(config)` (seeded) as `variant` (`ops`: the
+    registered ops "hfkit" swaps; None: all) on a synthetic batch of the preset's shapes, called
+    from a Python loop, with CUDA events (a step reads its loss on the host) or the wall clock.
+    `launch` "eager": `hfkit.train.train_step`; "graph": the step `hfkit.train.graphed_step` makes
+    (made on the first call, outside the timing; eager where there is no CUDA).
 
-    Returns {"timing": Timing, "first_call_s", "peak_mem_bytes" (None off CUDA), "phases_s"
-    (forward, backward, optimizer seconds of the last call), "loss", "notes" (swap summary, compile
-    settings)}. On a CPU hfkit's ops run their references unless `interpret` (see
+    Returns {"timing": Timing, "first_call_s" (compilation and capture included), "peak_mem_bytes"
+    (None off CUDA; graph: the capture's peak), "phases_s" (eager: forward, backward, optimizer
+    seconds of the last call; graph: {}), "loss", "notes" (swap summary, compile settings; graph:
+    `graphed`, `capture_s`)}. On a CPU hfkit's ops run their references unless `interpret` (see
     `reference_ops_on_cpu`). Raises RuntimeError with the error when the step fails.
     """
     device = resolve_device(device)
     prec = _precision(precision)
     on_cuda = device.type == "cuda"
+    check_choice("launch", [launch], LAUNCHES)
     build = functools.partial(
-        _train_steps, config, device, prec, variant, ops, compile_backend, compile_mode, seed
+        _train_steps, config, device, prec, variant, ops, compile_backend, compile_mode, seed, launch=launch
     )
     with _recompile_limit(), _cpu_path(device, interpret):
         row = measure_case(
@@ -471,8 +543,9 @@ def measure_train_step(
             provider=variant, mode="fwd+bwd", shape=[config.max_msa_clusters, config.crop_size],
             dtype=prec.name, nbytes=0, flops=None, build=build, graph=False, first_call=True,
             warmup=warmup if warmup is not None else (1 if on_cuda else 0),
-            reps=reps if reps is not None else (3 if on_cuda else 1),
+            reps=reps if reps is not None else (3 if on_cuda else 1), extra={"launch": launch},
         )  # fmt: skip
+    row = _graph_peak(row)
     if row.method == "error":
         raise RuntimeError(f"measure_train_step: {row.extra['error']}")
     notes = {k: v for k, v in row.extra.items() if k not in ("first_call_s", "setup_s", "phases_s", "loss")}
@@ -480,7 +553,7 @@ def measure_train_step(
         "timing": Timing(row.p20_ms, row.p50_ms, row.p80_ms, row.n_reps, row.method),
         "first_call_s": row.extra["first_call_s"],
         "peak_mem_bytes": row.peak_mem_bytes,
-        "phases_s": row.extra["phases_s"],
+        "phases_s": row.extra.get("phases_s", {}),
         "loss": row.extra["loss"],
         "notes": notes,
     }
@@ -497,26 +570,39 @@ def _step_extra(config: ModelConfig) -> dict[str, Any]:
 
 
 def _bench_train_steps(run: _Run, op: str, runs: list, precision: Precision, timing: tuple[int, int]) -> None:
-    """Training steps, a row each: `runs` of (provider, config, variant, swapped ops or None, notes)."""
-    for provider, config, variant, ops, notes in runs:
+    """Training steps, a row each: `runs` of (provider, config, variant, swapped ops or None, launch,
+    notes); see `_train_steps` for the launches."""
+    for provider, config, variant, ops, launch, notes in runs:
         key = (op, provider, ["fwd+bwd"], [config.max_msa_clusters, config.crop_size], precision, None)
         build = functools.partial(
-            _train_steps, config, run.device, precision, variant, ops, run.compile_backend, run.compile_mode
+            _train_steps,
+            config,
+            run.device,
+            precision,
+            variant,
+            ops,
+            run.compile_backend,
+            run.compile_mode,
+            launch=launch,
         )
-        label = f"{op} {provider} ckpt={config.checkpoint} {precision.name}"
-        run.measure(label, key, {**_step_extra(config), **notes}, build, (*timing, False))
+        label = f"{op} {provider} {launch} ckpt={config.checkpoint} {precision.name}"
+        extra = {**_step_extra(config), "launch": launch, **notes}
+        run.measure(label, key, extra, build, (*timing, False))
 
 
 def waterfall_stages(
     ops: Sequence[str] | None = None, compile: bool = True
-) -> list[tuple[str, str, list[str]]]:
-    """The waterfall's stages as (label, variant, swapped ops): "eager", then "+<op>" for each op of
-    `ops` (default: `swappable_ops()`) swapped in cumulatively, then "+compile" (all swapped, compiled)."""
+) -> list[tuple[str, str, list[str], str]]:
+    """The waterfall's stages as (label, variant, swapped ops, launch): "eager", then "+<op>" for each
+    op of `ops` (default: `swappable_ops()`) swapped in cumulatively, all launched eagerly
+    (`train_step`); then "+graph" (all swapped, the step made by `graphed_step`), then "+compile"
+    (all swapped, blocks compiled, inside the graphed step) unless `compile` is False."""
     ops = swappable_ops() if ops is None else list(ops)
-    stages = [("eager", "eager", [])]
-    stages += [(f"+{op}", "hfkit", ops[: i + 1]) for i, op in enumerate(ops)]
+    stages = [("eager", "eager", [], "eager")]
+    stages += [(f"+{op}", "hfkit", ops[: i + 1], "eager") for i, op in enumerate(ops)]
+    stages.append(("+graph", "hfkit", list(ops), "graph"))
     if compile:
-        stages.append(("+compile", "compile_hfkit", list(ops)))
+        stages.append(("+compile", "compile_hfkit", list(ops), "graph"))
     return stages
 
 
@@ -634,8 +720,9 @@ def _row_key(row: Mapping[str, Any]) -> tuple:
 
 
 def _launch(extra: Mapping[str, Any]) -> str:
-    # Rows from before the stack had a graph launch were all launched eagerly.
-    return extra.get("launch", "eager")
+    # Rows without a launch: blocks (n_blocks 1) were timed as CUDA graphs, stacks and steps launched
+    # from Python.
+    return extra.get("launch", "graph" if extra.get("n_blocks") == 1 else "eager")
 
 
 def run_model_benchmark(
@@ -652,6 +739,8 @@ def run_model_benchmark(
     modes: Sequence[str] = MODES,
     checkpointing: Sequence[bool] = (False, True),
     stack_launch: Sequence[str] = ("eager",),
+    block_launch: Sequence[str] = ("graph", "eager"),
+    step_launch: Sequence[str] = LAUNCHES,
     compile_backend: str = "inductor",
     compile_mode: str | None = None,
     budget_s: float | None = None,
@@ -668,7 +757,8 @@ def run_model_benchmark(
     `af2_initial` and `BLOCK_SHAPES` (`shapes` overrides: (S, N) pairs). `variants` apply to the block
     and stack, `step_variants` to the step; `dtypes` are the block's precisions, `stack_dtypes` the
     stack's, `step_dtype` the step's, waterfall's and profile's; `stack_launch` how the stack is
-    launched ("eager", "graph"; see the module docstring). `budget_s`: configurations that
+    launched ("eager", "graph"; see the module docstring), `block_launch` how the block is, `step_launch`
+    how the step is (see `measure_train_step`). `budget_s`: configurations that
     would start after this many seconds are recorded as skipped. With `out`, results are saved after
     every configuration (with `append`, rows already in `out` are kept unless this run measures the
     same configuration). Ceilings are measured first unless given (small ones on a CPU). On a CPU
@@ -686,6 +776,8 @@ def run_model_benchmark(
     check_choice("modes", modes, MODES)
     check_choice("checkpointing", list(checkpointing), [False, True])
     check_choice("stack_launch", stack_launch, LAUNCHES)
+    check_choice("step_launch", step_launch, LAUNCHES)
+    check_choice("block_launch", block_launch, LAUNCHES)
     step_precision = _precision(step_dtype)
     shape_list = [
         tuple(int(d) for d in s) for s in (shapes or (QUICK_BLOCK_SHAPES if quick else BLOCK_SHAPES))
@@ -700,9 +792,9 @@ def run_model_benchmark(
     env = environment_info(device, command)  # the file's meta; rows repeat its ENV_KEYS
 
     counts = {
-        "block": len(dtypes) * len(shape_list) * len(variants) * len(modes),
+        "block": len(block_launch) * len(dtypes) * len(shape_list) * len(variants) * len(modes),
         "stack": len(stack_launch) * len(stack_dtypes) * len(checkpointing) * len(variants),
-        "step": len(checkpointing) * len(step_variants),
+        "step": len(step_launch) * len(checkpointing) * len(step_variants),
         "waterfall": len(waterfall_stages()),
         "profile": 1,
     }
@@ -725,13 +817,14 @@ def run_model_benchmark(
             for part in parts:
                 if part == "block":
                     precisions = [_precision(d) for d in dtypes]
-                    _bench_blocks(run, config, shape_list, precisions, variants, modes, fast)
+                    _bench_blocks(run, config, shape_list, precisions, variants, modes, block_launch, fast)
                 elif part == "stack":
                     precisions = [_precision(d) for d in stack_dtypes]
                     _bench_stack(run, config, precisions, variants, checkpointing, stack_launch, slow)
                 elif part == "step":
                     runs = [
-                        (v, config.replace(checkpoint=c), v, None, {})
+                        (v, config.replace(checkpoint=c), v, None, launch, {})
+                        for launch in step_launch
                         for c in checkpointing
                         for v in step_variants
                     ]
@@ -740,8 +833,8 @@ def run_model_benchmark(
                     cfg = config.replace(checkpoint=bool(checkpointing[-1]))
                     stages = enumerate(waterfall_stages())
                     runs = [
-                        (label, cfg, v, ops, {"stage": i, "variant": v, "ops": ops})
-                        for i, (label, v, ops) in stages
+                        (label, cfg, v, ops, launch, {"stage": i, "variant": v, "ops": ops})
+                        for i, (label, v, ops, launch) in stages
                     ]
                     _bench_train_steps(run, "step_waterfall", runs, step_precision, slow)
                 elif part == "profile":
@@ -770,7 +863,7 @@ def summary_table(frame: Any) -> Any:
             "S x N": frame["shape"].apply(lambda s: "x".join(map(str, s))),
             "dtype": frame["dtype"],
             "ckpt": extra.apply(lambda e: e.get("checkpointing")),
-            "launch": extra.apply(lambda e: _launch(e) if e.get("n_blocks", 1) > 1 else None),
+            "launch": extra.apply(lambda e: _launch(e) if "n_blocks" in e else None),
             "p50 ms": frame["p50_ms"],
             "TFLOP/s": frame["tflops"],
             "peak GiB": frame["peak_mem_bytes"].astype(float) / 2**30,

@@ -453,12 +453,18 @@ HEADLINES = (
     Headline(
         "Evoformer block, (S, N) = (128, 256), bf16",
         "evoformer_block",
-        lambda r: r["dtype"] == "bf16" and list(r["shape"]) == [128, 256],
+        # Rows without a launch are CUDA-graph timed blocks.
+        lambda r: (
+            r["dtype"] == "bf16"
+            and list(r["shape"]) == [128, 256]
+            and (r["extra"] or {}).get("launch", "graph") == "graph"
+        ),
     ),
     Headline(
         "Training step, af2_initial, checkpointed, launched from Python",
         "train_step",
-        _extra_is(checkpointing=True),
+        # Rows without a launch are `train_step` from a Python loop.
+        lambda r: _extra_is(checkpointing=True)(r) and (r["extra"] or {}).get("launch", "eager") == "eager",
     ),
     Headline(
         "Triangle attention, N = 1024, bf16",
