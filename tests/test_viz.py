@@ -521,6 +521,112 @@ def test_pipeline_batches_fall_back_to_synthetic_chains_and_say_so(tmp_path, cap
             source.stream(config, batch_size=3)
 
 
+def test_measure_train_step_steps_on_the_given_batch(tmp_path, one_thread):
+    from hfkit.bench.model import measure_train_step
+    from hfkit.model import AlphaFoldLite, ModelConfig
+    from hfkit.train import make_optimizer, synthetic_batch, train_step
+
+    config = ModelConfig.tiny()
+    batch = synthetic_batch(config, seed=7)
+    out = measure_train_step(config, CPU, "fp32", "eager", batch=batch, warmup=0, reps=1)
+    torch.manual_seed(0)  # measure_train_step's seed: the same model, two steps on the same batch
+    model = AlphaFoldLite(config)
+    optimizer = make_optimizer(model)
+    losses = [train_step(model, batch, optimizer, clip=0.1)["loss"] for _ in range(2)]
+    assert out["loss"] == pytest.approx(losses[-1], rel=1e-6)
+    other = measure_train_step(config, CPU, "fp32", "eager", warmup=0, reps=1)  # its own synthetic batch
+    assert other["loss"] != pytest.approx(out["loss"], rel=1e-6)
+
+
+def test_batch_waterfall_measures_every_stage_on_the_batch_and_keeps_failures(monkeypatch):
+    import hfkit.bench.model as bench_model
+    from hfkit.bench.timing import Timing
+    from hfkit.model import ModelConfig
+    from hfkit.viz.model import batch_waterfall, stage_bars, waterfall_figure
+
+    batch = {"aatype": torch.zeros(1, 4, dtype=torch.int64)}
+    calls = []
+
+    def fake(config, device, precision, variant, **kwargs):
+        calls.append((variant, kwargs))
+        if kwargs["launch"] == "graph" and variant == "compile_hfkit":
+            raise RuntimeError("measure_train_step: compile failed")
+        ms = 100.0 - 10 * len(calls)
+        return {"timing": Timing(ms, ms, ms, 1, "wall"), "first_call_s": 0.5, "peak_mem_bytes": 2**30}
+
+    monkeypatch.setattr(bench_model, "measure_train_step", fake)
+    table = batch_waterfall(ModelConfig.tiny(), CPU, "fp32", batch, progress=False)
+    stages = bench_model.waterfall_stages()
+    assert table["stage"].tolist() == [label for label, *_ in stages]
+    assert table["launch"].tolist() == [launch for *_, launch in stages]
+    assert [v for v, _ in calls] == [variant for _, variant, _, _ in stages]
+    assert all(k["batch"] is batch and k["compile_backend"] == "eager" for _, k in calls)
+    assert [k["ops"] for _, k in calls] == [ops for _, _, ops, _ in stages]
+    assert table["step_ms"].iloc[0] == 90.0 and (table["delta_ms"].iloc[1:-1] == -10.0).all()
+    assert math.isnan(table["step_ms"].iloc[-1]) and "compile failed" in table["error"].iloc[-1]
+    assert table["peak_GiB"].iloc[0] == 1.0
+    fig = stage_bars(table)
+    assert len(fig.data) == 2 and list(fig.data[0].x) == table["stage"].tolist()
+    colors = list(fig.data[0].marker.color)
+    assert colors[0] == "#7f7f7f" and colors[-2] == "#2ca02c"  # launched from Python, graphed
+    assert len(stage_bars(table.assign(peak_GiB=math.nan)).data) == 1  # no memory measured: no panel
+    assert list(waterfall_figure(table).data[0].x)[-2] == "+graph"  # the failed stage is left out
+
+
+def test_step_launch_explorer_times_eager_and_graphed_steps_on_pipeline_batches(displayed, one_thread):
+    from types import SimpleNamespace
+
+    from hfkit.train import synthetic_batch
+    from hfkit.viz.model import StepLaunchExplorer
+
+    asked = []
+    batches = SimpleNamespace(
+        label="test batches", batch=lambda config: asked.append(config) or synthetic_batch(config)
+    )
+    explorer = StepLaunchExplorer(batches, CPU, preset="tiny")
+    assert explorer.result_outputs() == [] and explorer.precision.value == "fp32"
+    explorer.run()
+    explorer.crop.value, explorer.checkpoint.value = 20, True
+    table = explorer.run()
+    assert [(c.crop_size, c.checkpoint) for c in asked] == [(32, False), (20, True)]
+    assert table["launch"].tolist() == ["eager", "graph"] * 2 and table["run"].tolist() == [1, 1, 2, 2]
+    assert table["crop"].tolist() == [32, 32, 20, 20] and (table["step_ms"] > 0).all()
+    assert (table["error"] == "").all()
+    fig = explorer.figure()
+    assert {t.name for t in fig.data} == {"eager", "graph"} and len(fig.data[0].x) == 2
+    explorer.show()
+    assert len(displayed[0]) == 4 and displayed[2] is explorer.widget
+
+
+def test_openfold_stack_here_says_why_it_skips_and_runs_the_peers_on_a_gpu(monkeypatch, capsys):
+    import hfkit.bench.model as bench_model
+    import hfkit.bench.peers as peers
+    from hfkit.viz.model import openfold_stack_here
+
+    assert openfold_stack_here(CPU, full=False) is None
+    assert "skipped: needs a CUDA GPU" in capsys.readouterr().out
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(peers, "load_openfold", lambda: (None, "OpenFold's source not found"))
+    assert openfold_stack_here(gpu, full=True) is None
+    assert "skipped: OpenFold's source not found" in capsys.readouterr().out
+    monkeypatch.setattr(peers, "load_openfold", lambda: (object(), None))
+    monkeypatch.setattr(bench_model, "VARIANTS", ("eager", "hfkit", "compile_hfkit"))
+    assert openfold_stack_here(gpu, full=True) is None
+    assert "no OpenFold variants" in capsys.readouterr().out
+    seen = {}
+
+    def fake(device, **kwargs):
+        seen.update(kwargs, device=device)
+        return [result_row("evoformer_stack", "openfold", [128, 256], 10.0, launch="graph")]
+
+    monkeypatch.setattr(bench_model, "VARIANTS", ("eager", "hfkit", "compile_hfkit", "openfold"))
+    monkeypatch.setattr(bench_model, "run_model_benchmark", fake)
+    frame = openfold_stack_here(gpu, full=True)
+    assert frame["provider"].tolist() == ["openfold"] and seen["device"] == gpu
+    assert seen["variants"] == ("eager", "hfkit", "compile_hfkit", "openfold") and not seen["quick"]
+    assert seen["parts"] == ("stack",) and seen["stack_launch"] == ("eager", "graph")
+
+
 # --- notebook 01: data cost -----------------------------------------------------------------------------
 
 
