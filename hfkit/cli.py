@@ -362,7 +362,7 @@ def _cmd_bench_model(args: argparse.Namespace) -> int:
 
 def _add_model_bench(bench_sub: argparse._SubParsersAction) -> None:
     """`hfkit bench model`: Evoformer block, 48-block stack and training step, eager/hfkit/compile."""
-    from hfkit.bench.model import LAUNCHES, PARTS, PRECISIONS, VARIANTS
+    from hfkit.bench.model import LAUNCHES, MODULE_VARIANTS, PARTS, PRECISIONS, VARIANTS
 
     on_off = {"off": False, "on": True}
     p = bench_sub.add_parser(
@@ -376,7 +376,10 @@ def _add_model_bench(bench_sub: argparse._SubParsersAction) -> None:
         help=f"comma list of {','.join(PARTS)}",
     )
     p.add_argument(
-        "--variants", type=_choices(VARIANTS), default=list(VARIANTS), help="block and stack variants"
+        "--variants",
+        type=_choices(MODULE_VARIANTS),
+        default=list(MODULE_VARIANTS),
+        help="block and stack variants (openfold*: OpenFold's own modules, skipped where it is absent)",
     )
     p.add_argument(
         "--step-variants", type=_choices(VARIANTS), default=["eager", "hfkit"], help="step variants"

@@ -278,8 +278,8 @@ def test_step_launch_graph_runs_eagerly_on_cpu(tmp_path) -> None:
     eager, graph = rows
     assert graph.op == "train_step" and graph.provider == "hfkit" and graph.method == "wall"
     assert "error" not in graph.extra, graph.extra
-    assert graph.extra["graphed"] is False and graph.extra["capture_s"] >= 0
-    assert graph.extra["first_call_s"] >= graph.extra["capture_s"]
+    assert graph.extra["capture"]["cuda_graph"] is False and graph.extra["capture"]["seconds"] >= 0
+    assert graph.extra["first_call_s"] >= graph.extra["capture"]["seconds"]
     assert math.isfinite(graph.extra["loss"]) and graph.p50_ms > 0
     assert "phases_s" in eager.extra and "phases_s" not in graph.extra
     assert sorted(load_results(out)["extra"].apply(lambda e: e["launch"])) == ["eager", "graph"]
@@ -329,3 +329,98 @@ def test_block_launches_are_separate_configurations(tmp_path) -> None:
     assert (table[table["variant"] == "eager"]["vs eager"] == 1.0).all()
     with pytest.raises(ValueError, match="block_launch"):
         run_model_benchmark("cpu", parts=("block",), block_launch=("python",), **QUICK)
+
+
+@pytest.fixture(scope="module")
+def openfold():
+    from hfkit.bench.peers import load_openfold
+
+    modules, reason = load_openfold()
+    if modules is None:
+        pytest.skip(reason)
+    return modules
+
+
+def test_openfold_variants_run_on_cpu(openfold) -> None:
+    from hfkit.bench.model import OPENFOLD_VARIANTS
+
+    common = dict(**{**QUICK, "shapes": [(3, 4)]}, dtypes=("fp32",), stack_dtypes=("fp32",))
+    rows = run_model_benchmark(
+        "cpu",
+        parts=("block", "stack"),
+        variants=OPENFOLD_VARIANTS,
+        modes=("fwd+bwd",),
+        block_launch=("graph",),
+        checkpointing=(True,),
+        **common,
+    )
+    assert [(r.op, r.provider) for r in rows] == [
+        *(("evoformer_block", v) for v in OPENFOLD_VARIANTS),
+        *(("evoformer_stack", v) for v in OPENFOLD_VARIANTS),
+    ]
+    for r in rows:
+        assert r.method == "wall" and "error" not in r.extra, r.extra
+        assert r.p50_ms > 0
+    by = {(r.op, r.provider): r.extra for r in rows}
+    assert by[("evoformer_block", "openfold_compile")]["compiled_blocks"] == 1
+    assert by[("evoformer_stack", "openfold_compile")]["compiled_blocks"] == TINY.no_blocks
+    assert "openfold.Attention" in by[("evoformer_block", "openfold_hfkit")]["swap"]
+    assert "swap" not in by[("evoformer_block", "openfold")]
+    # OpenFold's reentrant checkpointing (blocks_per_ckpt) takes gradients the way its training does.
+    assert "backward" in by[("evoformer_stack", "openfold")]
+
+
+def test_compile_blocks_routes_openfold_blocks_with_their_keywords(openfold, seed) -> None:
+    from hfkit.bench.peers import openfold_evoformer_stack, openfold_training_kwargs
+
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    config = TINY.replace(msa_dropout=0.0, pair_dropout=0.0)
+    stack = openfold_evoformer_stack(openfold, config)
+    with torch.no_grad():
+        for p in stack.parameters():  # OpenFold zero-initialises its output projections
+            p.copy_(torch.randn_like(p) * 0.3)
+    m = torch.randn(1, 3, 4, config.c_m, requires_grad=True)
+    z = torch.randn(1, 4, 4, config.c_z, requires_grad=True)
+    args = (m, z, torch.ones(1, 3, 4), torch.ones(1, 4, 4))
+    expected = stack(*args, **openfold_training_kwargs(config))
+    blocks = (openfold.evoformer.EvoformerBlock,)
+    assert compile_blocks(stack, backend=counting_backend, blocks=blocks) == config.no_blocks
+    assert compile_blocks(stack, backend=counting_backend) == 0  # not hfkit's block class
+    got = stack(*args, **openfold_training_kwargs(config))
+    assert len(graphs) == 1
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_openfold_variants_without_openfold_become_skipped_rows(monkeypatch) -> None:
+    import hfkit.bench.model as bench_model
+
+    monkeypatch.setattr(bench_model, "load_openfold", lambda peers_dir=None: (None, "no OpenFold here"))
+    rows = run_model_benchmark(
+        "cpu",
+        parts=("block", "stack"),
+        variants=("eager", "openfold", "openfold_hfkit"),
+        dtypes=("fp32",),
+        stack_dtypes=("fp32",),
+        modes=("fwd",),
+        block_launch=("eager",),
+        checkpointing=(False,),
+        **QUICK,
+    )
+    assert [(r.op, r.provider) for r in rows] == [
+        (op, v)
+        for op in ("evoformer_block", "evoformer_stack")
+        for v in ("eager", "openfold", "openfold_hfkit")
+    ]
+    for r in rows:
+        if r.provider == "eager":
+            assert r.method == "wall" and "error" not in r.extra
+        else:
+            assert r.method == "error" and math.isnan(r.p50_ms)
+            assert r.extra["error"] == "skipped: no OpenFold here"
+            assert r.extra["launch"] == "eager" and r.extra["params_dtype"] == "float32"

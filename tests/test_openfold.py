@@ -343,3 +343,28 @@ def test_swapped_bfloat16_openfold_stack_matches_to_bfloat16_rounding(of, monkey
     for a, e in zip(*(o if isinstance(o, tuple) else (o,) for o in (actual, expected)), strict=True):
         assert a.dtype == torch.bfloat16
         torch.testing.assert_close(a.float(), e.float(), rtol=2e-2, atol=5e-2)
+
+
+# --- finding OpenFold -------------------------------------------------------------------------------
+
+
+def test_load_openfold_says_why_when_the_folder_holds_no_openfold(tmp_path, monkeypatch) -> None:
+    from hfkit.bench.peers import OPENFOLD_PEERS_ENV, find_openfold_peers
+
+    modules, reason = load_openfold(tmp_path)
+    assert modules is None and "peers_dir" in reason and str(tmp_path) in reason
+    monkeypatch.setenv(OPENFOLD_PEERS_ENV, str(tmp_path / "elsewhere"))
+    folder, reason = find_openfold_peers()
+    assert folder is None and OPENFOLD_PEERS_ENV in reason and "elsewhere" in reason
+    modules, reason = load_openfold()
+    assert modules is None and OPENFOLD_PEERS_ENV in reason
+
+
+def test_load_openfold_reads_the_environment_variable(of, monkeypatch) -> None:
+    from hfkit.bench.peers import OPENFOLD_PEERS_ENV
+
+    peers = Path(of.evoformer.__file__).resolve().parents[2]
+    monkeypatch.setenv(OPENFOLD_PEERS_ENV, str(peers))
+    modules, reason = load_openfold()
+    assert reason is None and modules.evoformer is of.evoformer
+    assert modules.primitives.truncnorm is of.primitives.truncnorm

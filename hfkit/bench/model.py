@@ -1,6 +1,8 @@
 """Model benchmark: one Evoformer block, the 48-block Evoformer stack and a whole AlphaFold training
-step, each for eager PyTorch, `to_hfkit`, `torch.compile` and `torch.compile(to_hfkit)`; the swap
-waterfall (eager, then one more swapped op at a time, then compile) and a profile of the step.
+step, each for eager PyTorch, `to_hfkit`, `torch.compile` and `torch.compile(to_hfkit)`, the block
+and stack also for OpenFold's own modules (`OPENFOLD_VARIANTS`: as they are, compiled, swapped by
+`to_hfkit`); the swap waterfall (eager, then one more swapped op at a time, then the graphed step,
+then compile) and a profile of the step.
 
 Parts (`run_model_benchmark(parts=...)`, `hfkit bench model --parts`):
 
@@ -50,6 +52,12 @@ import torch
 from torch import nn
 
 from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
+from hfkit.bench.peers import (
+    load_openfold,
+    openfold_evoformer_block,
+    openfold_evoformer_stack,
+    openfold_training_kwargs,
+)
 from hfkit.bench.results import (
     ENV_KEYS,
     ResultFile,
@@ -68,6 +76,8 @@ __all__ = [
     "BLOCK_SHAPES",
     "LAUNCHES",
     "MODES",
+    "MODULE_VARIANTS",
+    "OPENFOLD_VARIANTS",
     "PARTS",
     "PRECISIONS",
     "QUICK_BLOCK_SHAPES",
@@ -90,6 +100,11 @@ __all__ = [
 PARTS = ("block", "stack", "step", "waterfall", "profile")
 LAUNCHES = ("eager", "graph")
 VARIANTS = ("eager", "hfkit", "compile", "compile_hfkit")
+# OpenFold's own block and stack (`hfkit.bench.peers.load_openfold`): as it is, compiled like
+# `compile_blocks`, and swapped by `to_hfkit` (hfkit.nn.openfold's registrations).
+OPENFOLD_VARIANTS = ("openfold", "openfold_compile", "openfold_hfkit")
+MODULE_VARIANTS = VARIANTS + OPENFOLD_VARIANTS  # the block's and the stack's
+_OPENFOLD_AS = {"openfold": "eager", "openfold_compile": "compile", "openfold_hfkit": "hfkit"}
 MODES = ("fwd", "fwd+bwd")
 BLOCK_SHAPES: tuple[tuple[int, int], ...] = ((128, 256), (256, 384), (128, 512))
 # Tiny (S, N) for CPU runs and tests; odd sizes on purpose.
@@ -161,10 +176,10 @@ def evoformer_block_flops(s: int, n: int, config: ModelConfig) -> int:
     return int(flops)
 
 
-def _block_forward(block: nn.Module, *args: Any) -> Any:
+def _block_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # The class's forward, not block(...): blocks routed through `compile_blocks` have this very
     # function as their instance forward, and calling the module would come back here.
-    return type(block).forward(block, *args)
+    return type(block).forward(block, *args, **kwargs)
 
 
 @functools.cache
@@ -175,8 +190,14 @@ def _compiled_block_forward(backend: str, mode: str | None) -> Callable[..., Any
     return torch.compile(_block_forward, backend=backend, mode=mode, dynamic=False)
 
 
-def compile_blocks(model: nn.Module, backend: str = "inductor", mode: str | None = None) -> int:
-    """Route the forward of every `EvoformerBlock` (extra-MSA blocks included) in `model` through
+def compile_blocks(
+    model: nn.Module,
+    backend: str = "inductor",
+    mode: str | None = None,
+    blocks: tuple[type[nn.Module], ...] = (EvoformerBlock,),
+) -> int:
+    """Route the forward of every module of a `blocks` class in `model` (default: hfkit's
+    `EvoformerBlock`, extra-MSA blocks included; OpenFold's `EvoformerBlock` for its stack) through
     one shared `torch.compile`d function, in place; return how many blocks were routed.
 
     Per-block compilation keeps compile time to one block's graph (a 48-block stack compiled whole
@@ -185,7 +206,7 @@ def compile_blocks(model: nn.Module, backend: str = "inductor", mode: str | None
     compiled = _compiled_block_forward(backend, mode)
     count = 0
     for module in model.modules():
-        if isinstance(module, EvoformerBlock):
+        if isinstance(module, blocks):
             module.forward = functools.partial(compiled, module)
             count += 1
     return count
@@ -213,13 +234,18 @@ def make_variant(
     inplace: bool = False,
     compile_backend: str = "inductor",
     compile_mode: str | None = None,
+    blocks: tuple[type[nn.Module], ...] = (EvoformerBlock,),
 ) -> tuple[nn.Module, dict[str, Any]]:
     """`module` as `variant`: "eager" (unchanged), "hfkit" (`to_hfkit`, only `ops` when given),
-    "compile" (`compile_blocks`), "compile_hfkit" (both). A deep copy unless `inplace`. Returns the
-    module and notes for the result row (`swap`: the swap report's summary, `compiled_blocks`)."""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
+    "compile" (`compile_blocks` of the `blocks` classes), "compile_hfkit" (both); for an OpenFold
+    module "openfold", "openfold_hfkit" and "openfold_compile" are "eager", "hfkit" and "compile"
+    (with `blocks` OpenFold's block class). A deep copy unless `inplace`. Returns the module and
+    notes for the result row (`swap`: the swap report's summary, `compiled_blocks`)."""
+    if variant not in MODULE_VARIANTS:
+        raise ValueError(f"variant: expected one of {MODULE_VARIANTS}, got {variant!r}")
     from hfkit.nn.convert import to_hfkit
+
+    variant = _OPENFOLD_AS.get(variant, variant)
 
     if not inplace:
         module = copy.deepcopy(module)
@@ -231,7 +257,7 @@ def make_variant(
         if ops is not None:
             notes["ops"] = list(ops)
     if variant in ("compile", "compile_hfkit"):
-        notes["compiled_blocks"] = compile_blocks(module, compile_backend, compile_mode)
+        notes["compiled_blocks"] = compile_blocks(module, compile_backend, compile_mode, blocks)
         notes["compile"] = {"backend": compile_backend, "mode": compile_mode, "dynamic": False}
     return module, notes
 
@@ -243,10 +269,13 @@ def _grad_step(
     backward: bool,
     device: torch.device,
     precision: Precision,
+    accumulate: bool = False,
 ) -> Callable[[], None]:
     """One call: `forward()` under the precision's autocast, then (if `backward`) the gradients of
     its outputs against random output gradients, w.r.t. `inputs` and `params` (`autograd.grad`: no
-    `.grad` accumulation, so the call can be captured in a CUDA graph)."""
+    `.grad` accumulation, so the call can be captured in a CUDA graph). With `accumulate` they are
+    added to each `.grad` instead (`autograd.backward`, as a training loop's `loss.backward()`): the
+    way for modules whose reentrant checkpointing rejects `autograd.grad` (OpenFold's stack)."""
     cache: dict[str, list[torch.Tensor]] = {}
 
     def step() -> None:
@@ -256,7 +285,10 @@ def _grad_step(
             return
         if "grads" not in cache:  # made on the first (unmeasured) call, never during capture
             cache["grads"] = [torch.randn_like(o) for o in outs]
-        torch.autograd.grad(outs, [*inputs, *params], cache["grads"])
+        if accumulate:
+            torch.autograd.backward(outs, cache["grads"])
+        else:
+            torch.autograd.grad(outs, [*inputs, *params], cache["grads"])
 
     return step
 
@@ -275,6 +307,25 @@ class _Run:
     progress: Any
     interpret: bool = False
     rows: list[ResultRow] = field(default_factory=list)
+    openfold_loaded: tuple[Any, str | None] | None = None
+
+    def openfold(self) -> tuple[Any, str | None]:
+        """`load_openfold()`, once a run: (OpenFold's modules, None) or (None, why not)."""
+        if self.openfold_loaded is None:
+            self.openfold_loaded = load_openfold()
+        return self.openfold_loaded
+
+    def skip(self, label: str, key: tuple, extra: Mapping[str, Any], reason: str) -> None:
+        """Rows for a configuration that cannot run here: each mode of `key` (as in `measure`) gets a
+        row with NaN times and `extra["error"]` "skipped: <reason>"."""
+        op, provider, modes, shape, precision, flops = key
+        self.progress.set_postfix_str(label)
+        notes = {**precision.describe(), **extra, "error": f"skipped: {reason}"}
+        for mode in modes:
+            row = dict(op=op, provider=provider, mode=mode, shape=shape, dtype=precision.name)
+            row["flops"] = None if flops is None else flops * (3 if mode == "fwd+bwd" else 1)
+            self.rows.append(make_row(self.env, None, ceilings=self.ceilings, extra=notes, **row))
+        self.done(len(modes))
 
     def measure(
         self,
@@ -347,20 +398,46 @@ def _block_inputs(
     return m, z, msa_mask, pair_mask
 
 
-def _module_steps(run: _Run, module: nn.Module, variant: str, inputs, precision, inplace, mode) -> Steps:
-    """`module(*inputs)` (inputs: m, z, msa_mask, pair_mask) as `variant`, one call of `mode`."""
+def _module_steps(
+    run: _Run,
+    module: nn.Module,
+    variant: str,
+    inputs: Sequence[torch.Tensor],
+    precision: Precision,
+    inplace: bool,
+    mode: str,
+    *,
+    call_kwargs: Mapping[str, Any] | None = None,
+    blocks: tuple[type[nn.Module], ...] = (EvoformerBlock,),
+    accumulate: bool = False,
+) -> Steps:
+    """`module(*inputs, **call_kwargs)` (inputs: m, z, msa_mask, pair_mask) as `variant`, one call of
+    `mode`; `blocks`: the block classes a compiled variant compiles; `accumulate`: see `_grad_step`."""
     module, notes = make_variant(
-        module, variant, inplace=inplace, compile_backend=run.compile_backend, compile_mode=run.compile_mode
+        module,
+        variant,
+        inplace=inplace,
+        compile_backend=run.compile_backend,
+        compile_mode=run.compile_mode,
+        blocks=blocks,
     )
     params = [p for p in module.parameters() if p.requires_grad]
-    forward = functools.partial(module, *inputs)
-    step = _grad_step(forward, inputs[:2], params, mode == "fwd+bwd", run.device, precision)
+    forward = functools.partial(module, *inputs, **(call_kwargs or {}))
+    step = _grad_step(forward, inputs[:2], params, mode == "fwd+bwd", run.device, precision, accumulate)
+    if accumulate:
+        notes["backward"] = "autograd.backward (gradients accumulate in .grad)"
     return Steps(step, step, 1, lambda: notes)
+
+
+def _openfold_call(of: Any, config: ModelConfig) -> dict[str, Any]:
+    """`_module_steps` keywords for an OpenFold block or stack: its training call, its block class."""
+    return {"call_kwargs": openfold_training_kwargs(config), "blocks": (of.evoformer.EvoformerBlock,)}
 
 
 def _bench_blocks(run, config, shapes, precisions, variants, modes, launches, timing) -> None:
     """Block rows: each launch ("graph": a CUDA graph replayed; "eager": launched from Python each
-    call, CUDA events) x precision x shape x variant x mode."""
+    call, CUDA events) x precision x shape x variant x mode. OpenFold's variants use its own
+    `EvoformerBlock` at the same sizes on the same inputs, or become skipped rows without it."""
     for launch in launches:
         extra = {"n_blocks": 1, "dropout": "off", "fwd_grad": True, "launch": launch}
         for precision in precisions:
@@ -369,23 +446,55 @@ def _bench_blocks(run, config, shapes, precisions, variants, modes, launches, ti
                 base = make_block(config).to(run.device, precision.params)
                 inputs = _block_inputs(config, s, n, run.device, precision.params)
                 flops = evoformer_block_flops(s, n, config)
+                theirs = None
                 for variant in variants:
                     key = ("evoformer_block", variant, modes, [s, n], precision, flops)
-                    build = functools.partial(_module_steps, run, base, variant, inputs, precision, False)
                     label = f"block {launch} {s}x{n} {precision.name} {variant}"
+                    if variant in OPENFOLD_VARIANTS:
+                        of, reason = run.openfold()
+                        if of is None:
+                            run.skip(label, key, extra, reason)
+                            continue
+                        if theirs is None:
+                            torch.manual_seed(0)
+                            theirs = openfold_evoformer_block(of, config).to(run.device, precision.params)
+                        build = functools.partial(
+                            _module_steps,
+                            run,
+                            theirs,
+                            variant,
+                            inputs,
+                            precision,
+                            False,
+                            **_openfold_call(of, config),
+                        )
+                    else:
+                        build = functools.partial(_module_steps, run, base, variant, inputs, precision, False)
                     run.measure(label, key, extra, build, (*timing, launch == "graph"))
-                del base, inputs
+                del base, inputs, theirs
 
 
 def _stack_steps(run: _Run, config: ModelConfig, variant: str, precision: Precision, mode: str) -> Steps:
     s, n = config.max_msa_clusters, config.crop_size
     torch.manual_seed(0)
-    stack = EvoformerStack.from_config(config).to(run.device, precision.params)
+    if variant in OPENFOLD_VARIANTS:
+        of, reason = run.openfold()
+        if of is None:
+            raise RuntimeError(f"OpenFold: {reason}")
+        stack = openfold_evoformer_stack(of, config).to(run.device, precision.params)
+        # OpenFold checkpoints with torch's reentrant checkpoint, which rejects autograd.grad.
+        call = {**_openfold_call(of, config), "accumulate": config.checkpoint}
+    else:
+        stack = EvoformerStack.from_config(config).to(run.device, precision.params)
+        call = {}
     inputs = _block_inputs(config, s, n, run.device, precision.params)
-    return _module_steps(run, stack, variant, inputs, precision, True, mode)
+    return _module_steps(run, stack, variant, inputs, precision, True, mode, **call)
 
 
 def _bench_stack(run, config, precisions, variants, checkpointing, launches, timing) -> None:
+    """Stack rows: each launch x precision x checkpointing x variant. OpenFold's variants use its
+    own `EvoformerStack` (per-block checkpointing: its `blocks_per_ckpt` 1), or become skipped rows
+    without it."""
     s, n = config.max_msa_clusters, config.crop_size
     flops = config.no_blocks * evoformer_block_flops(s, n, config)
     for launch in launches:
@@ -400,8 +509,11 @@ def _bench_stack(run, config, precisions, variants, checkpointing, launches, tim
                 }
                 for variant in variants:
                     key = ("evoformer_stack", variant, ["fwd+bwd"], [s, n], precision, flops)
-                    build = functools.partial(_stack_steps, run, stack_config, variant, precision)
                     label = f"stack {launch} ckpt={ckpt} {precision.name} {variant}"
+                    if variant in OPENFOLD_VARIANTS and run.openfold()[0] is None:
+                        run.skip(label, key, extra, run.openfold()[1])
+                        continue
+                    build = functools.partial(_stack_steps, run, stack_config, variant, precision)
                     run.measure(label, key, extra, build, (*timing, launch == "graph"))
 
 
@@ -457,8 +569,10 @@ def _train_steps(
         made["loss"] = made["step"](batch).item()
 
     def graph_notes() -> dict[str, Any]:
-        # `graphed`: whether the step is a CUDA graph (without CUDA graphed_step runs it eagerly).
-        notes = {"graphed": made["step"].graphed, "capture_s": made["capture_s"], "loss": made["loss"]}
+        # `cuda_graph`: whether the step is one (without CUDA graphed_step runs it eagerly). A dict:
+        # the launch, not these notes, tells the configurations apart.
+        capture = {"cuda_graph": made["step"].graphed, "seconds": made["capture_s"]}
+        notes = {"capture": capture, "loss": made["loss"]}
         if made["capture_peak_bytes"] is not None:
             notes["capture_peak_bytes"] = made["capture_peak_bytes"]
         return notes
@@ -534,8 +648,9 @@ def measure_train_step(
     Returns {"timing": Timing, "first_call_s" (compilation and capture included), "peak_mem_bytes"
     (None off CUDA; graph: the capture's peak), "phases_s" (eager: forward, backward, optimizer
     seconds of the last call; graph: {}), "loss", "notes" (swap summary, compile settings; graph:
-    `graphed`, `capture_s`)}. On a CPU hfkit's ops run their references unless `interpret` (see
-    `reference_ops_on_cpu`). Raises RuntimeError with the error when the step fails.
+    `capture`: {"cuda_graph": whether it is one, "seconds": to make it})}. On a CPU hfkit's ops run
+    their references unless `interpret` (see `reference_ops_on_cpu`). Raises RuntimeError with the
+    error when the step fails.
     """
     device = resolve_device(device)
     prec = _precision(precision)
@@ -747,7 +862,7 @@ def run_model_benchmark(
     parts: Sequence[str] = ("block", "stack", "step"),
     *,
     quick: bool = False,
-    variants: Sequence[str] = VARIANTS,
+    variants: Sequence[str] = MODULE_VARIANTS,
     step_variants: Sequence[str] = ("eager", "hfkit"),
     shapes: Sequence[Sequence[int]] | None = None,
     dtypes: Sequence[str] = ("bf16", "fp32"),
@@ -775,7 +890,8 @@ def run_model_benchmark(
     and stack, `step_variants` to the step; `dtypes` are the block's precisions, `stack_dtypes` the
     stack's, `step_dtype` the step's, waterfall's and profile's; `stack_launch` how the stack is
     launched ("eager", "graph"; see the module docstring), `block_launch` how the block is, `step_launch`
-    how the step is (see `measure_train_step`). `budget_s`: configurations that
+    how the step is (see `measure_train_step`). `variants` "openfold*" run OpenFold's own modules
+    (`hfkit.bench.peers.load_openfold`), skipped rows where it is absent. `budget_s`: configurations that
     would start after this many seconds are recorded as skipped. With `out`, results are saved after
     every configuration (with `append`, rows already in `out` are kept unless this run measures the
     same configuration). Ceilings are measured first unless given (small ones on a CPU). On a CPU
@@ -786,7 +902,7 @@ def run_model_benchmark(
     device = resolve_device(device)
     on_cuda = device.type == "cuda"
     check_choice("parts", parts, PARTS)
-    check_choice("variants", variants, VARIANTS)
+    check_choice("variants", variants, MODULE_VARIANTS)
     check_choice("step_variants", step_variants, VARIANTS)
     check_choice("dtypes", dtypes, list(PRECISIONS))
     check_choice("stack_dtypes", stack_dtypes, list(PRECISIONS))
