@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 # `summary_table` (of model benchmark rows) is re-exported for notebook 05, which imports from viz only.
 __all__ = [
     "CENSUS_COLUMNS",
-    "OPENFOLD_VARIANTS",
     "PRESETS",
     "SEED_LN_CENSUS",
     "SEED_OP_TABLE",
@@ -817,16 +816,14 @@ class StepLaunchExplorer:
         return self.widget._repr_mimebundle_(**kwargs)
 
 
-OPENFOLD_VARIANTS = ("openfold", "openfold_compile", "openfold_hfkit")
-
-
 def openfold_stack_here(device: torch.device | str | None, full: bool) -> pd.DataFrame | None:
     """OpenFold's own `EvoformerStack` beside hfkit's, measured now with `run_model_benchmark`
     (part "stack": forward+backward, bf16, per-block checkpointing, launched from Python and as a
-    CUDA graph; hfkit's eager, hfkit and compile_hfkit variants and every OpenFold variant the
-    benchmark has), `af2_initial` with `full`, else the `tiny` preset. Needs a CUDA device and
-    OpenFold's source (`hfkit.bench.peers.load_openfold`); otherwise prints why it is skipped and
-    returns None. Returns the rows as a frame (for `model_time_bars(frame, "evoformer_stack")`)."""
+    CUDA graph; hfkit's eager, hfkit and compile_hfkit variants and OpenFold's `OPENFOLD_VARIANTS`:
+    as it is, compiled, swapped by `to_hfkit`), `af2_initial` with `full`, else the `tiny` preset.
+    Needs a CUDA device and OpenFold's source (`hfkit.bench.peers.load_openfold`); otherwise prints
+    why it is skipped and returns None. Returns the rows as a frame (for
+    `model_time_bars(frame, "evoformer_stack")`)."""
     from hfkit.bench import model as bench_model
     from hfkit.bench import rows_to_frame
     from hfkit.bench.peers import load_openfold
@@ -839,17 +836,11 @@ def openfold_stack_here(device: torch.device | str | None, full: bool) -> pd.Dat
     if openfold is None:
         print(f"OpenFold's EvoformerStack beside hfkit's: skipped: {reason}")
         return None
-    peers = [v for v in OPENFOLD_VARIANTS if v in bench_model.VARIANTS]
-    if not peers:
-        print(
-            "OpenFold's EvoformerStack beside hfkit's: skipped: the model benchmark has no OpenFold variants."
-        )
-        return None
     rows = bench_model.run_model_benchmark(
         device,
         parts=("stack",),
         quick=not full,
-        variants=("eager", "hfkit", "compile_hfkit", *peers),
+        variants=("eager", "hfkit", "compile_hfkit", *bench_model.OPENFOLD_VARIANTS),
         stack_dtypes=("bf16",),
         checkpointing=(True,),
         stack_launch=("eager", "graph"),
