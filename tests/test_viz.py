@@ -512,7 +512,8 @@ def test_pipeline_batches_fall_back_to_synthetic_chains_and_say_so(tmp_path, cap
     config = ModelConfig.tiny().replace(crop_size=40)
     with PipelineBatches.open(tmp_path / "absent", work_dir=tmp_path) as source:
         assert source.synthetic and "synthetic" in source.label
-        assert "real inputs not found" in capsys.readouterr().out
+        note = capsys.readouterr().out
+        assert f"not found (looked in {tmp_path / 'absent'})" in note and "synthetic chains" in note
         batch = next(source.stream(config))
         assert {k: v.shape for k, v in batch.items()} == {
             k: v.shape for k, v in synthetic_batch(config).items()
@@ -622,6 +623,34 @@ def test_openfold_stack_here_says_why_it_skips_and_runs_the_peers_on_a_gpu(monke
     assert seen["variants"] == ("eager", "hfkit", "compile_hfkit", *bench_model.OPENFOLD_VARIANTS)
     assert "openfold" in seen["variants"] and not seen["quick"]
     assert seen["parts"] == ("stack",) and seen["stack_launch"] == ("eager", "graph")
+
+
+def test_committed_model_outputs_show_whichever_rows_exist():
+    from hfkit.viz.model import committed_model_outputs
+
+    steps = [
+        result_row("train_step", "eager", [128, 256], 2000.0, 2**33, checkpointing=True),
+        result_row("train_step", "hfkit", [128, 256], 500.0, 2**32, checkpointing=True, launch="graph"),
+    ]
+    stages = [
+        result_row("step_waterfall", "eager", [128, 256], 2000.0, 2**33, stage=0, ops=[]),
+        result_row(
+            "step_waterfall", "+graph", [128, 256], 600.0, 2**32, stage=1, ops=["LayerNorm"], launch="graph"
+        ),
+        result_row("step_waterfall", "+compile", [128, 256], math.nan, None, stage=2, error="compile failed"),
+    ]
+    census = [result_row("layer_norm_census", "aten::layer_norm", [1, 8], 1.0)]
+    outputs = committed_model_outputs(rows_to_frame(steps + stages + census))
+    assert [type(o).__name__ for o in outputs] == ["str", "DataFrame", "Figure", "Figure", "Figure"]
+    assert outputs[0].startswith("reference results: test") and "layer_norm_census" not in set(
+        outputs[1]["op"]
+    )
+    assert set(outputs[1]["op"]) == {"train_step", "step_waterfall"}
+    assert list(outputs[-1].data[0].x) == ["eager", "+graph", "final"]  # the failed stage left out
+    assert "train_step" in outputs[2].layout.title.text and "per stage" in outputs[3].layout.title.text
+    only_failed = committed_model_outputs(rows_to_frame(stages[2:] + census))
+    assert [type(o).__name__ for o in only_failed] == ["str", "DataFrame"]  # a table, no figure of nothing
+    assert committed_model_outputs(rows_to_frame(census)) == [] and committed_model_outputs(None) == []
 
 
 # --- notebook 01: data cost -----------------------------------------------------------------------------

@@ -178,9 +178,15 @@ class PipelineBatches:
             if real is not None and (real / "alignments").is_dir() and (real / "mmcifs").is_dir():
                 inputs = real_inputs(real, root / "real")
                 return cls(inputs, f"real chains from {real}", False, workdir, mutation_rate, seed)
+            where = (
+                f"looked in {real_dir}"
+                if real_dir is not None
+                else "set HFKIT_OPENFOLD_TEST_DATA, or place them at shared/data/openfold_test_data "
+                "beside the repository"
+            )
             print(
-                f"real inputs not found ({real_dir or 'HFKIT_OPENFOLD_TEST_DATA or ../shared/data'}): "
-                f"using {_SYNTHETIC_CHAINS} synthetic chains of {_SYNTHETIC_LENGTH} residues instead"
+                f"real inputs (OpenFold's test data: mmcifs/, alignments/) not found ({where}): "
+                f"{_SYNTHETIC_CHAINS} synthetic chains of {_SYNTHETIC_LENGTH} residues stand in"
             )
             inputs = synthetic_inputs(
                 root / "synthetic", _SYNTHETIC_CHAINS, _SYNTHETIC_LENGTH, _SYNTHETIC_DEPTH, seed=seed

@@ -32,10 +32,12 @@ if TYPE_CHECKING:
     import torch
 
     from hfkit.model import ModelConfig
+    from hfkit.viz.batches import PipelineBatches
 
 # `summary_table` (of model benchmark rows) is re-exported for notebook 05, which imports from viz only.
 __all__ = [
     "CENSUS_COLUMNS",
+    "COMMITTED_MODEL_OPS",
     "PRESETS",
     "SEED_LN_CENSUS",
     "SEED_OP_TABLE",
@@ -46,6 +48,7 @@ __all__ = [
     "census_figure",
     "batch_waterfall",
     "census_timings",
+    "committed_model_outputs",
     "load_reference",
     "model_time_bars",
     "op_share_bars",
@@ -697,7 +700,7 @@ class StepLaunchExplorer:
 
     def __init__(
         self,
-        batches: Any,
+        batches: PipelineBatches,
         device: torch.device | str | None = None,
         preset: str = "tiny",
         checkpoint: bool = False,
@@ -846,3 +849,28 @@ def openfold_stack_here(device: torch.device | str | None, full: bool) -> pd.Dat
         stack_launch=("eager", "graph"),
     )
     return rows_to_frame(rows)
+
+
+COMMITTED_MODEL_OPS = ("evoformer_block", "evoformer_stack", "train_step")
+
+
+def committed_model_outputs(frame: pd.DataFrame | None, gpu: str = "H200") -> list[Any]:
+    """Committed `hfkit bench model` rows (`load_reference`) as outputs to display, for whichever
+    rows the file holds: a line naming the GPU, command and commit; the summary table of the block,
+    stack, step and waterfall rows; time bars of each of `COMMITTED_MODEL_OPS` with a measured row
+    (every variant and launch there); the waterfall's per-stage bars and waterfall figure when a
+    stage was measured. Empty for None or a frame without any of those rows."""
+    if frame is None:
+        return []
+    main = frame[frame["op"].isin([*COMMITTED_MODEL_OPS, "step_waterfall"])]
+    if main.empty:
+        return []
+    outputs: list[Any] = [_reference_label(main), summary_table(main)]
+    for op in COMMITTED_MODEL_OPS:
+        if main.loc[main["op"] == op, "p50_ms"].notna().any():
+            outputs.append(model_time_bars(main, op, title=f"reference: {gpu} (committed), {op}"))
+    if main.loc[main["op"] == "step_waterfall", "p50_ms"].notna().any():
+        steps = waterfall_frame(main)
+        outputs.append(stage_bars(steps, title=f"reference: {gpu} (committed), training step per stage"))
+        outputs.append(waterfall_figure(steps, title=f"reference: {gpu} (committed), training step"))
+    return outputs
