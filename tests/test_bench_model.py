@@ -292,7 +292,7 @@ def test_step_launch_graph_runs_eagerly_on_cpu(tmp_path) -> None:
         run_model_benchmark("cpu", parts=("step",), step_launch=("cuda",), **QUICK)
 
 
-def test_cli_bench_model_step_launch(tmp_path) -> None:
+def test_cli_bench_model_step_and_block_launch(tmp_path) -> None:
     out = tmp_path / "m.json"
     argv = ["bench", "model", "--profile", "smoke", "--device", "cpu", "--parts", "step", "--no-progress"]
     argv += [
@@ -308,6 +308,11 @@ def test_cli_bench_model_step_launch(tmp_path) -> None:
     assert main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["op"], r["extra"]["launch"]) for r in rows] == [("train_step", "graph")]
+    argv = ["bench", "model", "--profile", "smoke", "--device", "cpu", "--parts", "block", "--no-progress"]
+    argv += ["--variants", "eager", "--dtypes", "fp32", "--shapes", "3x5", "--block-launch", "eager"]
+    assert main([*argv, "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["extra"]["launch"]) for r in rows] == [("fwd", "eager"), ("fwd+bwd", "eager")]
 
 
 def test_block_launches_are_separate_configurations(tmp_path) -> None:

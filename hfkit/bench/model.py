@@ -510,8 +510,9 @@ def _bench_stack(run, config, precisions, variants, checkpointing, launches, tim
                 for variant in variants:
                     key = ("evoformer_stack", variant, ["fwd+bwd"], [s, n], precision, flops)
                     label = f"stack {launch} ckpt={ckpt} {precision.name} {variant}"
-                    if variant in OPENFOLD_VARIANTS and run.openfold()[0] is None:
-                        run.skip(label, key, extra, run.openfold()[1])
+                    reason = run.openfold()[1] if variant in OPENFOLD_VARIANTS else None
+                    if reason is not None:
+                        run.skip(label, key, extra, reason)
                         continue
                     build = functools.partial(_stack_steps, run, stack_config, variant, precision)
                     run.measure(label, key, extra, build, (*timing, launch == "graph"))
@@ -551,9 +552,9 @@ def _train_steps(
         batch = synthetic_batch(config, seed=seed, device=device)
     else:
         batch = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    records: list[dict[str, Any]] = []
 
     if launch == "eager":
+        records: list[dict[str, Any]] = []
 
         def step() -> None:
             records.append(train_step(model, batch, optimizer, clip=0.1, autocast_dtype=precision.autocast))
