@@ -423,6 +423,236 @@ def test_saved_activation_table_and_figure():
     assert {t.name for t in saved_activation_figure(memory).data} == {"eager", "hfkit"}
 
 
+# --- notebook 05: batches of the real data pipeline ----------------------------------------------------
+
+
+def test_deepen_msa_appends_mutated_copies_of_real_rows_and_keeps_the_real_ones():
+    import numpy as np
+
+    from hfkit.viz.batches import deepen_msa
+
+    msa = np.array([[0, 1, 2, 21, 4], [5, 6, 21, 8, 9], [10, 11, 12, 13, 21]], dtype=np.int8)
+    deletions = np.arange(15, dtype=np.uint8).reshape(3, 5)
+    raw = {"msa": msa, "deletion_matrix": deletions, "num_alignments": np.asarray(3, dtype=np.int32)}
+    copies = deepen_msa(raw, 40, mutation_rate=0.0, seed=1)
+    assert copies["msa"].shape == (40, 5) and copies["msa"].dtype == np.int8
+    assert (copies["msa"][:3] == msa).all() and (copies["deletion_matrix"][:3] == deletions).all()
+    source = [int(np.flatnonzero((msa == row).all(1))[0]) for row in copies["msa"][3:]]  # exact copies
+    assert (copies["deletion_matrix"][3:] == deletions[source]).all() and len(set(source)) == 3
+    assert int(copies["num_alignments"]) == 40 and copies["num_alignments"].dtype == np.int32
+    np.testing.assert_allclose(copies["hhblits_profile"].sum(-1), 1.0, rtol=1e-6)
+    mutated = deepen_msa(raw, 4000, mutation_rate=0.5, seed=1)["msa"][3:]
+    gaps = mutated == 21
+    assert (gaps.sum(0) > 0).sum() == 3  # gaps stay where the copied rows have them, nowhere else
+    changed = [(mutated[:, c] != np.bincount(mutated[:, c]).argmax()).mean() for c in range(5)]
+    assert 0.3 < float(np.mean(changed)) < 0.8 and mutated.max() < 22
+    assert (deepen_msa(raw, 4000, 0.5, seed=1)["msa"][3:] == mutated).all()  # seeded
+    assert deepen_msa(raw, 3)["msa"] is msa and deepen_msa(raw, 2)["msa"] is msa  # deep enough already
+    with pytest.raises(ValueError, match="depth: expected >= 1"):
+        deepen_msa(raw, 0)
+    with pytest.raises(ValueError, match=r"mutation_rate: expected a probability in \[0, 1\], got 1.5"):
+        deepen_msa(raw, 5, mutation_rate=1.5)
+
+
+def test_sample_msa_depth_covers_block_deletion():
+    from dataclasses import replace
+
+    from hfkit.data.msa_sampling import FeatureConfig
+    from hfkit.model import ModelConfig
+    from hfkit.viz.batches import sample_msa_depth
+
+    assert sample_msa_depth(ModelConfig.tiny()) == math.ceil(24 / 0.7**5) == 143
+    assert sample_msa_depth(replace(FeatureConfig.tiny(), block_delete_msa=False)) == 24
+    assert sample_msa_depth(ModelConfig.af2_initial()) == math.ceil(1152 / 0.7**5)
+
+
+def _contains_window(chain: torch.Tensor, window: torch.Tensor) -> bool:
+    n = window.shape[0]
+    return any(torch.equal(chain[s : s + n], window) for s in range(chain.shape[0] - n + 1))
+
+
+def test_pipeline_batches_of_the_real_chains_fit_the_graphed_step(tmp_path, one_thread):
+    from conftest import real_data
+
+    from hfkit.model import AlphaFoldLite, ModelConfig
+    from hfkit.train import graphed_step, make_optimizer, synthetic_batch
+    from hfkit.viz.batches import PipelineBatches
+
+    real = real_data("alignments").parent
+    config = ModelConfig.tiny()
+    with PipelineBatches.open(real, work_dir=tmp_path) as source:
+        assert not source.synthetic and str(real) in source.label
+        chains = source.chains(config)
+        assert (chains["msa rows (real)"] < 24).all() and (chains["msa rows (deepened)"] == 143).all()
+        batch = source.batch(config)
+        torch.manual_seed(0)
+        model = AlphaFoldLite(config)
+        step = graphed_step(model, make_optimizer(model), synthetic_batch(config))
+        step.check_batch(batch)  # the example batch's features, shapes and dtypes
+        assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
+            k: (v.shape, v.dtype) for k, v in synthetic_batch(config).items()
+        }
+        chain = torch.as_tensor(source.dataset(config).raw_features(0)["aatype"]).long()
+        n = int(batch["seq_length"][0])
+        assert n == config.crop_size < chain.shape[0]  # cropped from the real chain
+        assert _contains_window(chain, batch["aatype"][0, :n])
+        assert batch["extra_msa_mask"][0].amax(-1).sum() == config.max_extra_msa  # deepened: rows full
+        stream = source.stream(config)
+        losses = [float(step(next(stream))) for _ in range(2)]
+        assert all(math.isfinite(x) for x in losses)
+        assert Path(source.inputs.records).is_dir()
+    assert not Path(source.inputs.records).exists()  # the temporary records are gone
+
+
+def test_pipeline_batches_fall_back_to_synthetic_chains_and_say_so(tmp_path, capsys, one_thread):
+    from hfkit.model import ModelConfig
+    from hfkit.train import synthetic_batch
+    from hfkit.viz.batches import PipelineBatches
+
+    config = ModelConfig.tiny().replace(crop_size=40)
+    with PipelineBatches.open(tmp_path / "absent", work_dir=tmp_path) as source:
+        assert source.synthetic and "synthetic" in source.label
+        note = capsys.readouterr().out
+        assert f"not found (looked in {tmp_path / 'absent'})" in note and "synthetic chains" in note
+        batch = next(source.stream(config))
+        assert {k: v.shape for k, v in batch.items()} == {
+            k: v.shape for k, v in synthetic_batch(config).items()
+        }
+        with pytest.raises(ValueError, match="batch_size: expected at most 2"):
+            source.stream(config, batch_size=3)
+
+
+def test_measure_train_step_steps_on_the_given_batch(tmp_path, one_thread):
+    from hfkit.bench.model import measure_train_step
+    from hfkit.model import AlphaFoldLite, ModelConfig
+    from hfkit.train import make_optimizer, synthetic_batch, train_step
+
+    config = ModelConfig.tiny()
+    batch = synthetic_batch(config, seed=7)
+    out = measure_train_step(config, CPU, "fp32", "eager", batch=batch, warmup=0, reps=1)
+    torch.manual_seed(0)  # measure_train_step's seed: the same model, two steps on the same batch
+    model = AlphaFoldLite(config)
+    optimizer = make_optimizer(model)
+    losses = [train_step(model, batch, optimizer, clip=0.1)["loss"] for _ in range(2)]
+    assert out["loss"] == pytest.approx(losses[-1], rel=1e-6)
+    other = measure_train_step(config, CPU, "fp32", "eager", warmup=0, reps=1)  # its own synthetic batch
+    assert other["loss"] != pytest.approx(out["loss"], rel=1e-6)
+
+
+def test_batch_waterfall_measures_every_stage_on_the_batch_and_keeps_failures(monkeypatch):
+    import hfkit.bench.model as bench_model
+    from hfkit.bench.timing import Timing
+    from hfkit.model import ModelConfig
+    from hfkit.viz.model import batch_waterfall, stage_bars, waterfall_figure
+
+    batch = {"aatype": torch.zeros(1, 4, dtype=torch.int64)}
+    calls = []
+
+    def fake(config, device, precision, variant, **kwargs):
+        calls.append((variant, kwargs))
+        if kwargs["launch"] == "graph" and variant == "compile_hfkit":
+            raise RuntimeError("measure_train_step: compile failed")
+        ms = 100.0 - 10 * len(calls)
+        return {"timing": Timing(ms, ms, ms, 1, "wall"), "first_call_s": 0.5, "peak_mem_bytes": 2**30}
+
+    monkeypatch.setattr(bench_model, "measure_train_step", fake)
+    table = batch_waterfall(ModelConfig.tiny(), CPU, "fp32", batch, progress=False)
+    stages = bench_model.waterfall_stages()
+    assert table["stage"].tolist() == [label for label, *_ in stages]
+    assert table["launch"].tolist() == [launch for *_, launch in stages]
+    assert [v for v, _ in calls] == [variant for _, variant, _, _ in stages]
+    assert all(k["batch"] is batch and k["compile_backend"] == "eager" for _, k in calls)
+    assert [k["ops"] for _, k in calls] == [ops for _, _, ops, _ in stages]
+    assert table["step_ms"].iloc[0] == 90.0 and (table["delta_ms"].iloc[1:-1] == -10.0).all()
+    assert math.isnan(table["step_ms"].iloc[-1]) and "compile failed" in table["error"].iloc[-1]
+    assert table["peak_GiB"].iloc[0] == 1.0
+    fig = stage_bars(table)
+    assert len(fig.data) == 2 and list(fig.data[0].x) == table["stage"].tolist()
+    colors = list(fig.data[0].marker.color)
+    assert colors[0] == "#7f7f7f" and colors[-2] == "#2ca02c"  # launched from Python, graphed
+    assert len(stage_bars(table.assign(peak_GiB=math.nan)).data) == 1  # no memory measured: no panel
+    assert list(waterfall_figure(table).data[0].x)[-2] == "+graph"  # the failed stage is left out
+
+
+def test_step_launch_explorer_times_eager_and_graphed_steps_on_pipeline_batches(displayed, one_thread):
+    from types import SimpleNamespace
+
+    from hfkit.train import synthetic_batch
+    from hfkit.viz.model import StepLaunchExplorer
+
+    asked = []
+    batches = SimpleNamespace(
+        label="test batches", batch=lambda config: asked.append(config) or synthetic_batch(config)
+    )
+    explorer = StepLaunchExplorer(batches, CPU, preset="tiny")
+    assert explorer.result_outputs() == [] and explorer.precision.value == "fp32"
+    explorer.run()
+    explorer.crop.value, explorer.checkpoint.value = 20, True
+    table = explorer.run()
+    assert [(c.crop_size, c.checkpoint) for c in asked] == [(32, False), (20, True)]
+    assert table["launch"].tolist() == ["eager", "graph"] * 2 and table["run"].tolist() == [1, 1, 2, 2]
+    assert table["crop"].tolist() == [32, 32, 20, 20] and (table["step_ms"] > 0).all()
+    assert (table["error"] == "").all()
+    fig = explorer.figure()
+    assert {t.name for t in fig.data} == {"eager", "graph"} and len(fig.data[0].x) == 2
+    explorer.show()
+    assert len(displayed[0]) == 4 and displayed[2] is explorer.widget
+
+
+def test_openfold_stack_here_says_why_it_skips_and_runs_the_peers_on_a_gpu(monkeypatch, capsys):
+    import hfkit.bench.model as bench_model
+    import hfkit.bench.peers as peers
+    from hfkit.viz.model import openfold_stack_here
+
+    assert openfold_stack_here(CPU, full=False) is None
+    assert "skipped: needs a CUDA GPU" in capsys.readouterr().out
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(peers, "load_openfold", lambda: (None, "OpenFold's source not found"))
+    assert openfold_stack_here(gpu, full=True) is None
+    assert "skipped: OpenFold's source not found" in capsys.readouterr().out
+    monkeypatch.setattr(peers, "load_openfold", lambda: (object(), None))
+    seen = {}
+
+    def fake(device, **kwargs):
+        seen.update(kwargs, device=device)
+        return [result_row("evoformer_stack", "openfold", [128, 256], 10.0, launch="graph")]
+
+    monkeypatch.setattr(bench_model, "run_model_benchmark", fake)
+    frame = openfold_stack_here(gpu, full=True)
+    assert frame["provider"].tolist() == ["openfold"] and seen["device"] == gpu
+    assert seen["variants"] == ("eager", "hfkit", "compile_hfkit", *bench_model.OPENFOLD_VARIANTS)
+    assert "openfold" in seen["variants"] and not seen["quick"]
+    assert seen["parts"] == ("stack",) and seen["stack_launch"] == ("eager", "graph")
+
+
+def test_committed_model_outputs_show_whichever_rows_exist():
+    from hfkit.viz.model import committed_model_outputs
+
+    steps = [
+        result_row("train_step", "eager", [128, 256], 2000.0, 2**33, checkpointing=True),
+        result_row("train_step", "hfkit", [128, 256], 500.0, 2**32, checkpointing=True, launch="graph"),
+    ]
+    stages = [
+        result_row("step_waterfall", "eager", [128, 256], 2000.0, 2**33, stage=0, ops=[]),
+        result_row(
+            "step_waterfall", "+graph", [128, 256], 600.0, 2**32, stage=1, ops=["LayerNorm"], launch="graph"
+        ),
+        result_row("step_waterfall", "+compile", [128, 256], math.nan, None, stage=2, error="compile failed"),
+    ]
+    census = [result_row("layer_norm_census", "aten::layer_norm", [1, 8], 1.0)]
+    outputs = committed_model_outputs(rows_to_frame(steps + stages + census))
+    assert [type(o).__name__ for o in outputs] == ["str", "DataFrame", "Figure", "Figure", "Figure"]
+    assert outputs[0].startswith("reference results: test") and "layer_norm_census" not in set(
+        outputs[1]["op"]
+    )
+    assert set(outputs[1]["op"]) == {"train_step", "step_waterfall"}
+    assert list(outputs[-1].data[0].x) == ["eager", "+graph", "final"]  # the failed stage left out
+    assert "train_step" in outputs[2].layout.title.text and "per stage" in outputs[3].layout.title.text
+    only_failed = committed_model_outputs(rows_to_frame(stages[2:] + census))
+    assert [type(o).__name__ for o in only_failed] == ["str", "DataFrame"]  # a table, no figure of nothing
+    assert committed_model_outputs(rows_to_frame(census)) == [] and committed_model_outputs(None) == []
+
+
 # --- notebook 01: data cost -----------------------------------------------------------------------------
 
 

@@ -529,6 +529,7 @@ def _train_steps(
     seed: int = 0,
     *,
     launch: str = "eager",
+    batch: Mapping[str, torch.Tensor] | None = None,
     mode: str = "fwd+bwd",
 ) -> Steps:
     """One training step a call, as a user's Python loop makes it (always forward+backward: `mode` is
@@ -536,7 +537,8 @@ def _train_steps(
     `hfkit.train.graphed_step` (AlphaFold's schedule, clipping at 0.1) on the first call, so its
     capture (and any compilation in its warm-up) is part of the first call and not of the timing,
     then `loss = step(batch); loss.item()` a call (the host reads the loss, as a loop that logs it
-    does). The check gives the variant's notes, `after` the last call's loss (and, eager, phases)."""
+    does). `batch`: the step's batch (copied to `device`), else `synthetic_batch(config, seed=seed)`.
+    The check gives the variant's notes, `after` the last call's loss (and, eager, phases)."""
     from hfkit.train import make_optimizer, synthetic_batch, train_step
 
     check_choice("launch", [launch], LAUNCHES)
@@ -546,7 +548,10 @@ def _train_steps(
         model, variant, ops=ops, inplace=True, compile_backend=compile_backend, compile_mode=compile_mode
     )
     optimizer = make_optimizer(model)
-    batch = synthetic_batch(config, seed=seed, device=device)
+    if batch is None:
+        batch = synthetic_batch(config, seed=seed, device=device)
+    else:
+        batch = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
     if launch == "eager":
         records: list[dict[str, Any]] = []
@@ -632,9 +637,11 @@ def measure_train_step(
     seed: int = 0,
     interpret: bool = False,
     launch: str = "eager",
+    batch: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Time a training step of a fresh `AlphaFoldLite(config)` (seeded) as `variant` (`ops`: the
-    registered ops "hfkit" swaps; None: all) on a synthetic batch of the preset's shapes, called
+    registered ops "hfkit" swaps; None: all) on `batch` (default: a synthetic batch of the preset's
+    shapes; e.g. one of the data pipeline's, with `config`'s sizes), called
     from a Python loop, with CUDA events (a step reads its loss on the host) or the wall clock.
     `launch` "eager": `hfkit.train.train_step`; "graph": the step `hfkit.train.graphed_step` makes
     (made on the first call, outside the timing; eager where there is no CUDA).
@@ -651,7 +658,17 @@ def measure_train_step(
     on_cuda = device.type == "cuda"
     check_choice("launch", [launch], LAUNCHES)
     build = functools.partial(
-        _train_steps, config, device, prec, variant, ops, compile_backend, compile_mode, seed, launch=launch
+        _train_steps,
+        config,
+        device,
+        prec,
+        variant,
+        ops,
+        compile_backend,
+        compile_mode,
+        seed,
+        launch=launch,
+        batch=batch,
     )
     with _recompile_limit(), _cpu_path(device, interpret):
         row = measure_case(

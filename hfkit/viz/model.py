@@ -1,8 +1,12 @@
 """Figures and widgets of notebooks 03 (op profiling) and 05 (end to end): the operator-share bars,
-the LayerNorm shape census, model-benchmark bars, the swap waterfall, and two explorers that rerun a
+the LayerNorm shape census, model-benchmark bars, the swap waterfall, and explorers that rerun a
 profile or a training step for the settings chosen; and what the notebooks run for their profile
-(`profile_step`, `reference_ops`/`reference_census` of the committed profile, `run_waterfall`,
-`saved_activation_table`).
+(`profile_step`, `reference_ops`/`reference_census` of the committed profile, `run_waterfall`: the
+benchmark's waterfall on a synthetic batch, `saved_activation_table`). For notebook 05's user-side
+step: `batch_waterfall` (the waterfall on a given batch, e.g. the data pipeline's from
+`hfkit.viz.batches`), `stage_bars`, `StepLaunchExplorer` (checkpointing, precision, crop: the step
+launched from Python against the graphed step) and `openfold_stack_here` (OpenFold's own stack
+beside hfkit's on a GPU).
 
 Inputs are the DataFrames of `hfkit.bench.profile` (`op_table`, `layer_norm_census`, `census_speed`)
 and of `hfkit.bench.load_results` / `rows_to_frame` for `hfkit bench model` rows. plotly and
@@ -28,20 +32,27 @@ if TYPE_CHECKING:
     import torch
 
     from hfkit.model import ModelConfig
+    from hfkit.viz.batches import PipelineBatches
 
 # `summary_table` (of model benchmark rows) is re-exported for notebook 05, which imports from viz only.
 __all__ = [
     "CENSUS_COLUMNS",
+    "COMMITTED_MODEL_OPS",
     "PRESETS",
     "SEED_LN_CENSUS",
     "SEED_OP_TABLE",
+    "STEP_PRECISIONS",
     "ProfileExplorer",
+    "StepLaunchExplorer",
     "SwapExplorer",
     "census_figure",
+    "batch_waterfall",
     "census_timings",
+    "committed_model_outputs",
     "load_reference",
     "model_time_bars",
     "op_share_bars",
+    "openfold_stack_here",
     "preset_config",
     "profile_step",
     "reference_census",
@@ -49,6 +60,7 @@ __all__ = [
     "run_waterfall",
     "saved_activation_figure",
     "saved_activation_table",
+    "stage_bars",
     "summary_table",
     "waterfall_figure",
     "waterfall_frame",
@@ -206,7 +218,8 @@ def model_time_bars(frame: pd.DataFrame, op: str = "evoformer_block", title: str
 
 def waterfall_frame(frame: pd.DataFrame) -> pd.DataFrame:
     """`step_waterfall` rows as the waterfall's table: stage, step time (ms), change from the stage
-    before (ms), peak memory (GiB), swapped ops; ordered by stage. Failed stages keep NaN times."""
+    before (ms), peak memory (GiB), swapped ops, error, launch ("eager": from Python, "graph": the
+    graphed step); ordered by stage. Failed stages keep NaN times."""
     data = frame[frame["op"] == "step_waterfall"].copy()
     if data.empty:
         raise ValueError("frame: no 'step_waterfall' rows")
@@ -219,6 +232,7 @@ def waterfall_frame(frame: pd.DataFrame) -> pd.DataFrame:
             "peak_GiB": data["peak_mem_bytes"].astype(float).to_numpy() / 2**30,
             "ops": data["extra"].apply(lambda e: ", ".join((e or {}).get("ops", []))).to_numpy(),
             "error": data["extra"].apply(lambda e: (e or {}).get("error", "")).to_numpy(),
+            "launch": data["extra"].apply(lambda e: (e or {}).get("launch", "eager")).to_numpy(),
         }
     )
     table.insert(2, "delta_ms", table["step_ms"].diff().fillna(table["step_ms"]))
@@ -582,3 +596,281 @@ def saved_activation_figure(memory: pd.DataFrame, title: str | None = None) -> g
         color_discrete_map=VARIANT_COLORS,
         title=title or "Activations saved for the backward, one Evoformer block",
     )
+
+
+# --- notebook 05: the user's step on the data pipeline's batches ----------------------------------------
+
+STEP_PRECISIONS = {"bf16 autocast": "bf16_autocast", "fp32": "fp32"}
+
+
+def _step_backend(device: torch.device, compile_backend: str | None) -> str:
+    # On a CPU, Inductor's C++ build takes minutes; the "eager" backend (Dynamo only) checks the path.
+    return compile_backend or ("inductor" if device.type == "cuda" else "eager")
+
+
+def _error_text(err: BaseException) -> str:
+    return " ".join(f"{type(err).__name__}: {err}".split())[:300]
+
+
+def batch_waterfall(
+    config: ModelConfig,
+    device: torch.device | str | None = None,
+    precision: str = "bf16_autocast",
+    batch: dict[str, torch.Tensor] | None = None,
+    compile_backend: str | None = None,
+    progress: bool = True,
+) -> pd.DataFrame:
+    """The training-step waterfall on `batch` (e.g. `PipelineBatches.batch(config)`; None: a synthetic
+    batch): one `measure_train_step` of a fresh, identically seeded `AlphaFoldLite(config)` for each
+    stage of `waterfall_stages()` (eager, each op swapped in turn, the swapped step graphed, then
+    compiled inside the graph), in that order. Returns `waterfall_frame`'s table (stage, step_ms,
+    delta_ms, peak_GiB, ops, error) plus `launch` and `first call s` (compilation and capture); a
+    failed stage keeps NaN times and its error. Compiling uses Inductor on a GPU and Dynamo's "eager"
+    backend elsewhere unless `compile_backend` is given."""
+    from tqdm.auto import tqdm
+
+    from hfkit.bench.model import measure_train_step, waterfall_stages
+
+    device = resolve_device(device)
+    backend = _step_backend(device, compile_backend)
+    rows = []
+    for label, variant, ops, launch in tqdm(waterfall_stages(), desc="waterfall", disable=not progress):
+        row = {"stage": label, "step_ms": math.nan, "peak_GiB": math.nan, "ops": ", ".join(ops)}
+        row |= {"error": "", "launch": launch, "first call s": math.nan}
+        try:
+            out = measure_train_step(
+                config,
+                device,
+                precision,
+                variant,
+                ops=ops,
+                launch=launch,
+                batch=batch,
+                compile_backend=backend,
+            )
+        except RuntimeError as err:
+            row["error"] = _error_text(err)
+        else:
+            row["step_ms"], row["first call s"] = out["timing"].p50, out["first_call_s"]
+            row["peak_GiB"] = _gib(out["peak_mem_bytes"]) if out["peak_mem_bytes"] is not None else math.nan
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    table.insert(2, "delta_ms", table["step_ms"].diff().fillna(table["step_ms"]))
+    return table
+
+
+def stage_bars(table: pd.DataFrame, title: str | None = None) -> go.Figure:
+    """Bars of a waterfall table (`batch_waterfall`, `waterfall_frame`): step time per stage on top,
+    peak memory per stage below (where measured: CUDA only), coloured by launch ("eager": from
+    Python, "graph": the graphed step) when the table says."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    launch = table.get("launch", pd.Series(["eager"] * len(table)))
+    colors = launch.map({"eager": "#7f7f7f", "graph": "#2ca02c"}).fillna("#1f77b4")
+    has_peak = bool(table["peak_GiB"].notna().any())
+    fig = make_subplots(
+        rows=2 if has_peak else 1,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.08,
+        subplot_titles=["step time (ms)", *(["peak memory (GiB)"] if has_peak else [])],
+    )
+    hover = table.get("launch")
+    fig.add_trace(go.Bar(x=table["stage"], y=table["step_ms"], marker_color=colors, hovertext=hover), 1, 1)
+    if has_peak:
+        fig.add_trace(
+            go.Bar(x=table["stage"], y=table["peak_GiB"], marker_color=colors, hovertext=hover), 2, 1
+        )
+    fig.update_layout(
+        title=title or "training step per stage (grey: launched from Python, green: graphed step)",
+        showlegend=False,
+        height=620 if has_peak else 400,
+    )
+    return fig
+
+
+class StepLaunchExplorer:
+    """Checkpointing, precision (bf16 autocast / fp32) and crop size, and a button that times the
+    swapped ("hfkit") training step on a batch of the data pipeline (`PipelineBatches.batch`) at
+    those sizes, launched from Python ("eager": `train_step`) and as `graphed_step` ("graph"), with
+    `measure_train_step`. `run()` does what the button does; `show()` displays the runs so far as a
+    static table and chart, then the widget. On a CPU the AlphaFold presets are scaled down
+    (`preset_config(on_cpu=True)`) and the graphed step runs eagerly."""
+
+    def __init__(
+        self,
+        batches: PipelineBatches,
+        device: torch.device | str | None = None,
+        preset: str = "tiny",
+        checkpoint: bool = False,
+        compile_backend: str | None = None,
+    ) -> None:
+        import ipywidgets as widgets
+
+        self.batches = batches
+        self.device = resolve_device(device)
+        on_cuda = self.device.type == "cuda"
+        self.preset = preset
+        self.compile_backend = _step_backend(self.device, compile_backend)
+        crop = preset_config(preset, on_cpu=not on_cuda).crop_size
+        self.checkpoint = widgets.Checkbox(value=checkpoint, description="checkpointing", indent=False)
+        self.precision = widgets.Dropdown(
+            options=list(STEP_PRECISIONS.items()),
+            value="bf16_autocast" if on_cuda else "fp32",
+            description="precision",
+        )
+        self.crop = widgets.BoundedIntText(value=crop, min=8, max=1024, description="crop")
+        self.button = widgets.Button(description="run step", button_style="primary", icon="play")
+        self.output = widgets.Output()
+        self.button.on_click(self._on_click)
+        where = (
+            "GPU" if on_cuda else "CPU: AlphaFold presets scaled down, CPU time, graphed step runs eagerly"
+        )
+        self.widget = widgets.VBox(
+            [
+                widgets.HBox([self.checkpoint, self.precision, self.crop, self.button]),
+                widgets.Label(f"{preset} on {self.device} ({where}); batches: {batches.label}"),
+                self.output,
+            ]
+        )
+        self.history: list[dict[str, Any]] = []
+
+    def config(self) -> ModelConfig:
+        """The model config the widgets choose."""
+        on_cpu = self.device.type != "cuda"
+        config = preset_config(self.preset, self.crop.value, on_cpu=on_cpu)
+        return config.replace(checkpoint=bool(self.checkpoint.value))
+
+    def run(self) -> pd.DataFrame:
+        """Time the step eager and graphed on one pipeline batch of the chosen sizes; return every run
+        so far, a row per (run, launch)."""
+        from hfkit.bench.model import measure_train_step
+
+        config = self.config()
+        batch = self.batches.batch(config)
+        number = 1 + (self.history[-1]["run"] if self.history else 0)
+        for launch in ("eager", "graph"):
+            row = {
+                "run": number,
+                "crop": config.crop_size,
+                "ckpt": config.checkpoint,
+                "precision": self.precision.value,
+                "launch": launch,
+            }
+            try:
+                out = measure_train_step(
+                    config, self.device, self.precision.value, "hfkit", launch=launch, batch=batch,
+                    compile_backend=self.compile_backend,
+                )  # fmt: skip
+            except RuntimeError as err:
+                row |= {"step_ms": math.nan, "peak_GiB": None, "first_call_s": math.nan}
+                row["error"] = _error_text(err)
+            else:
+                row |= {"step_ms": out["timing"].p50, "peak_GiB": _gib(out["peak_mem_bytes"])}
+                row |= {"first_call_s": out["first_call_s"], "error": ""}
+            self.history.append(row)
+        return pd.DataFrame(self.history)
+
+    def figure(self) -> go.Figure:
+        """Grouped bars of every run so far: step time (and peak memory where measured) per run,
+        eager beside graphed."""
+        import plotly.express as px
+
+        table = pd.DataFrame(self.history)
+        table["setting"] = [
+            f"{r['run']}: crop {r['crop']}, ckpt {'on' if r['ckpt'] else 'off'}, {r['precision']}"
+            for _, r in table.iterrows()
+        ]
+        table["peak_GiB"] = table["peak_GiB"].astype(float)
+        value_vars = ["step_ms", *(["peak_GiB"] if table["peak_GiB"].notna().any() else [])]
+        long = table.melt(id_vars=["setting", "launch"], value_vars=value_vars, var_name="metric")
+        fig = px.bar(
+            long,
+            x="setting",
+            y="value",
+            color="launch",
+            barmode="group",
+            facet_row="metric" if len(value_vars) > 1 else None,
+            color_discrete_map={"eager": "#7f7f7f", "graph": "#2ca02c"},
+            labels={"setting": "", "value": ""},
+            title="the swapped step launched from Python (eager) and graphed: ms per step, peak GiB",
+        )
+        fig.update_yaxes(matches=None)
+        fig.for_each_annotation(lambda a: a.update(text=a.text.split("=")[-1]))
+        fig.update_layout(height=300 * len(value_vars) + 120)
+        return fig
+
+    def result_outputs(self) -> list[Any]:
+        """The runs so far as outputs to display (table and chart); empty before the first run."""
+        if not self.history:
+            return []
+        return [pd.DataFrame(self.history).round(3), self.figure()]
+
+    def _on_click(self, _: Any = None) -> None:
+        self.run()
+        render_into(self.output, *self.result_outputs())
+
+    def show(self) -> None:
+        """Display the runs so far (static: readable in an HTML report), then the widget."""
+        show_static_then_widget(self.widget, *self.result_outputs())
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+
+def openfold_stack_here(device: torch.device | str | None, full: bool) -> pd.DataFrame | None:
+    """OpenFold's own `EvoformerStack` beside hfkit's, measured now with `run_model_benchmark`
+    (part "stack": forward+backward, bf16, per-block checkpointing, launched from Python and as a
+    CUDA graph; hfkit's eager, hfkit and compile_hfkit variants and OpenFold's `OPENFOLD_VARIANTS`:
+    as it is, compiled, swapped by `to_hfkit`), `af2_initial` with `full`, else the `tiny` preset.
+    Needs a CUDA device and OpenFold's source (`hfkit.bench.peers.load_openfold`); otherwise prints
+    why it is skipped and returns None. Returns the rows as a frame (for
+    `model_time_bars(frame, "evoformer_stack")`)."""
+    from hfkit.bench import model as bench_model
+    from hfkit.bench import rows_to_frame
+    from hfkit.bench.peers import load_openfold
+
+    device = resolve_device(device)
+    if device.type != "cuda":
+        print(f"OpenFold's EvoformerStack beside hfkit's: skipped: needs a CUDA GPU (running on {device}).")
+        return None
+    openfold, reason = load_openfold()
+    if openfold is None:
+        print(f"OpenFold's EvoformerStack beside hfkit's: skipped: {reason}")
+        return None
+    rows = bench_model.run_model_benchmark(
+        device,
+        parts=("stack",),
+        quick=not full,
+        variants=("eager", "hfkit", "compile_hfkit", *bench_model.OPENFOLD_VARIANTS),
+        stack_dtypes=("bf16",),
+        checkpointing=(True,),
+        stack_launch=("eager", "graph"),
+    )
+    return rows_to_frame(rows)
+
+
+COMMITTED_MODEL_OPS = ("evoformer_block", "evoformer_stack", "train_step")
+
+
+def committed_model_outputs(frame: pd.DataFrame | None, gpu: str = "H200") -> list[Any]:
+    """Committed `hfkit bench model` rows (`load_reference`) as outputs to display, for whichever
+    rows the file holds: a line naming the GPU, command and commit; the summary table of the block,
+    stack, step and waterfall rows; time bars of each of `COMMITTED_MODEL_OPS` with a measured row
+    (every variant and launch there); the waterfall's per-stage bars and waterfall figure when a
+    stage was measured. Empty for None or a frame without any of those rows."""
+    if frame is None:
+        return []
+    main = frame[frame["op"].isin([*COMMITTED_MODEL_OPS, "step_waterfall"])]
+    if main.empty:
+        return []
+    outputs: list[Any] = [_reference_label(main), summary_table(main)]
+    for op in COMMITTED_MODEL_OPS:
+        if main.loc[main["op"] == op, "p50_ms"].notna().any():
+            outputs.append(model_time_bars(main, op, title=f"reference: {gpu} (committed), {op}"))
+    if main.loc[main["op"] == "step_waterfall", "p50_ms"].notna().any():
+        steps = waterfall_frame(main)
+        outputs.append(stage_bars(steps, title=f"reference: {gpu} (committed), training step per stage"))
+        outputs.append(waterfall_figure(steps, title=f"reference: {gpu} (committed), training step"))
+    return outputs
