@@ -515,7 +515,7 @@ def test_bad_inputs_raise_value_error(overrides, match):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_mismatch_raises_value_error_cuda():
-    with pytest.raises(ValueError, match="in_proj_weight: on cuda"):
+    with pytest.raises(ValueError, match="in_proj_weight: on cpu, but query is on cuda"):
         call(query=torch.randn(4, 2, 6, device="cuda"), key=torch.randn(5, 2, 6, device="cuda"),
              value=torch.randn(5, 2, 6, device="cuda"))  # fmt: skip
 

@@ -191,12 +191,15 @@ def bind_arguments(
 
 
 def _compiled_launch(compiled: Any) -> Callable[[tuple[int, int, int], int, tuple[Any, ...]], None]:
-    # The compiled kernel's own launcher, as Triton's JIT calls it once its cache found the kernel:
-    # grid, stream, function handle, packed metadata, no launch metadata or hooks, every argument.
+    # The compiled kernel's own launcher, called as Triton's JIT calls it once its cache found the
+    # kernel: grid, stream, function handle, packed metadata, launch metadata and Triton's launch
+    # hooks (torch installs one, e.g. for its profiler), every argument.
     run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
 
     def start(grid: tuple[int, int, int], stream: int, args: tuple[Any, ...]) -> None:
-        run(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *args)
+        enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
+        metadata = compiled.launch_metadata(grid, stream, *args) if enter is not None else None
+        run(grid[0], grid[1], grid[2], stream, function, packed, metadata, enter, leave, *args)
 
     return start
 
@@ -208,8 +211,9 @@ def _interpreted_launch(kernel: Any, options: dict[str, Any]) -> Callable[..., N
     return start
 
 
-# {kernel: {specialization key: BoundLaunch}}; kernels are module-level and live as long as the process.
-_BOUND: dict[Any, dict[tuple, BoundLaunch]] = {}
+# {id(kernel): {specialization key: BoundLaunch}}: by identity (a JITFunction hashes its source's
+# cache key under a lock); the kernels are module-level and live as long as the process.
+_BOUND: dict[int, dict[tuple, BoundLaunch]] = {}
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
@@ -220,9 +224,10 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     the kernel goes through `wrap_triton`, so Inductor sees it. Otherwise the first call with a given
     specialization (each argument's `_arg_key`, the meta values, the device) goes through Triton's JIT,
     which compiles or finds the kernel; later calls start that compiled kernel directly, skipping the
-    JIT's per-call argument binding, cache lookup and hooks (Triton's launch hooks, when set, take the
-    JIT path every time). Under the interpreter the bound launch calls the interpreted kernel with the
-    same argument order, so the binding is exercised there too.
+    JIT's per-call argument binding and cache lookup (Triton's launch hooks still run). Constexprs come
+    by keyword (`bind_arguments`). Under the interpreter the bound launch calls the interpreted kernel
+    with the same argument order, so the binding is exercised there too. Without Triton's runtime
+    settings (`triton.knobs`, older Triton) every launch takes the JIT.
     """
     if is_wrap_triton_enabled():
         wrap_triton(kernel)[grid](*args, **meta)
@@ -231,14 +236,15 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     cuda = not interpreting()
     device = torch.cuda.current_device() if cuda else -1
     key = (device, *map(_arg_key, args), *meta.items())
-    table = _BOUND.get(kernel)
+    table = _BOUND.get(id(kernel))
     bound = table.get(key) if table is not None else None
-    if bound is None or (cuda and (_knobs is None or _knobs.runtime.launch_enter_hook is not None)):
+    if bound is None:
         compiled = kernel[grid3](*args, **meta)
-        if bound is None:
-            names, defaults, options = bind_arguments(kernel, len(args), meta)
-            start = _compiled_launch(compiled) if cuda else _interpreted_launch(kernel, options)
-            _BOUND.setdefault(kernel, {})[key] = BoundLaunch(start, names, defaults, options)
+        if cuda and _knobs is None:
+            return
+        names, defaults, options = bind_arguments(kernel, len(args), meta)
+        start = _compiled_launch(compiled) if cuda else _interpreted_launch(kernel, options)
+        _BOUND.setdefault(id(kernel), {})[key] = BoundLaunch(start, names, defaults, options)
         return
     full = (*args, *[meta[name] for name in bound.names], *bound.defaults)
     bound.launch(grid3, torch._C._cuda_getCurrentRawStream(device) if cuda else 0, full)
