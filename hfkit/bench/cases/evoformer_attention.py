@@ -64,7 +64,7 @@ __all__ = [
 ]
 
 OPS = {"triangle": "triangle_attention", "msa_row": "msa_row_attention"}
-TRIANGLE_SIZES = (256, 512, 1024, 2048)
+TRIANGLE_SIZES = (256, 384, 512, 1024, 2048)
 MSA_ROW_SHAPES = ((128, 256), (132, 256), (256, 384), (128, 512))  # (S, N)
 TRIANGLE_HEADS, MSA_ROW_HEADS, HEAD_DIM = 4, 8, 32
 # Max abs error against the float32 reference above which a provider's row is flagged (check_ok False):
