@@ -849,7 +849,8 @@ def _row_key(row: Mapping[str, Any]) -> tuple:
     """`row_key`, checkpointing and launch: a stack or step with and without checkpointing, launched
     eagerly or replayed as a CUDA graph, are different configurations."""
     extra = row.get("extra") or {}
-    return (*row_key(row), extra.get("checkpointing"), _launch(extra))
+    # `row_key` ends with the raw launch; here a row without one has its part's default (`_launch`).
+    return (*row_key(row)[:-1], extra.get("checkpointing"), _launch(extra))
 
 
 def _launch(extra: Mapping[str, Any]) -> str:

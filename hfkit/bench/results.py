@@ -309,11 +309,19 @@ def merge_rows(
     key: Callable[[Mapping[str, Any]], tuple] = row_key,
 ) -> list[dict[str, Any]]:
     """`earlier` rows that `later` does not measure again (same `key`), then `later`: how a run that
-    completes a results file (`--append`) keeps what it did not repeat. Rows stay as they were
-    measured, each with its own command, commit and timestamp."""
-    new = [_row_dict(r) for r in later]
+    completes a results file (`--append`) keeps what it did not repeat. A later row that was only
+    skipped (its `extra["error"]` starts with "skipped", e.g. a spent time budget) does not replace an
+    earlier measurement. Rows stay as they were measured, each with its own command, commit and
+    timestamp."""
+    earlier_rows = [_row_dict(r) for r in earlier]
+    measured = {key(r) for r in earlier_rows if not _skipped(r)}
+    new = [r for r in map(_row_dict, later) if not (_skipped(r) and key(r) in measured)]
     replaced = {key(r) for r in new}
-    return [r for r in map(_row_dict, earlier) if key(r) not in replaced] + new
+    return [r for r in earlier_rows if key(r) not in replaced] + new
+
+
+def _skipped(row: Mapping[str, Any]) -> bool:
+    return str((row.get("extra") or {}).get("error") or "").startswith("skipped")
 
 
 class ResultFile:
