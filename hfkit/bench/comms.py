@@ -8,6 +8,20 @@ seed's experiment on a stack of Linear layers with AlphaFold's 93.2M parameters 
 backward alone on one process, backward on n processes without synchronization, and backward plus
 gradient synchronization per backend with overlap on and off; overhead = that minus backward alone.
 Allreduce rows go to `--out` (`comms.json`), DDP rows to `ddp_path(out)` beside it (`ddp.json`).
+
+Stage rates, measured in the same run before the allreduce (`hfkit.parallel.cost_model.StageRates`,
+in `meta["stage_rates"]` with one entry per measurement in `meta["stage_rows"]`, skipped ones with
+the reason): pinned device→host and host→device GB/s per rank, one rank alone and every local rank
+copying at once, both directions at once on two streams (CUDA only); the host sum (a 2-input add,
+counting read, read, write) and a host copy (read, write) on the threads a rank has
+(`hfkit.parallel.hfreduce.default_threads`), every rank at once. Each hfreduce row's `extra` holds
+those rates, `bound_ms` — the time a pipelined host-staged allreduce of that size cannot beat
+(`hfkit.parallel.cost_model.hfreduce_bound`: per chunk of c bytes, the stages device→host c/D, the
+sum of this rank's slice of the L local slots (L+1)·(c/L)/H and host→device c/U overlap, so
+T ≈ d2h + sum + h2d (one chunk's latency of fill) + (chunks−1)·max(max(c/D, c/U, 2c/B), sum); on
+a CPU the copies and the sum share the cores: T = 4S/C + (L+1)·S/(L·H)) — and `bound_fraction`,
+bound over measured time (1 = at the bound). On several nodes the cross-node stage is not measured:
+no bound there.
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -33,6 +48,8 @@ from torch import nn
 
 from hfkit.bench.results import ENV_KEYS, ResultFile, ResultRow, environment_info, make_row
 from hfkit.bench.timing import Timing
+from hfkit.parallel.cost_model import StageRates, hfreduce_bound
+from hfkit.parallel.hfreduce import HostReduce, default_threads, split_over_threads
 
 __all__ = [
     "AF2_PARAMS",
@@ -43,6 +60,7 @@ __all__ = [
     "ddp_path",
     "default_backends",
     "load_comms_results",
+    "measure_stage_rates",
     "message_sizes",
     "parse_bytes",
     "run_comms_benchmark",
@@ -51,6 +69,8 @@ __all__ = [
 
 AF2_PARAMS = 93_200_000
 GB = 1e9
+# Stage rates are measured on buffers of this size: beyond the CPU's caches, as a large allreduce is.
+STAGE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -161,22 +181,130 @@ def _max_over_ranks(values: Sequence[float], group: Any) -> list[float]:
 
 
 class _Comm:
-    """One allreduce per backend: nccl/gloo on their own process groups, hfreduce via hfkit.parallel."""
+    """One allreduce per backend: nccl/gloo on their own process groups, hfreduce a `HostReduce` with
+    its defaults (`reducer`)."""
 
     def __init__(self, backend: str, device: torch.device) -> None:
         self.backend = backend
         self.device = device if backend in ("nccl", "hfreduce") else torch.device("cpu")
         self.group = dist.new_group(backend=backend) if backend in ("nccl", "gloo") else None
-        if backend == "hfreduce":
-            from hfkit.parallel import allreduce
-
-            self._hf = allreduce
+        self.reducer = HostReduce() if backend == "hfreduce" else None
 
     def __call__(self, tensor: torch.Tensor) -> None:
-        if self.group is not None:
-            dist.all_reduce(tensor, group=self.group)
+        if self.reducer is not None:
+            self.reducer.allreduce_(tensor)
         else:
-            self._hf(tensor, "hfreduce")
+            dist.all_reduce(tensor, group=self.group)
+
+    def close(self) -> None:
+        if self.reducer is not None:
+            self.reducer.close()
+
+
+def _median_seconds(fn: Callable[[], None], reps: int, device: torch.device, ctrl: Any, alone: bool) -> float:
+    """The median over `reps` of the slowest rank's seconds for `fn` after a barrier (after one
+    warm-up call); with `alone` only rank 0 runs it while the others wait."""
+    runs = dist.get_rank() == 0 or not alone
+    times = []
+    for i in range(reps + 1):
+        dist.barrier(group=ctrl)
+        t0 = time.perf_counter()
+        if runs:
+            fn()
+            _sync(device)
+        if i:
+            times.append(time.perf_counter() - t0 if runs else 0.0)
+    return float(np.median(_max_over_ranks(times, ctrl)))
+
+
+def _host_seconds(nbytes: int, threads: int, reps: int, ctrl: Any) -> tuple[float, float]:
+    """Seconds of a 2-input add and of a copy of `nbytes` of fp32 on `threads` threads, as HostReduce
+    splits them (`split_over_threads`), every rank at once (the slowest rank's median)."""
+    n = nbytes // 4
+    a, b, out = (torch.ones(n) for _ in range(3))
+    cpu = torch.device("cpu")
+
+    def add_part(i: int, j: int) -> None:
+        torch.add(a[i:j], b[i:j], out=out[i:j])
+
+    def copy_part(i: int, j: int) -> None:
+        out[i:j].copy_(a[i:j])
+
+    pool = ThreadPoolExecutor(threads - 1) if threads > 1 else None
+    try:
+        summed = _median_seconds(
+            lambda: split_over_threads(add_part, n, threads, pool), reps, cpu, ctrl, False
+        )
+        copied = _median_seconds(
+            lambda: split_over_threads(copy_part, n, threads, pool), reps, cpu, ctrl, False
+        )
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    return summed, copied
+
+
+def measure_stage_rates(
+    device: torch.device, ctrl: Any, local_ranks: int, nbytes: int = STAGE_BYTES, reps: int = 5
+) -> tuple[StageRates, list[dict[str, Any]]]:
+    """hfreduce's stage rates on this node (collective over the default group; `ctrl` a gloo group),
+    and one entry per measurement (stage, mode, gbps, bytes counted per byte moved, skipped reason).
+
+    Buffers of `nbytes`. Device copies (CUDA `device` only, else skipped with the reason): pinned
+    device→host (d2h) and host→device (h2d) per rank, "alone" (rank 0, the others waiting) and
+    "all_ranks" (every rank of the run at once; ranks sharing a GPU share its copy engines), and
+    "bidir" (each rank copies both ways at once on two streams; both directions' bytes count). Host:
+    a 2-input add ("host_sum", 3 bytes of traffic per byte) and a copy ("host_copy", 2) on
+    `default_threads(local_ranks)` threads, every rank at once. Rates are per rank, of the slowest.
+    """
+    threads = default_threads(local_ranks)
+    entries: list[dict[str, Any]] = []
+    rates: dict[str, float] = {}
+
+    def add(stage: str, mode: str, seconds: float | None, traffic: int, skipped: str | None = None) -> None:
+        gbps = None if seconds is None else traffic * nbytes / seconds / GB
+        entries.append({"stage": stage, "mode": mode, "gbps": gbps, "traffic": traffic, "skipped": skipped})
+        if gbps is not None:
+            rates[f"{stage}_{mode}_gbps" if stage in ("d2h", "h2d") else f"{stage}_gbps"] = gbps
+
+    summed, copied = _host_seconds(nbytes, threads, reps, ctrl)
+    add("host_sum", "all_ranks", summed, 3)
+    add("host_copy", "all_ranks", copied, 2)
+    if device.type != "cuda":
+        reason = "no CUDA device: CPU tensors go to and from the slots by host copies (host_copy)"
+        for stage, mode in (("d2h", "alone"), ("d2h", "all_ranks"), ("h2d", "alone"), ("h2d", "all_ranks")):
+            add(stage, mode, None, 1, reason)
+        add("bidir", "all_ranks", None, 2, reason)
+    else:
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dev2 = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        down, up = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+        def d2h() -> None:
+            with torch.cuda.stream(down):
+                host.copy_(dev, non_blocking=True)
+            down.synchronize()
+
+        def h2d() -> None:
+            with torch.cuda.stream(up):
+                dev2.copy_(host2, non_blocking=True)
+            up.synchronize()
+
+        def both() -> None:
+            with torch.cuda.stream(down):
+                host.copy_(dev, non_blocking=True)
+            with torch.cuda.stream(up):
+                dev2.copy_(host2, non_blocking=True)
+            down.synchronize()
+            up.synchronize()
+
+        for mode, alone in (("alone", True), ("all_ranks", False)):
+            add("d2h", mode, _median_seconds(d2h, reps, device, ctrl, alone), 1)
+            add("h2d", mode, _median_seconds(h2d, reps, device, ctrl, alone), 1)
+        add("bidir", "all_ranks", _median_seconds(both, reps, device, ctrl, alone=False), 2)
+    return StageRates(local_ranks=local_ranks, threads=threads, **rates), entries
 
 
 def _time_allreduce(
@@ -220,7 +348,8 @@ def _row(env: dict[str, Any], op: str, provider: str, mode: str, shape: list[int
 
 
 def _allreduce_rows(config: CommsConfig, env: dict[str, Any], device: torch.device, ctrl: Any,
-                    log: Callable[[str], None]) -> list[ResultRow]:  # fmt: skip
+                    log: Callable[[str], None], rates: StageRates | None) -> list[ResultRow]:  # fmt: skip
+    """Allreduce rows per backend and size; hfreduce rows also get the bound of `rates` (one node)."""
     world = dist.get_world_size()
     nodes = max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     rows = []
@@ -237,12 +366,28 @@ def _allreduce_rows(config: CommsConfig, env: dict[str, Any], device: torch.devi
                 "device": str(comm.device.type),
                 "calls_per_rep": inner,
             }
+            bound = ""
+            if comm.reducer is not None and rates is not None and nodes == 1:
+                hr = comm.reducer
+                bound_s = hfreduce_bound(
+                    nbytes, rates, hr.chunk_bytes, hr.small_bytes, cuda=device.type == "cuda"
+                )
+                extra.update(
+                    stage_rates=rates.as_dict(),
+                    bound_ms=bound_s * 1e3,
+                    bound_fraction=bound_s / t,
+                    path="small" if nbytes <= hr.small_bytes else "pipelined",
+                    chunk_bytes=hr.chunk_bytes,
+                    threads=hr.threads,
+                )
+                bound = f"  bound {bound_s * 1e3:9.3f} ms ({bound_s / t:.0%})"
             rows.append(_row(env, "allreduce", backend, "allreduce", [nbytes], times, nbytes,
                              extra["algbw_gbps"], extra))  # fmt: skip
             log(
                 f"allreduce {backend:9s} {nbytes:>11,d} B  {t * 1e3:9.3f} ms"
-                f"  busbw {extra['busbw_gbps']:.2f} GB/s"
+                f"  busbw {extra['busbw_gbps']:.2f} GB/s{bound}"
             )
+        comm.close()
     return rows
 
 
@@ -391,11 +536,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     env_all = environment_info(device, config.command)
     env = {k: env_all[k] for k in ENV_KEYS}
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
-    rows = _allreduce_rows(config, env, device, ctrl, log)
+    rates: StageRates | None = None
+    stage_meta: dict[str, Any] = {}
+    if "hfreduce" in config.backends:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        rates, entries = measure_stage_rates(device, ctrl, local_ranks)
+        stage_meta = {"stage_rates": rates.as_dict(), "stage_rows": entries}
+        for e in entries:
+            rate = f"{e['gbps']:8.2f} GB/s" if e["gbps"] is not None else f"skipped: {e['skipped']}"
+            log(f"stage {e['stage']:9s} {e['mode']:9s} {rate}")
+    rows = _allreduce_rows(config, env, device, ctrl, log, rates)
     if config.ddp:
         rows += _ddp_rows(config, env, device, ctrl, log)
     if rank == 0:
-        meta = {**env_all, "world_size": dist.get_world_size(), "backends": config.backends}
+        meta = {**env_all, "world_size": dist.get_world_size(), "backends": config.backends, **stage_meta}
         for path, part in ((config.out, "allreduce"), (ddp_path(config.out), "ddp_step")):
             chosen = [r for r in rows if r.op == part]
             if chosen:

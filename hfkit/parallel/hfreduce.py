@@ -34,6 +34,7 @@ import platform
 import secrets
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -74,6 +75,25 @@ def default_threads(local_world_size: int) -> int:
     `local_world_size` ranks (at least 1)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, local_world_size))
+
+
+def split_over_threads(
+    fn: Callable[[int, int], object], m: int, threads: int, pool: ThreadPoolExecutor | None
+) -> None:
+    """Run `fn(a, b)` over [0, m) cut into up to `threads` contiguous parts of at least `_MIN_PART`
+    elements: the first on this thread, the rest on `pool` (torch ops release the GIL, so the parts
+    run on separate cores). Small ranges, or no pool, run inline in one call."""
+    parts = max(1, min(threads, m // _MIN_PART)) if pool is not None else 1
+    if parts == 1:
+        fn(0, m)
+        return
+    bounds = [m * i // parts for i in range(parts + 1)]
+    futures = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, parts)]
+    try:
+        fn(bounds[0], bounds[1])
+    finally:
+        for f in futures:
+            f.result()
 
 
 def node_size(world_size: int, local_world_size: int | None = None) -> int:
@@ -537,23 +557,11 @@ class HostReduce:
             self._acc = torch.empty(m, dtype=torch.float32)
         return self._acc[:m]
 
-    def _parallel(self, fn: Any, m: int) -> None:
-        """Run `fn(a, b)` over [0, m) cut into up to `threads` contiguous parts, one on this thread and
-        the rest on the pool (torch ops release the GIL, so the parts run on separate cores); parts
-        are at least `_MIN_PART` elements, so small ranges run inline."""
-        parts = max(1, min(self.threads, m // _MIN_PART))
-        if parts == 1:
-            fn(0, m)
-            return
-        if self._pool is None:
+    def _parallel(self, fn: Callable[[int, int], object], m: int) -> None:
+        """`split_over_threads` on this HostReduce's threads (the pool is made on first use)."""
+        if self._pool is None and self.threads > 1 and m >= 2 * _MIN_PART:
             self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="hfreduce-sum")
-        bounds = [m * i // parts for i in range(parts + 1)]
-        futures = [self._pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, parts)]
-        try:
-            fn(bounds[0], bounds[1])
-        finally:
-            for f in futures:
-                f.result()
+        split_over_threads(fn, m, self.threads, self._pool)
 
     def _sum_slots(self, inputs: torch.Tensor, out: torch.Tensor) -> None:
         """out = the sum of `inputs` [L, m] over its first axis, then across nodes (rail group);
