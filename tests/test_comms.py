@@ -143,3 +143,36 @@ def test_viz_frames_and_panel(worker_rows):
     # A faster PCIe peer path (the slider's link) closes NCCL's gap on the PCIe cluster.
     faster = panel.update("A100 PCIe (seed)", link_gbps=24.0).set_index("backend")["allreduce_ms"]
     assert faster["nccl"] < pcie["nccl"]
+
+
+def test_worker_stage_rates_and_bound(worker_rows):
+    from hfkit.parallel.cost_model import StageRates, hfreduce_bound
+
+    _, rows, doc, _ = worker_rows
+    meta = doc["meta"]
+    rates = StageRates.from_dict(meta["stage_rates"])
+    assert rates.local_ranks == 2 and rates.threads >= 1 and rates.host_sum_gbps > 0 and not rates.cuda
+    entries = {(e["stage"], e["mode"]): e for e in meta["stage_rows"]}
+    assert entries[("host_sum", "all_ranks")]["gbps"] == pytest.approx(rates.host_sum_gbps)
+    assert entries[("host_copy", "all_ranks")]["gbps"] == pytest.approx(rates.host_copy_gbps)
+    # On a CPU the device copies are skipped rows, with the reason.
+    for key in (
+        ("d2h", "alone"),
+        ("d2h", "all_ranks"),
+        ("h2d", "alone"),
+        ("h2d", "all_ranks"),
+        ("bidir", "all_ranks"),
+    ):
+        assert entries[key]["gbps"] is None and "no CUDA device" in entries[key]["skipped"], entries[key]
+    hf = [r for r in rows if r["op"] == "allreduce" and r["provider"] == "hfreduce"]
+    assert len(hf) == 3
+    for r in hf:
+        e = r["extra"]
+        nbytes = r["shape"][0]
+        expected = hfreduce_bound(nbytes, rates, e["chunk_bytes"], 256 << 10, cuda=False)
+        assert e["bound_ms"] == pytest.approx(expected * 1e3) and e["bound_ms"] > 0
+        assert e["bound_fraction"] == pytest.approx(e["bound_ms"] / r["p50_ms"], rel=1e-6)
+        assert e["path"] == ("small" if nbytes <= 256 << 10 else "pipelined")
+        assert StageRates.from_dict(e["stage_rates"]) == rates
+    gloo = [r for r in rows if r["op"] == "allreduce" and r["provider"] == "gloo"]
+    assert all("bound_ms" not in r["extra"] for r in gloo)
