@@ -54,11 +54,14 @@ from hfkit.parallel.hfreduce import HostReduce, default_threads, split_over_thre
 __all__ = [
     "AF2_PARAMS",
     "CommsConfig",
+    "STAGE_BYTES",
     "algbw_gbps",
     "busbw_gbps",
     "build_param_model",
     "ddp_path",
     "default_backends",
+    "hfreduce_bound_table",
+    "stage_rates_of",
     "load_comms_results",
     "measure_stage_rates",
     "message_sizes",
@@ -201,28 +204,36 @@ class _Comm:
             self.reducer.close()
 
 
-def _median_seconds(fn: Callable[[], None], reps: int, device: torch.device, ctrl: Any, alone: bool) -> float:
-    """The median over `reps` of the slowest rank's seconds for `fn` after a barrier (after one
-    warm-up call); with `alone` only rank 0 runs it while the others wait."""
+def _median_seconds(fn: Callable[[], None], reps: int, device: torch.device, ctrl: Any, alone: bool,
+                    calls: int = 1) -> float:  # fmt: skip
+    """The median over `reps` of the slowest rank's seconds per call of `fn`, timed over `calls`
+    back-to-back calls after a barrier (after one warm-up call); with `alone` only rank 0 runs it
+    while the others wait."""
     runs = dist.get_rank() == 0 or not alone
     times = []
     for i in range(reps + 1):
         dist.barrier(group=ctrl)
         t0 = time.perf_counter()
         if runs:
-            fn()
+            for _ in range(calls if i else 1):
+                fn()
             _sync(device)
         if i:
-            times.append(time.perf_counter() - t0 if runs else 0.0)
+            times.append((time.perf_counter() - t0) / calls if runs else 0.0)
     return float(np.median(_max_over_ranks(times, ctrl)))
+
+
+def _calls_for(nbytes: int) -> int:
+    # Small buffers are timed over several calls, so that a timing covers ~STAGE_BYTES (at most 100).
+    return int(min(100, max(1, STAGE_BYTES // max(1, nbytes))))
 
 
 def _host_seconds(nbytes: int, threads: int, reps: int, ctrl: Any) -> tuple[float, float]:
     """Seconds of a 2-input add and of a copy of `nbytes` of fp32 on `threads` threads, as HostReduce
     splits them (`split_over_threads`), every rank at once (the slowest rank's median)."""
-    n = nbytes // 4
+    n = max(1, nbytes // 4)
     a, b, out = (torch.ones(n) for _ in range(3))
-    cpu = torch.device("cpu")
+    cpu, calls = torch.device("cpu"), _calls_for(nbytes)
 
     def add_part(i: int, j: int) -> None:
         torch.add(a[i:j], b[i:j], out=out[i:j])
@@ -232,12 +243,10 @@ def _host_seconds(nbytes: int, threads: int, reps: int, ctrl: Any) -> tuple[floa
 
     pool = ThreadPoolExecutor(threads - 1) if threads > 1 else None
     try:
-        summed = _median_seconds(
-            lambda: split_over_threads(add_part, n, threads, pool), reps, cpu, ctrl, False
-        )
-        copied = _median_seconds(
-            lambda: split_over_threads(copy_part, n, threads, pool), reps, cpu, ctrl, False
-        )
+        summed = _median_seconds(lambda: split_over_threads(add_part, n, threads, pool), reps, cpu, ctrl,
+                                 False, calls)  # fmt: skip
+        copied = _median_seconds(lambda: split_over_threads(copy_part, n, threads, pool), reps, cpu, ctrl,
+                                 False, calls)  # fmt: skip
     finally:
         if pool is not None:
             pool.shutdown()
@@ -245,65 +254,78 @@ def _host_seconds(nbytes: int, threads: int, reps: int, ctrl: Any) -> tuple[floa
 
 
 def measure_stage_rates(
-    device: torch.device, ctrl: Any, local_ranks: int, nbytes: int = STAGE_BYTES, reps: int = 5
+    device: torch.device,
+    ctrl: Any,
+    local_ranks: int,
+    host_bytes: int = STAGE_BYTES,
+    copy_bytes: int = STAGE_BYTES,
+    reps: int = 5,
 ) -> tuple[StageRates, list[dict[str, Any]]]:
     """hfreduce's stage rates on this node (collective over the default group; `ctrl` a gloo group),
-    and one entry per measurement (stage, mode, gbps, bytes counted per byte moved, skipped reason).
+    and one entry per measurement (stage, mode, gbps, bytes, traffic counted per byte, skipped reason).
 
-    Buffers of `nbytes`. Device copies (CUDA `device` only, else skipped with the reason): pinned
-    device→host (d2h) and host→device (h2d) per rank, "alone" (rank 0, the others waiting) and
-    "all_ranks" (every rank of the run at once; ranks sharing a GPU share its copy engines), and
-    "bidir" (each rank copies both ways at once on two streams; both directions' bytes count). Host:
-    a 2-input add ("host_sum", 3 bytes of traffic per byte) and a copy ("host_copy", 2) on
-    `default_threads(local_ranks)` threads, every rank at once. Rates are per rank, of the slowest.
+    Host, on buffers of `host_bytes` (what fits in the caches matters: the worker measures at each
+    message size, up to `STAGE_BYTES`): a 2-input add ("host_sum", 3 bytes of traffic per byte) and a
+    copy ("host_copy", 2) on `default_threads(local_ranks)` threads, every rank at once. Device copies
+    of `copy_bytes` (hfreduce's copy size: one chunk; CUDA `device` only, else skipped with the
+    reason): pinned device→host (d2h) and host→device (h2d) per rank, "alone" (rank 0, the others
+    waiting) and "all_ranks" (every rank of the run at once; ranks sharing a GPU share its copy
+    engines), and "bidir" (each rank copies both ways at once on two streams; both directions' bytes
+    count). Rates are per rank, of the slowest rank, each copy waited for as hfreduce waits for its
+    chunk's.
     """
     threads = default_threads(local_ranks)
     entries: list[dict[str, Any]] = []
     rates: dict[str, float] = {}
 
-    def add(stage: str, mode: str, seconds: float | None, traffic: int, skipped: str | None = None) -> None:
+    def add(stage: str, mode: str, seconds: float | None, nbytes: int, traffic: int,
+            skipped: str | None = None) -> None:  # fmt: skip
         gbps = None if seconds is None else traffic * nbytes / seconds / GB
-        entries.append({"stage": stage, "mode": mode, "gbps": gbps, "traffic": traffic, "skipped": skipped})
+        entries.append({"stage": stage, "mode": mode, "gbps": gbps, "bytes": nbytes, "traffic": traffic,
+                        "skipped": skipped})  # fmt: skip
         if gbps is not None:
-            rates[f"{stage}_{mode}_gbps" if stage in ("d2h", "h2d") else f"{stage}_gbps"] = gbps
+            # StageRates' names: d2h_alone_gbps, d2h_all_gbps, ..., bidir_all_gbps, host_sum_gbps.
+            short = {"alone": "_alone", "all_ranks": "_all"}[mode] if stage in ("d2h", "h2d", "bidir") else ""
+            rates[f"{stage}{short}_gbps"] = gbps
 
-    summed, copied = _host_seconds(nbytes, threads, reps, ctrl)
-    add("host_sum", "all_ranks", summed, 3)
-    add("host_copy", "all_ranks", copied, 2)
+    summed, copied = _host_seconds(host_bytes, threads, reps, ctrl)
+    add("host_sum", "all_ranks", summed, host_bytes, 3)
+    add("host_copy", "all_ranks", copied, host_bytes, 2)
     if device.type != "cuda":
         reason = "no CUDA device: CPU tensors go to and from the slots by host copies (host_copy)"
         for stage, mode in (("d2h", "alone"), ("d2h", "all_ranks"), ("h2d", "alone"), ("h2d", "all_ranks")):
-            add(stage, mode, None, 1, reason)
-        add("bidir", "all_ranks", None, 2, reason)
-    else:
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dev2 = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        down, up = torch.cuda.Stream(device), torch.cuda.Stream(device)
+            add(stage, mode, None, copy_bytes, 1, reason)
+        add("bidir", "all_ranks", None, copy_bytes, 2, reason)
+        return StageRates(local_ranks=local_ranks, threads=threads, **rates), entries
+    host = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=True)
+    host2 = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+    dev2 = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+    down, up = torch.cuda.Stream(device), torch.cuda.Stream(device)
 
-        def d2h() -> None:
-            with torch.cuda.stream(down):
-                host.copy_(dev, non_blocking=True)
-            down.synchronize()
+    def d2h() -> None:
+        with torch.cuda.stream(down):
+            host.copy_(dev, non_blocking=True)
+        down.synchronize()
 
-        def h2d() -> None:
-            with torch.cuda.stream(up):
-                dev2.copy_(host2, non_blocking=True)
-            up.synchronize()
+    def h2d() -> None:
+        with torch.cuda.stream(up):
+            dev2.copy_(host2, non_blocking=True)
+        up.synchronize()
 
-        def both() -> None:
-            with torch.cuda.stream(down):
-                host.copy_(dev, non_blocking=True)
-            with torch.cuda.stream(up):
-                dev2.copy_(host2, non_blocking=True)
-            down.synchronize()
-            up.synchronize()
+    def both() -> None:
+        with torch.cuda.stream(down):
+            host.copy_(dev, non_blocking=True)
+        with torch.cuda.stream(up):
+            dev2.copy_(host2, non_blocking=True)
+        down.synchronize()
+        up.synchronize()
 
-        for mode, alone in (("alone", True), ("all_ranks", False)):
-            add("d2h", mode, _median_seconds(d2h, reps, device, ctrl, alone), 1)
-            add("h2d", mode, _median_seconds(h2d, reps, device, ctrl, alone), 1)
-        add("bidir", "all_ranks", _median_seconds(both, reps, device, ctrl, alone=False), 2)
+    calls = _calls_for(copy_bytes)
+    for mode, alone in (("alone", True), ("all_ranks", False)):
+        add("d2h", mode, _median_seconds(d2h, reps, device, ctrl, alone, calls), copy_bytes, 1)
+        add("h2d", mode, _median_seconds(h2d, reps, device, ctrl, alone, calls), copy_bytes, 1)
+    add("bidir", "all_ranks", _median_seconds(both, reps, device, ctrl, False, calls), copy_bytes, 2)
     return StageRates(local_ranks=local_ranks, threads=threads, **rates), entries
 
 
@@ -348,10 +370,12 @@ def _row(env: dict[str, Any], op: str, provider: str, mode: str, shape: list[int
 
 
 def _allreduce_rows(config: CommsConfig, env: dict[str, Any], device: torch.device, ctrl: Any,
-                    log: Callable[[str], None], rates: StageRates | None) -> list[ResultRow]:  # fmt: skip
-    """Allreduce rows per backend and size; hfreduce rows also get the bound of `rates` (one node)."""
+                    log: Callable[[str], None]) -> list[ResultRow]:  # fmt: skip
+    """Allreduce rows per backend and size; on one node hfreduce rows also get the stage rates
+    measured at their size (`measure_stage_rates`) and the bound they give (`hfreduce_bound`)."""
     world = dist.get_world_size()
-    nodes = max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes = max(1, world // local_ranks)
     rows = []
     for backend in config.backends:
         comm = _Comm(backend, device)
@@ -367,8 +391,13 @@ def _allreduce_rows(config: CommsConfig, env: dict[str, Any], device: torch.devi
                 "calls_per_rep": inner,
             }
             bound = ""
-            if comm.reducer is not None and rates is not None and nodes == 1:
+            if comm.reducer is not None and nodes == 1:
                 hr = comm.reducer
+                # The rates at this size (host buffers of the message, copies of one chunk): what the
+                # caches hold and each copy's latency are part of what the pipeline can reach.
+                rates, _ = measure_stage_rates(
+                    device, ctrl, local_ranks, min(nbytes, STAGE_BYTES), min(nbytes, hr.chunk_bytes)
+                )
                 bound_s = hfreduce_bound(
                     nbytes, rates, hr.chunk_bytes, hr.small_bytes, cuda=device.type == "cuda"
                 )
@@ -536,16 +565,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     env_all = environment_info(device, config.command)
     env = {k: env_all[k] for k in ENV_KEYS}
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
-    rates: StageRates | None = None
     stage_meta: dict[str, Any] = {}
     if "hfreduce" in config.backends:
+        # The machine's rates on buffers beyond the caches of most hosts (STAGE_BYTES) in the meta;
+        # the hfreduce rows carry the rates at their own size.
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         rates, entries = measure_stage_rates(device, ctrl, local_ranks)
         stage_meta = {"stage_rates": rates.as_dict(), "stage_rows": entries}
         for e in entries:
             rate = f"{e['gbps']:8.2f} GB/s" if e["gbps"] is not None else f"skipped: {e['skipped']}"
-            log(f"stage {e['stage']:9s} {e['mode']:9s} {rate}")
-    rows = _allreduce_rows(config, env, device, ctrl, log, rates)
+            log(f"stage {e['stage']:9s} {e['mode']:9s} {e['bytes']:>11,d} B {rate}")
+    rows = _allreduce_rows(config, env, device, ctrl, log)
     if config.ddp:
         rows += _ddp_rows(config, env, device, ctrl, log)
     if rank == 0:
@@ -584,6 +614,42 @@ def load_comms_results(folder: str | os.PathLike[str]) -> Any:
     if not frames:
         raise FileNotFoundError(f"folder: {folder} has no comms.json or ddp.json")
     return pd.concat(frames, ignore_index=True)
+
+
+def stage_rates_of(frame: Any) -> StageRates | None:
+    """The `StageRates` an allreduce run measured (in its hfreduce rows' `extra`) from a results frame,
+    None when its rows have none."""
+    for extra in frame[frame["op"] == "allreduce"]["extra"]:
+        if isinstance(extra, dict) and extra.get("stage_rates"):
+            return StageRates.from_dict(extra["stage_rates"])
+    return None
+
+
+def hfreduce_bound_table(frame: Any) -> Any:
+    """hfreduce's measured allreduce time beside the bound measured in the same run, per size, from a
+    results frame (`load_comms_results` / `rows_to_frame` columns): one line per hfreduce row with a
+    bound, columns backend ("hfreduce"), nbytes, measured_ms, bound_ms, bound_fraction, path, and
+    gloo_ms where the run has gloo at that size. Empty (those columns) when no row has a bound, as
+    in results from before the stage rates were measured."""
+    import pandas as pd
+
+    columns = ["backend", "nbytes", "measured_ms", "bound_ms", "bound_fraction", "path", "gloo_ms"]
+    ar = frame[frame["op"] == "allreduce"]
+    gloo = {int(r["shape"][0]): float(r["p50_ms"]) for _, r in ar[ar["provider"] == "gloo"].iterrows()}
+    lines = [
+        {
+            "backend": "hfreduce",
+            "nbytes": int(r["shape"][0]),
+            "measured_ms": float(r["p50_ms"]),
+            "bound_ms": float(r["extra"]["bound_ms"]),
+            "bound_fraction": float(r["extra"]["bound_fraction"]),
+            "path": r["extra"].get("path"),
+            "gloo_ms": gloo.get(int(r["shape"][0]), float("nan")),
+        }
+        for _, r in ar[ar["provider"] == "hfreduce"].iterrows()
+        if isinstance(r["extra"], dict) and "bound_ms" in r["extra"]
+    ]
+    return pd.DataFrame(lines, columns=columns).sort_values("nbytes", ignore_index=True)
 
 
 def run_comms_benchmark(
