@@ -374,3 +374,18 @@ def test_hfreduce_cuda_separate_copy_streams() -> None:
     for rank_errors in spawn_local(_cuda_streams, 2, timeout_s=120, start_method="spawn"):
         for case, err in rank_errors:
             assert err <= (1e-6 if "float32" in case else 0.0), (case, err)
+
+
+def _different_small_kb(rank: int) -> str:
+    try:
+        HostReduce(small_kb=64.0 * (1 + rank), timeout=timedelta(seconds=10))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_hfreduce_different_small_kb_raise_on_every_rank() -> None:
+    # Ranks that disagree on the small path's limit would take different paths for one message.
+    for message in spawn_local(_different_small_kb, 2, timeout_s=30):
+        assert "small_kb: expected the same on every local rank" in message, message
+        assert f"[{64 << 10}, {128 << 10}]" in message, message

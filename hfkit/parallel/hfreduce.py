@@ -248,22 +248,31 @@ class HostReduce:
                     fd = os.memfd_create(f"hfkit-hfreduce-n{self.node}", os.MFD_CLOEXEC)
                     path = f"/proc/{os.getpid()}/fd/{fd}"
                 os.ftruncate(fd, nbytes)
-            # (segment path, chunk bytes) of every local rank: the leader's path for all, and a check
-            # that all slice the segment alike (a different chunk_mb would read another rank's slots).
+            # (segment path, chunk bytes, small bytes) of every local rank: the leader's path for all,
+            # and a check that all slice the segment alike (a different chunk_mb would read another
+            # rank's slots) and take the same path for a message (a different small_kb would deadlock).
             gathered: list[Any] = [None] * self.local_world_size
             try:
-                dist.all_gather_object(gathered, (path, self.chunk_bytes), group=self._node_group)
+                dist.all_gather_object(
+                    gathered, (path, self.chunk_bytes, self.small_bytes), group=self._node_group
+                )
             except Exception as e:
                 raise RuntimeError(
                     f"HostReduce (rank {self.rank}, node {self.node}): receiving the shared segment from the "
                     f"node leader (rank {self._leader}) failed: a local peer died or did not arrive within "
                     f"the {self.timeout} timeout ({type(e).__name__}: {e})"
                 ) from e
-            chunks = [c for _, c in gathered]
+            chunks = [c for _, c, _ in gathered]
             if len(set(chunks)) > 1:
                 raise ValueError(
                     f"chunk_mb: expected the same on every local rank of node {self.node}, got chunks of "
                     f"{chunks} bytes on local ranks 0..{self.local_world_size - 1}"
+                )
+            smalls = [b for _, _, b in gathered]
+            if len(set(smalls)) > 1:
+                raise ValueError(
+                    f"small_kb: expected the same on every local rank of node {self.node}, got small-path "
+                    f"limits of {smalls} bytes on local ranks 0..{self.local_world_size - 1}"
                 )
             leader_path = gathered[0][0]
             try:
