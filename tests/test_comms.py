@@ -196,17 +196,22 @@ def test_worker_measures_device_copy_rates(tmp_path):
         assert r["extra"]["device"] == "cuda" and r["extra"]["bound_ms"] > 0
 
 
-def test_hfreduce_bound_table(worker_rows):
-    from hfkit.bench.comms import hfreduce_bound_table, stage_rates_of
+def test_bound_comparison_of_a_run(worker_rows):
     from hfkit.bench.results import rows_to_frame
+    from hfkit.parallel.cost_model import bound_comparison, measured_stage_rates
+    from hfkit.viz.comms import allreduce_frame
 
     _, rows, _, _ = worker_rows
-    frame = rows_to_frame(rows)
-    table = hfreduce_bound_table(frame)
+    frame = allreduce_frame(rows_to_frame(rows))
+    table = bound_comparison(frame)
     assert list(table["nbytes"]) == [4096, 16384, 65536] and (table["backend"] == "hfreduce").all()
     assert (table["bound_ms"] > 0).all() and (table["gloo_ms"] > 0).all()
     assert np.allclose(table["bound_fraction"], table["bound_ms"] / table["measured_ms"])
-    assert stage_rates_of(frame) is not None and stage_rates_of(frame).local_ranks == 2
+    assert list(table["path"]) == ["small"] * 3
+    largest = next(r for r in rows if r["provider"] == "hfreduce" and r["shape"] == [65536])
+    assert measured_stage_rates(frame).as_dict() == largest["extra"]["stage_rates"]
     # Committed results from before the stage rates: an empty table, no rates.
-    old = load_comms_results(Path(__file__).resolve().parents[1] / "data" / "results" / "cpu")
-    assert hfreduce_bound_table(old).empty and stage_rates_of(old) is None
+    old = allreduce_frame(
+        load_comms_results(Path(__file__).resolve().parents[1] / "data" / "results" / "cpu")
+    )
+    assert bound_comparison(old).empty and measured_stage_rates(old) is None

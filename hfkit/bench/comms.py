@@ -60,8 +60,6 @@ __all__ = [
     "build_param_model",
     "ddp_path",
     "default_backends",
-    "hfreduce_bound_table",
-    "stage_rates_of",
     "load_comms_results",
     "measure_stage_rates",
     "message_sizes",
@@ -614,42 +612,6 @@ def load_comms_results(folder: str | os.PathLike[str]) -> Any:
     if not frames:
         raise FileNotFoundError(f"folder: {folder} has no comms.json or ddp.json")
     return pd.concat(frames, ignore_index=True)
-
-
-def stage_rates_of(frame: Any) -> StageRates | None:
-    """The `StageRates` an allreduce run measured (in its hfreduce rows' `extra`) from a results frame,
-    None when its rows have none."""
-    for extra in frame[frame["op"] == "allreduce"]["extra"]:
-        if isinstance(extra, dict) and extra.get("stage_rates"):
-            return StageRates.from_dict(extra["stage_rates"])
-    return None
-
-
-def hfreduce_bound_table(frame: Any) -> Any:
-    """hfreduce's measured allreduce time beside the bound measured in the same run, per size, from a
-    results frame (`load_comms_results` / `rows_to_frame` columns): one line per hfreduce row with a
-    bound, columns backend ("hfreduce"), nbytes, measured_ms, bound_ms, bound_fraction, path, and
-    gloo_ms where the run has gloo at that size. Empty (those columns) when no row has a bound, as
-    in results from before the stage rates were measured."""
-    import pandas as pd
-
-    columns = ["backend", "nbytes", "measured_ms", "bound_ms", "bound_fraction", "path", "gloo_ms"]
-    ar = frame[frame["op"] == "allreduce"]
-    gloo = {int(r["shape"][0]): float(r["p50_ms"]) for _, r in ar[ar["provider"] == "gloo"].iterrows()}
-    lines = [
-        {
-            "backend": "hfreduce",
-            "nbytes": int(r["shape"][0]),
-            "measured_ms": float(r["p50_ms"]),
-            "bound_ms": float(r["extra"]["bound_ms"]),
-            "bound_fraction": float(r["extra"]["bound_fraction"]),
-            "path": r["extra"].get("path"),
-            "gloo_ms": gloo.get(int(r["shape"][0]), float("nan")),
-        }
-        for _, r in ar[ar["provider"] == "hfreduce"].iterrows()
-        if isinstance(r["extra"], dict) and "bound_ms" in r["extra"]
-    ]
-    return pd.DataFrame(lines, columns=columns).sort_values("nbytes", ignore_index=True)
 
 
 def run_comms_benchmark(

@@ -35,12 +35,14 @@ __all__ = [
     "Calibration",
     "StageRates",
     "a100_pcie_fireflyer",
+    "bound_comparison",
     "h200_nvlink",
     "calibrate",
     "calibrate_backends",
     "fit_cluster",
     "hfreduce_bound",
     "hfreduce_stages",
+    "measured_stage_rates",
     "model_comparison",
     "predict",
     "ring_allreduce_time",
@@ -476,7 +478,7 @@ def fit_cluster(spec: ClusterSpec, frame: pd.DataFrame) -> ClusterSpec:
             raise ValueError(f"frame: {backend} times must be positive")
     g = int(worlds[0])
     base = spec.with_(gpus_per_node=g, nodes=1, chunk_overhead_us=0.0)
-    rates = _measured_stage_rates(rows["hfreduce"])
+    rates = measured_stage_rates(rows["hfreduce"])
     if rates is not None:
         if rates.local_ranks != g:
             raise ValueError(f"frame: expected stage rates of {g} local ranks, got {rates.local_ranks}")
@@ -529,14 +531,48 @@ def fit_cluster(spec: ClusterSpec, frame: pd.DataFrame) -> ClusterSpec:
     return fitted.with_(name=f"{g}× {gpu}(fitted)", notes=notes)
 
 
-def _measured_stage_rates(rows: pd.DataFrame) -> StageRates | None:
-    """The `StageRates` in the `extra` of hfreduce rows (the comms benchmark's), None where absent."""
-    if "extra" not in rows:
+def measured_stage_rates(frame: pd.DataFrame) -> StageRates | None:
+    """The `StageRates` in the `extra` of a run's hfreduce allreduce rows (columns provider, extra and,
+    where present, nbytes, as `allreduce_frame` gives them): the comms benchmark measures them at each
+    size, and those of the largest size are returned. None where the rows have none (results from
+    before the rates were recorded)."""
+    if "extra" not in frame or "provider" not in frame:
         return None
+    rows = frame[frame["provider"] == "hfreduce"]
+    if "nbytes" in rows:
+        rows = rows.sort_values("nbytes", ascending=False)
     for extra in rows["extra"]:
         if isinstance(extra, dict) and extra.get("stage_rates"):
             return StageRates.from_dict(extra["stage_rates"])
     return None
+
+
+def bound_comparison(frame: pd.DataFrame) -> pd.DataFrame:
+    """hfreduce's measured time beside the bound measured in the same run, per size: one line per
+    hfreduce row of `frame` (`allreduce_frame` columns provider, nbytes, p50_ms, extra) whose `extra`
+    has a bound, with backend ("hfreduce"), nbytes, measured_ms, bound_ms, bound_fraction (bound over
+    measured: 1 = at the bound), path (small | pipelined), and gloo_ms where the run has gloo at that
+    size. Empty (those columns) when no row has a bound."""
+    import pandas as pd
+
+    _require_columns(frame, {"provider", "nbytes", "p50_ms", "extra"})
+    columns = ["backend", "nbytes", "measured_ms", "bound_ms", "bound_fraction", "path", "gloo_ms"]
+    gloo_rows = frame[frame["provider"] == "gloo"]
+    gloo = dict(zip(gloo_rows["nbytes"].astype(int), gloo_rows["p50_ms"].astype(float), strict=True))
+    lines = [
+        {
+            "backend": "hfreduce",
+            "nbytes": int(r.nbytes),
+            "measured_ms": float(r.p50_ms),
+            "bound_ms": float(r.extra["bound_ms"]),
+            "bound_fraction": float(r.extra["bound_fraction"]),
+            "path": r.extra.get("path"),
+            "gloo_ms": gloo.get(int(r.nbytes), float("nan")),
+        }
+        for r in frame[frame["provider"] == "hfreduce"].itertuples()
+        if isinstance(r.extra, dict) and "bound_ms" in r.extra
+    ]
+    return pd.DataFrame(lines, columns=columns).sort_values("nbytes", ignore_index=True)
 
 
 def seed_comparison(params: int = AF2_PARAMS, bucket_mb: float = 25.0) -> pd.DataFrame:
