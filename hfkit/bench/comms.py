@@ -9,19 +9,22 @@ backward alone on one process, backward on n processes without synchronization, 
 gradient synchronization per backend with overlap on and off; overhead = that minus backward alone.
 Allreduce rows go to `--out` (`comms.json`), DDP rows to `ddp_path(out)` beside it (`ddp.json`).
 
-Stage rates, measured in the same run before the allreduce (`hfkit.parallel.cost_model.StageRates`,
-in `meta["stage_rates"]` with one entry per measurement in `meta["stage_rows"]`, skipped ones with
-the reason): pinned device→host and host→device GB/s per rank, one rank alone and every local rank
-copying at once, both directions at once on two streams (CUDA only); the host sum (a 2-input add,
-counting read, read, write) and a host copy (read, write) on the threads a rank has
-(`hfkit.parallel.hfreduce.default_threads`), every rank at once. Each hfreduce row's `extra` holds
-those rates, `bound_ms` — the time a pipelined host-staged allreduce of that size cannot beat
-(`hfkit.parallel.cost_model.hfreduce_bound`: per chunk of c bytes, the stages device→host c/D, the
-sum of this rank's slice of the L local slots (L+1)·(c/L)/H and host→device c/U overlap, so
-T ≈ d2h + sum + h2d (one chunk's latency of fill) + (chunks−1)·max(max(c/D, c/U, 2c/B), sum); on
-a CPU the copies and the sum share the cores: T = 4S/C + (L+1)·S/(L·H)) — and `bound_fraction`,
-bound over measured time (1 = at the bound). On several nodes the cross-node stage is not measured:
-no bound there.
+Stage rates (`hfkit.parallel.cost_model.StageRates`, `measure_stage_rates`), measured in the same run
+as the allreduce: pinned device→host and host→device GB/s per rank, one rank alone and every local rank
+copying at once, and both directions at once on two streams (CUDA only; on a CPU skipped entries with
+the reason); the host sum (a 2-input add, counting read, read, write) and a host copy (read, write) on
+the threads a rank has (`hfkit.parallel.hfreduce.default_threads`), every rank at once. Before the
+allreduce on `STAGE_BYTES` buffers (`meta["stage_rates"]`, and one entry per measurement in
+`meta["stage_rows"]`); then for each hfreduce size on buffers of that size (host) and of one chunk
+(copies), kept in the row's `extra["stage_rates"]` with `bound_ms`, the time a pipelined host-staged
+allreduce of that size cannot beat with those rates, and `bound_fraction` = bound / measured time
+(1 = at the bound). The bound (`hfkit.parallel.cost_model.hfreduce_bound`), for L local ranks and
+chunks of c bytes: on GPUs the stages device→host c/D, the sum of this rank's 1/L slice over the L
+slots (L+1)·(c/L)/H and host→device c/U overlap, both copies at once limited by 2c/B, so
+T = c/D + (L+1)·(c/L)/H + c/U (one chunk's latency of fill) + (chunks−1)·max(c/D, c/U, 2c/B,
+(L+1)·(c/L)/H); on a CPU the copies into and out of the slots and the sum share the rank's cores,
+T = 4S/C + (L+1)·S/(L·H); messages up to the small-path limit: T = in + (L+1)·S/H + out. On several
+nodes the cross-node stage is not measured: no bound there.
 """
 
 from __future__ import annotations
