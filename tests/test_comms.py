@@ -173,7 +173,7 @@ def test_worker_stage_rates_and_bound(worker_rows):
     for r in hf:
         e = r["extra"]
         nbytes = r["shape"][0]
-        # Each row's bound comes from the rates measured at its own size (host buffers of the message).
+        # Each row's bound comes from the rates measured at its own size (buffers of one pipeline step).
         row_rates = StageRates.from_dict(e["stage_rates"])
         assert row_rates.local_ranks == 2 and row_rates.host_sum_gbps > 0 and not row_rates.cuda
         expected = hfreduce_bound(nbytes, row_rates, e["chunk_bytes"], 256 << 10, cuda=False)

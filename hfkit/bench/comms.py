@@ -9,26 +9,26 @@ backward alone on one process, backward on n processes without synchronization, 
 gradient synchronization per backend with overlap on and off; overhead = that minus backward alone.
 Allreduce rows go to `--out` (`comms.json`), DDP rows to `ddp_path(out)` beside it (`ddp.json`).
 
-Stage rates (`hfkit.parallel.cost_model.StageRates`, `measure_stage_rates`), measured in the same run
-as the allreduce: pinned device→host and host→device GB/s per rank, one rank alone and every local rank
-copying at once, and both directions at once on two streams (CUDA only; on a CPU skipped entries with
-the reason); the host sum (a 2-input add, counting read, read, write) and a host copy (read, write) on
-the threads a rank has (`hfkit.parallel.hfreduce.default_threads`), every rank at once. Before the
-allreduce on `STAGE_BYTES` buffers (`meta["stage_rates"]`, and one entry per measurement in
-`meta["stage_rows"]`); then for each hfreduce size on buffers of that size (host) and of one chunk
-(copies), kept in the row's `extra["stage_rates"]` with `bound_ms`, the time a pipelined host-staged
-allreduce of that size cannot beat with those rates, and `bound_fraction` = bound / measured time
-(1 = at the bound). The bound (`hfkit.parallel.cost_model.hfreduce_bound`), for L local ranks and
-chunks of c bytes: on GPUs the stages device→host c/D, the sum of this rank's 1/L slice over the L
-slots (L+1)·(c/L)/H and host→device c/U overlap, both copies at once limited by 2c/B, so
-T = c/D + (L+1)·(c/L)/H + c/U (one chunk's latency of fill) + (chunks−1)·max(c/D, c/U, 2c/B,
-(L+1)·(c/L)/H); on a CPU the copies into and out of the slots and the sum share the rank's cores,
-T = 4S/C + (L+1)·S/(L·H); messages up to the small-path limit: T = in + (L+1)·S/H + out. On several
-nodes the cross-node stage is not measured: no bound there.
+Stage rates (`hfkit.parallel.cost_model.StageRates`, `measure_stage_rates`), measured in the same run as the
+allreduce: pinned device→host and host→device GB/s per rank, one rank alone and every local rank copying at
+once, and both directions at once on two streams (CUDA only; on a CPU skipped entries with the reason); the
+host sum (a 2-input add, counting read, read, write) and a host copy (read, write) on the threads a rank has
+(`hfkit.parallel.hfreduce.default_threads`), every rank at once. Before the allreduce on `STAGE_BYTES` buffers
+(`meta["stage_rates"]`, and one entry per measurement in `meta["stage_rows"]`); then for each hfreduce size on
+buffers of what the pipeline moves in one step, one chunk (the message, when smaller), kept in the row's
+`extra["stage_rates"]` with `bound_ms`, the time a pipelined host-staged allreduce of that size cannot beat
+with those rates, and `bound_fraction` = bound / measured time (1 = at the bound). The bound
+(`hfkit.parallel.cost_model.hfreduce_bound`), for L local ranks and chunks of c bytes: on GPUs the stages
+device→host c/D, the sum of this rank's 1/L slice over the L slots (L+1)·(c/L)/H and host→device c/U overlap,
+both copies at once limited by 2c/B, so T = c/D + (L+1)·(c/L)/H + c/U (one chunk's latency of fill) +
+(chunks−1)·max(c/D, c/U, 2c/B, (L+1)·(c/L)/H); on a CPU the copies into and out of the slots and the sum share
+the rank's cores, T = 4S/C + (L+1)·S/(L·H); messages up to the small-path limit: T = in + (L+1)·S/H + out. On
+several nodes the cross-node stage is not measured: no bound there.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -265,15 +265,14 @@ def measure_stage_rates(
     """hfreduce's stage rates on this node (collective over the default group; `ctrl` a gloo group),
     and one entry per measurement (stage, mode, gbps, bytes, traffic counted per byte, skipped reason).
 
-    Host, on buffers of `host_bytes` (what fits in the caches matters: the worker measures at each
-    message size, up to `STAGE_BYTES`): a 2-input add ("host_sum", 3 bytes of traffic per byte) and a
-    copy ("host_copy", 2) on `default_threads(local_ranks)` threads, every rank at once. Device copies
-    of `copy_bytes` (hfreduce's copy size: one chunk; CUDA `device` only, else skipped with the
-    reason): pinned device→host (d2h) and host→device (h2d) per rank, "alone" (rank 0, the others
-    waiting) and "all_ranks" (every rank of the run at once; ranks sharing a GPU share its copy
-    engines), and "bidir" (each rank copies both ways at once on two streams; both directions' bytes
-    count). Rates are per rank, of the slowest rank, each copy waited for as hfreduce waits for its
-    chunk's.
+    Host, on buffers of `host_bytes` (what fits in the caches matters: the worker measures on one chunk, the
+    working set of one pipeline step): a 2-input add ("host_sum", 3 bytes of traffic per byte) and a copy
+    ("host_copy", 2) on `default_threads(local_ranks)` threads, every rank at once. Device copies of
+    `copy_bytes` (hfreduce's copy size: one chunk; CUDA `device` only, else skipped with the reason): pinned
+    device→host (d2h) and host→device (h2d) per rank, "alone" (rank 0, the others waiting) and "all_ranks"
+    (every rank of the run at once; ranks sharing a GPU share its copy engines), and "bidir" (each rank copies
+    both ways at once on two streams; both directions' bytes count). Rates are per rank, of the slowest rank,
+    each copy waited for as hfreduce waits for its chunk's.
     """
     threads = default_threads(local_ranks)
     entries: list[dict[str, Any]] = []
@@ -378,9 +377,14 @@ def _allreduce_rows(config: CommsConfig, env: dict[str, Any], device: torch.devi
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     nodes = max(1, world // local_ranks)
     rows = []
-    for backend in config.backends:
-        comm = _Comm(backend, device)
-        for nbytes in message_sizes(config.min_bytes, config.max_bytes, config.factor):
+    # Sizes outer, backends inner: the backends are compared at a size within seconds of each other,
+    # under the same load from anything else on the machine.
+    comms = [_Comm(backend, device) for backend in config.backends]
+    try:
+        for nbytes, comm in itertools.product(
+            message_sizes(config.min_bytes, config.max_bytes, config.factor), comms
+        ):
+            backend = comm.backend
             times, inner = _time_allreduce(comm, nbytes, config.warmup, config.reps, config.budget_s, ctrl)
             t = float(np.median(times))
             extra = {
@@ -394,11 +398,10 @@ def _allreduce_rows(config: CommsConfig, env: dict[str, Any], device: torch.devi
             bound = ""
             if comm.reducer is not None and nodes == 1:
                 hr = comm.reducer
-                # The rates at this size (host buffers of the message, copies of one chunk): what the
+                # The rates of one pipeline step (one chunk, or the message when smaller): what the
                 # caches hold and each copy's latency are part of what the pipeline can reach.
-                rates, _ = measure_stage_rates(
-                    device, ctrl, local_ranks, min(nbytes, STAGE_BYTES), min(nbytes, hr.chunk_bytes)
-                )
+                step = min(nbytes, hr.chunk_bytes)
+                rates, _ = measure_stage_rates(device, ctrl, local_ranks, step, step)
                 bound_s = hfreduce_bound(
                     nbytes, rates, hr.chunk_bytes, hr.small_bytes, cuda=device.type == "cuda"
                 )
@@ -417,7 +420,9 @@ def _allreduce_rows(config: CommsConfig, env: dict[str, Any], device: torch.devi
                 f"allreduce {backend:9s} {nbytes:>11,d} B  {t * 1e3:9.3f} ms"
                 f"  busbw {extra['busbw_gbps']:.2f} GB/s{bound}"
             )
-        comm.close()
+    finally:
+        for comm in comms:
+            comm.close()
     return rows
 
 
