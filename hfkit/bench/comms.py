@@ -229,25 +229,30 @@ def _calls_for(nbytes: int) -> int:
     return int(min(100, max(1, STAGE_BYTES // max(1, nbytes))))
 
 
-def _host_seconds(nbytes: int, threads: int, reps: int, ctrl: Any) -> tuple[float, float]:
-    """Seconds of a 2-input add and of a copy of `nbytes` of fp32 on `threads` threads, as HostReduce
-    splits them (`split_over_threads`), every rank at once (the slowest rank's median)."""
+def _host_seconds(nbytes: int, stream_bytes: int, threads: int, reps: int, ctrl: Any) -> tuple[float, float]:
+    """Seconds of a 2-input add of `nbytes` of fp32, and of copying `stream_bytes` into and out of an
+    `nbytes` buffer chunk by chunk (as hfreduce copies a CPU tensor to its slot and back), on `threads`
+    threads as HostReduce splits them (`split_over_threads`), every rank at once (the slowest rank's
+    median)."""
     n = max(1, nbytes // 4)
     a, b, out = (torch.ones(n) for _ in range(3))
-    cpu, calls = torch.device("cpu"), _calls_for(nbytes)
+    big = torch.ones(max(n, stream_bytes // 4))
+    cpu = torch.device("cpu")
 
     def add_part(i: int, j: int) -> None:
         torch.add(a[i:j], b[i:j], out=out[i:j])
 
-    def copy_part(i: int, j: int) -> None:
-        out[i:j].copy_(a[i:j])
+    def copy_chunks() -> None:
+        for lo in range(0, big.numel(), n):
+            m = min(n, big.numel() - lo)
+            split_over_threads(lambda i, j, lo=lo: out[i:j].copy_(big[lo + i : lo + j]), m, threads, pool)
+            split_over_threads(lambda i, j, lo=lo: big[lo + i : lo + j].copy_(out[i:j]), m, threads, pool)
 
     pool = ThreadPoolExecutor(threads - 1) if threads > 1 else None
     try:
         summed = _median_seconds(lambda: split_over_threads(add_part, n, threads, pool), reps, cpu, ctrl,
-                                 False, calls)  # fmt: skip
-        copied = _median_seconds(lambda: split_over_threads(copy_part, n, threads, pool), reps, cpu, ctrl,
-                                 False, calls)  # fmt: skip
+                                 False, _calls_for(nbytes))  # fmt: skip
+        copied = _median_seconds(copy_chunks, reps, cpu, ctrl, False, _calls_for(big.numel() * 4))
     finally:
         if pool is not None:
             pool.shutdown()
@@ -260,14 +265,17 @@ def measure_stage_rates(
     local_ranks: int,
     host_bytes: int = STAGE_BYTES,
     copy_bytes: int = STAGE_BYTES,
+    stream_bytes: int | None = None,
     reps: int = 5,
 ) -> tuple[StageRates, list[dict[str, Any]]]:
     """hfreduce's stage rates on this node (collective over the default group; `ctrl` a gloo group),
     and one entry per measurement (stage, mode, gbps, bytes, traffic counted per byte, skipped reason).
 
     Host, on buffers of `host_bytes` (what fits in the caches matters: the worker measures on one chunk, the
-    working set of one pipeline step): a 2-input add ("host_sum", 3 bytes of traffic per byte) and a copy
-    ("host_copy", 2) on `default_threads(local_ranks)` threads, every rank at once. Device copies of
+    working set of one pipeline step): a 2-input add ("host_sum", 3 bytes of traffic per byte), and
+    `stream_bytes` (default `host_bytes`; the worker: the message) copied into and out of that buffer
+    chunk by chunk, as hfreduce moves a CPU tensor through its slot ("host_copy", 4: a read and a write
+    each way), on `default_threads(local_ranks)` threads, every rank at once. Device copies of
     `copy_bytes` (hfreduce's copy size: one chunk; CUDA `device` only, else skipped with the reason): pinned
     device→host (d2h) and host→device (h2d) per rank, "alone" (rank 0, the others waiting) and "all_ranks"
     (every rank of the run at once; ranks sharing a GPU share its copy engines), and "bidir" (each rank copies
@@ -288,9 +296,10 @@ def measure_stage_rates(
             short = {"alone": "_alone", "all_ranks": "_all"}[mode] if stage in ("d2h", "h2d", "bidir") else ""
             rates[f"{stage}{short}_gbps"] = gbps
 
-    summed, copied = _host_seconds(host_bytes, threads, reps, ctrl)
+    stream_bytes = stream_bytes or host_bytes
+    summed, copied = _host_seconds(host_bytes, stream_bytes, threads, reps, ctrl)
     add("host_sum", "all_ranks", summed, host_bytes, 3)
-    add("host_copy", "all_ranks", copied, host_bytes, 2)
+    add("host_copy", "all_ranks", copied, stream_bytes, 4)  # in and out, each a read and a write
     if device.type != "cuda":
         reason = "no CUDA device: CPU tensors go to and from the slots by host copies (host_copy)"
         for stage, mode in (("d2h", "alone"), ("d2h", "all_ranks"), ("h2d", "alone"), ("h2d", "all_ranks")):
@@ -401,7 +410,8 @@ def _allreduce_rows(config: CommsConfig, env: dict[str, Any], device: torch.devi
                 # The rates of one pipeline step (one chunk, or the message when smaller): what the
                 # caches hold and each copy's latency are part of what the pipeline can reach.
                 step = min(nbytes, hr.chunk_bytes)
-                rates, _ = measure_stage_rates(device, ctrl, local_ranks, step, step)
+                streamed = min(nbytes, STAGE_BYTES)
+                rates, _ = measure_stage_rates(device, ctrl, local_ranks, step, step, streamed)
                 bound_s = hfreduce_bound(
                     nbytes, rates, hr.chunk_bytes, hr.small_bytes, cuda=device.type == "cuda"
                 )
