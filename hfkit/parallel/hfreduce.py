@@ -385,10 +385,10 @@ class HostReduce:
     def _sleep_until_woken(self, epoch: int, seconds: float) -> None:
         """Sleep until a local rank bumps the wake word, at most `seconds` (futex), unless every
         counter has reached `epoch` since the word was read; elsewhere sleep `seconds`."""
-        words = self._words
-        if _FUTEX is None or not len(words):  # (no words: closed on another thread meanwhile)
+        if _FUTEX is None:
             time.sleep(seconds)
             return
+        words = self._words
         seen = int(words[_WAKE_WORD])  # read before the counters: an arrival after this changes it
         if self._flags[:, _COUNTER].min() >= epoch:
             return
