@@ -12,10 +12,7 @@ CPU machine two worker threads summed 64 MiB fp32 at 20.8 GB/s against 17.1 GB/s
 intra-op threads, which are also a process-wide setting); bf16/fp16 are summed in a float32
 accumulator (also across nodes) and rounded once. The node's ranks meet once per chunk; on x86 that is
 a barrier of counters in the shared segment (a few microseconds), elsewhere a gloo barrier (~0.1 ms),
-since the counters rely on x86's store ordering. A rank that waits past a short spin sleeps on a futex
-in the segment (Linux x86-64) until the last peer arrives: on the shared 2-core CPU machine, where a
-spinning rank kept its late peer off the cores, that cut the barrier's share of a 4 MB all-reduce from
-2.1 of 3.8 ms to 0.14 of 1.7 ms. CPU tensors skip the device copies: their data is
+since the counters rely on x86's store ordering. CPU tensors skip the device copies: their data is
 copied to and from the shared slots by the same threads. Messages of at most `small_kb` on one node
 take a path with one barrier instead of two: each rank sums all L slots into its own tensor.
 
@@ -31,7 +28,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import math
 import os
 import platform
@@ -62,35 +58,6 @@ _COUNTER, _GAVE_UP = 0, 1
 # The counter barrier needs a rank's earlier stores (its chunk in the slot) to be seen before its counter:
 # guaranteed by x86's total store order, not by weaker models (Arm), where the gloo barrier is used.
 _STORE_ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-# Line 0's third int64 is the node's wake word (its low 32 bits): a rank that arrives at a barrier bumps
-# it and wakes the ranks asleep on it (a futex on the shared mapping).
-_WAKE_WORD = 2 * 8 // 4  # index in the int32 view of the flag lines
-# Spinning, then yielding the core, for this long before a late peer is waited for by sleeping.
-_SPIN_S = 1e-4
-_SYS_FUTEX_X86_64, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-def _futex_syscall() -> Any:
-    """libc's `syscall` set up for futex(2) on Linux x86-64, else None (there the waiting rank sleeps
-    in steps instead). A futex sleeps in the kernel until woken: on a host whose cores are all busy the
-    waiting rank gives its core to the late peer at once, and wakes within microseconds of it."""
-    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).syscall
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_long
-    fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_int]  # fmt: skip
-    return fn
-
-
-_FUTEX = _futex_syscall()
 
 
 def _shm_dir() -> str:
@@ -250,7 +217,6 @@ class HostReduce:
         flags = lws * _FLAG_BYTES
         # [L, 8] int64 view of the ranks' lines, as numpy (one read of all counters per poll).
         self._flags = self._segment[:flags].view(torch.int64).view(lws, _FLAG_BYTES // 8).numpy()
-        self._words = self._segment[:flags].view(torch.int32).numpy()  # the wake word (int32 view)
         self._buf = self._segment[flags:]  # the slots and results
 
     # ---------------------------------------------------------------- set-up and tear-down
@@ -344,14 +310,12 @@ class HostReduce:
         self._closed = True
         if len(self._flags):
             self._flags[self.local_rank, _GAVE_UP] = 1
-            self._wake_peers()  # a peer asleep in a barrier wakes and sees the mark
         if self._pinned:
             with contextlib.suppress(Exception):
                 torch.cuda.cudart().cudaHostUnregister(self._segment.data_ptr())
             self._pinned = False
         self._segment = self._buf = torch.empty(0, dtype=torch.uint8)
-        self._flags = self._flags[:0].copy()  # drops the views that kept the mapping alive
-        self._words = self._words[:0].copy()
+        self._flags = self._flags[:0].copy()  # drops the view that kept the mapping alive
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
@@ -373,35 +337,11 @@ class HostReduce:
                 f"peer died or did not arrive within the {self.timeout} timeout ({type(e).__name__}: {e})"
             ) from e
 
-    def _wake_peers(self) -> None:
-        """Bump the node's wake word and wake every local rank asleep on it (futex; no-op elsewhere).
-        Stores are seen in order on x86: a rank that sees the new word also sees the stores before it."""
-        if _FUTEX is None or not len(self._words):
-            return
-        words = self._words
-        words[_WAKE_WORD] = (int(words[_WAKE_WORD]) + 1) & 0x7FFFFFFF
-        _FUTEX(_SYS_FUTEX_X86_64, words.ctypes.data + 4 * _WAKE_WORD, _FUTEX_WAKE, 2**31 - 1, None, None, 0)
-
-    def _sleep_until_woken(self, epoch: int, seconds: float) -> None:
-        """Sleep until a local rank bumps the wake word, at most `seconds` (futex), unless every
-        counter has reached `epoch` since the word was read; elsewhere sleep `seconds`."""
-        if _FUTEX is None:
-            time.sleep(seconds)
-            return
-        words = self._words
-        seen = int(words[_WAKE_WORD])  # read before the counters: an arrival after this changes it
-        if self._flags[:, _COUNTER].min() >= epoch:
-            return
-        timeout = _Timespec(0, int(seconds * 1e9))
-        address = words.ctypes.data + 4 * _WAKE_WORD
-        _FUTEX(_SYS_FUTEX_X86_64, address, _FUTEX_WAIT, seen, ctypes.byref(timeout), None, 0)
-
     def _chunk_barrier(self, what: str) -> None:
-        """The node's ranks meet: each raises its counter to the next epoch, wakes those asleep, and
-        waits until every counter has reached it. Spins briefly, then yields the core, then (past
-        `_SPIN_S`) sleeps until woken (a futex on the segment's wake word, on Linux x86-64; elsewhere in
-        growing steps), so a late peer costs little CPU; raises RuntimeError naming the missing local
-        ranks after `timeout`, or at once when one of them gave up (or this HostReduce was closed).
+        """The node's ranks meet: each raises its counter to the next epoch and waits until every
+        counter has reached it. Spins briefly, then yields the core, then sleeps in growing steps (a
+        late peer costs little CPU); raises RuntimeError naming the missing local ranks after `timeout`,
+        or at once when one of them gave up (or this HostReduce was closed).
         """
         if not _STORE_ORDERED:
             self._barrier(what)
@@ -410,7 +350,6 @@ class HostReduce:
         epoch, flags = self._epoch, self._flags
         counters, gave_up = flags[:, _COUNTER], flags[:, _GAVE_UP]
         counters[self.local_rank] = epoch
-        self._wake_peers()
         start = time.monotonic()
         polls = 0
         while counters.min() < epoch:
@@ -418,10 +357,10 @@ class HostReduce:
             if polls < 200:
                 continue
             waited = time.monotonic() - start
-            if waited < _SPIN_S:
+            if waited < 1e-3:
                 os.sched_yield()
                 continue
-            # Past the spin a peer is late: look for one that gave up, then the timeout.
+            # Past the first millisecond a peer is late: look for one that gave up, then the timeout.
             late = counters < epoch
             if gave_up[late].any() or self._closed:
                 gone = [r for r in range(self.local_world_size) if late[r] and gave_up[r]]
@@ -437,7 +376,7 @@ class HostReduce:
                     f"local rank(s) {missing} (a dead or late peer) did not arrive within the {self.timeout} "
                     "timeout"
                 )
-            self._sleep_until_woken(epoch, min(1e-3, max(1e-5, waited / 100)))
+            time.sleep(min(1e-3, waited / 100))
 
     def _cross_node(self, t: torch.Tensor) -> None:
         try:
@@ -477,7 +416,6 @@ class HostReduce:
             self._failure = f"{type(e).__name__}: {e}"
             if len(self._flags):
                 self._flags[self.local_rank, _GAVE_UP] = 1  # local peers waiting for me fail at once
-                self._wake_peers()
             raise
 
     def _allreduce_contiguous(
