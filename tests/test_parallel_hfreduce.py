@@ -389,3 +389,25 @@ def test_hfreduce_different_small_kb_raise_on_every_rank() -> None:
     for message in spawn_local(_different_small_kb, 2, timeout_s=30):
         assert "small_kb: expected the same on every local rank" in message, message
         assert f"[{64 << 10}, {128 << 10}]" in message, message
+
+
+def _late_every_time(rank: int) -> list[float]:
+    """Rank 1 arrives 0.05 s late at each all-reduce, so rank 0 waits past its spin in every barrier:
+    max |error| against gloo for each call."""
+    world = dist.get_world_size()
+    errors = []
+    with HostReduce(chunk_mb=0.01, timeout=timedelta(seconds=20)) as hr:
+        for n in (7, 5003, 30011):
+            if rank == 1:
+                time.sleep(0.05)
+            x = _inputs(n, world, torch.float32)[rank].clone()
+            ref = x.clone()
+            hr.allreduce_(x)
+            dist.all_reduce(ref)
+            errors.append(float((x - ref).abs().max()))
+    return errors
+
+
+def test_hfreduce_late_peer_each_call_is_waited_for() -> None:
+    for rank_errors in spawn_local(_late_every_time, 2, timeout_s=60):
+        assert rank_errors == [0.0, 0.0, 0.0], rank_errors
