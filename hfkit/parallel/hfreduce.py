@@ -7,9 +7,11 @@ across nodes over gloo; every rank copies the summed chunk host→device. One PC
 no GPU kernels. The pipeline: device→host and host→device copies run on two CUDA streams (both copy
 engines), so chunk k+1's download and chunk k-1's upload overlap the host sum of chunk k; slots and
 results are double-buffered. The host sum is torch adds on the preallocated slots, one pass per slot,
-spread over the rank's share of the cores by worker threads (torch ops release the GIL; on the 2-core
-CPU machine two worker threads summed 64 MiB fp32 at 20.8 GB/s against 17.1 GB/s for torch's own
-intra-op threads, which are also a process-wide setting); bf16/fp16 are summed in a float32
+spread over the rank's share of the cores by worker threads (torch ops release the GIL). On the 2-core
+CPU machine a 64 MiB fp32 add (counting read, read, write) ran at 11-12 GB/s on one thread, 21-22 GB/s
+on two pool threads and 21-23 GB/s on torch's two intra-op threads (interleaved runs, medians): the
+same within noise, and `torch.set_num_threads` is a process-wide setting that would also change the
+training's own ops, so the pool is used; bf16/fp16 are summed in a float32
 accumulator (also across nodes) and rounded once. The node's ranks meet once per chunk; on x86 that is
 a barrier of counters in the shared segment (a few microseconds), elsewhere a gloo barrier (~0.1 ms),
 since the counters rely on x86's store ordering. CPU tensors skip the device copies: their data is
@@ -43,8 +45,10 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
-# Messages up to this size on one node take the one-barrier small path (measured fastest below it on
-# the 2-core CPU machine; see `HostReduce`).
+# Messages up to this size on one node take the one-barrier small path. On the 2-core CPU machine (2
+# ranks, interleaved medians) it took 0.63/0.33/0.42/0.92 ms at 4 KB/64 KB/256 KB/1 MB against
+# 1.27/0.66/0.78/1.36 ms for the two-barrier pipeline; the limit stays at 256 KB because each rank sums
+# all L slots of the message there, L times the host traffic of its 1/L slice in the pipeline.
 DEFAULT_SMALL_KB = 256.0
 # The host sum and CPU copies split a range over threads only in parts of at least this many elements:
 # below, a thread hand-off (~10-20 µs) costs more than the part's work.
