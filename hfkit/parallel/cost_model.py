@@ -227,8 +227,9 @@ class StageRates:
     """hfreduce's stage rates measured on one node (the comms benchmark, in the same run as the
     allreduce), in GB/s per rank. `_all` rates are taken with all `local_ranks` ranks working at once,
     `_alone` with one rank while the others wait. `host_sum_gbps`: a 2-input torch add on `threads`
-    threads, counting its memory traffic (read, read, write); `host_copy_gbps`: a host copy, counting
-    read and write. Device rates (None without CUDA): pinned device→host and host→device copies of
+    threads, counting its memory traffic (read, read, write); `host_copy_gbps`: host copies as hfreduce
+    moves a CPU tensor (into a one-chunk slot and back out, chunk by chunk), counting read and write
+    each way. Device rates (None without CUDA): pinned device→host and host→device copies of
     one rank, and `bidir_all_gbps`, both directions at once on two streams (both directions' bytes).
     """
 
