@@ -15,6 +15,7 @@ from hfkit.parallel.cost_model import (
     ClusterSpec,
     StageRates,
     a100_pcie_fireflyer,
+    best_chunk_bytes,
     busbw,
     calibrate,
     calibrate_backends,
@@ -346,3 +347,21 @@ def test_fit_cluster_with_measured_stage_rates_fits_only_the_chunk_cost():
     bad = frame.assign(world_size=4)
     with pytest.raises(ValueError, match="frame: expected stage rates of 4 local ranks, got 2"):
         fit_cluster(h200_nvlink(1), bad)
+
+
+def test_best_chunk_bytes_trades_fill_against_per_chunk_cost():
+    gib = 1 << 30
+    # No per-chunk cost: the smallest chunk (the shortest fill) wins.
+    assert best_chunk_bytes(gib, H200_RATES, 0.0) == 1 << 18
+    # A per-chunk cost moves the optimum up; a larger cost, further up.
+    mid, high = best_chunk_bytes(gib, H200_RATES, 50.0), best_chunk_bytes(gib, H200_RATES, 2000.0)
+    assert (1 << 18) < mid < high
+
+    # The choice is the argmin over the candidates of bound + chunks·overhead.
+    def cost(c: int, overhead_us: float = 50.0) -> float:
+        return hfreduce_bound(gib, H200_RATES, c, small_bytes=0) + math.ceil(gib / c) * overhead_us * 1e-6
+
+    assert all(cost(mid) <= cost(1 << k) for k in range(18, 27))
+    assert best_chunk_bytes(gib, H200_RATES, 50.0, candidates=[4 << 20]) == 4 << 20
+    with pytest.raises(ValueError, match="chunk_overhead_us: expected >= 0"):
+        best_chunk_bytes(gib, H200_RATES, -1.0)

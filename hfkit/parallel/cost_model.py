@@ -35,6 +35,7 @@ __all__ = [
     "Calibration",
     "StageRates",
     "a100_pcie_fireflyer",
+    "best_chunk_bytes",
     "bound_comparison",
     "h200_nvlink",
     "calibrate",
@@ -308,6 +309,29 @@ def hfreduce_bound(
     d2h, h2d, summed = c / D, c / U, (L + 1) * (c / L) / H
     copy = max(d2h, h2d, 2 * c / B)
     return d2h + summed + h2d + (k - 1) * max(copy, summed)
+
+
+def best_chunk_bytes(
+    nbytes: float,
+    rates: StageRates,
+    chunk_overhead_us: float,
+    candidates: Sequence[int] = tuple(1 << k for k in range(18, 27)),
+) -> int:
+    """The chunk size (of `candidates`, default 256 KiB .. 64 MiB) at which a pipelined allreduce of
+    `nbytes` on CUDA tensors is fastest with the measured `rates` and a fixed cost per chunk of
+    `chunk_overhead_us` (the barrier and the copy launches: e.g. `fit_cluster`'s): the argmin of
+    `hfreduce_bound` (no small path) + chunks·overhead. Small chunks pay the overhead often, large
+    ones a long fill; ties go to the smaller chunk (a smaller segment)."""
+    if chunk_overhead_us < 0:
+        raise ValueError(f"chunk_overhead_us: expected >= 0, got {chunk_overhead_us}")
+    if not candidates:
+        raise ValueError("candidates: expected at least one chunk size, got none")
+
+    def cost(c: int) -> float:
+        chunks = max(1, math.ceil(nbytes / c))
+        return hfreduce_bound(nbytes, rates, c, small_bytes=0) + chunks * chunk_overhead_us * 1e-6
+
+    return min(sorted(candidates), key=cost)
 
 
 def with_stage_rates(spec: ClusterSpec, rates: StageRates) -> ClusterSpec:

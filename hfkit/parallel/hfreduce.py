@@ -130,11 +130,12 @@ class HostReduce:
     reduced. After a failure (a barrier timeout, a peer that gave up, a failed cross-node all-reduce)
     every later `allreduce_` raises RuntimeError: the ranks no longer agree on the chunk sequence.
 
-    Tuning: `chunk_mb` (default 4 MiB: at H200's measured ~55 GB/s per copy direction a chunk's copy
-    takes ~76 µs, long beside the ~5 µs counter barrier and the copy launches, while a 64 MB message
-    still fills the pipeline in 1/16 of its time); `threads`, the host-sum threads (default
-    `default_threads`: this process's cores over the node's ranks); `small_kb`, the largest message
-    (capped at one chunk) that takes the one-barrier small path on one node.
+    Tuning: `chunk_mb` (default 4 MiB: at H200's measured ~55 GB/s per copy direction a chunk's copy takes
+    ~76 µs, long beside the ~5 µs counter barrier and the copy launches, while a 64 MB message still fills
+    the pipeline in 1/16 of its time; `hfkit.parallel.cost_model.best_chunk_bytes` picks one from the
+    stage rates `hfkit bench comms` measures and a per-chunk cost); `threads`, the host-sum threads
+    (default `default_threads`: this process's cores over the node's ranks); `small_kb`, the largest
+    message (capped at one chunk) that takes the one-barrier small path on one node.
     """
 
     def __init__(
