@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from hfkit.bench.comms import (
+    STAGE_BYTES,
     algbw_gbps,
     build_param_model,
     busbw_gbps,
@@ -143,3 +146,72 @@ def test_viz_frames_and_panel(worker_rows):
     # A faster PCIe peer path (the slider's link) closes NCCL's gap on the PCIe cluster.
     faster = panel.update("A100 PCIe (seed)", link_gbps=24.0).set_index("backend")["allreduce_ms"]
     assert faster["nccl"] < pcie["nccl"]
+
+
+def test_worker_stage_rates_and_bound(worker_rows):
+    from hfkit.parallel.cost_model import StageRates, hfreduce_bound
+
+    _, rows, doc, _ = worker_rows
+    meta = doc["meta"]
+    rates = StageRates.from_dict(meta["stage_rates"])
+    assert rates.local_ranks == 2 and rates.threads >= 1 and rates.host_sum_gbps > 0 and not rates.cuda
+    entries = {(e["stage"], e["mode"]): e for e in meta["stage_rows"]}
+    assert all(e["bytes"] == STAGE_BYTES for e in entries.values())
+    assert entries[("host_sum", "all_ranks")]["gbps"] == pytest.approx(rates.host_sum_gbps)
+    assert entries[("host_copy", "all_ranks")]["gbps"] == pytest.approx(rates.host_copy_gbps)
+    # On a CPU the device copies are skipped rows, with the reason.
+    for key in (
+        ("d2h", "alone"),
+        ("d2h", "all_ranks"),
+        ("h2d", "alone"),
+        ("h2d", "all_ranks"),
+        ("bidir", "all_ranks"),
+    ):
+        assert entries[key]["gbps"] is None and "no CUDA device" in entries[key]["skipped"], entries[key]
+    hf = [r for r in rows if r["op"] == "allreduce" and r["provider"] == "hfreduce"]
+    assert len(hf) == 3
+    for r in hf:
+        e = r["extra"]
+        nbytes = r["shape"][0]
+        # Each row's bound comes from the rates measured at its own size (buffers of one pipeline step).
+        row_rates = StageRates.from_dict(e["stage_rates"])
+        assert row_rates.local_ranks == 2 and row_rates.host_sum_gbps > 0 and not row_rates.cuda
+        expected = hfreduce_bound(nbytes, row_rates, e["chunk_bytes"], 256 << 10, cuda=False)
+        assert e["bound_ms"] == pytest.approx(expected * 1e3) and e["bound_ms"] > 0
+        assert e["bound_fraction"] == pytest.approx(e["bound_ms"] / r["p50_ms"], rel=1e-6)
+        assert e["path"] == ("small" if nbytes <= 256 << 10 else "pipelined")
+    gloo = [r for r in rows if r["op"] == "allreduce" and r["provider"] == "gloo"]
+    assert all("bound_ms" not in r["extra"] for r in gloo)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: device copy rates")
+def test_worker_measures_device_copy_rates(tmp_path):
+    from hfkit.parallel.cost_model import StageRates
+
+    rows = run_comms_benchmark(nproc=2, backends=["hfreduce"], max_bytes="64K", ddp=False, budget_s=0.1,
+                               reps=3, out=tmp_path / "comms.json", timeout_s=300, log=None)  # fmt: skip
+    for r in rows:
+        rates = StageRates.from_dict(r["extra"]["stage_rates"])
+        assert rates.cuda and rates.d2h_alone_gbps > 0 and rates.h2d_alone_gbps > 0
+        assert r["extra"]["device"] == "cuda" and r["extra"]["bound_ms"] > 0
+
+
+def test_bound_comparison_of_a_run(worker_rows):
+    from hfkit.bench.results import rows_to_frame
+    from hfkit.parallel.cost_model import bound_comparison, measured_stage_rates
+    from hfkit.viz.comms import allreduce_frame
+
+    _, rows, _, _ = worker_rows
+    frame = allreduce_frame(rows_to_frame(rows))
+    table = bound_comparison(frame)
+    assert list(table["nbytes"]) == [4096, 16384, 65536] and (table["backend"] == "hfreduce").all()
+    assert (table["bound_ms"] > 0).all() and (table["gloo_ms"] > 0).all()
+    assert np.allclose(table["bound_fraction"], table["bound_ms"] / table["measured_ms"])
+    assert list(table["path"]) == ["small"] * 3
+    largest = next(r for r in rows if r["provider"] == "hfreduce" and r["shape"] == [65536])
+    assert measured_stage_rates(frame).as_dict() == largest["extra"]["stage_rates"]
+    # Committed results from before the stage rates: an empty table, no rates.
+    old = allreduce_frame(
+        load_comms_results(Path(__file__).resolve().parents[1] / "data" / "results" / "cpu")
+    )
+    assert bound_comparison(old).empty and measured_stage_rates(old) is None

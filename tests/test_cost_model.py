@@ -13,17 +13,21 @@ import pytest
 from hfkit.parallel.cost_model import (
     AF2_PARAMS,
     ClusterSpec,
+    StageRates,
     a100_pcie_fireflyer,
+    best_chunk_bytes,
     busbw,
     calibrate,
     calibrate_backends,
     fit_cluster,
     h200_nvlink,
+    hfreduce_bound,
     hfreduce_stages,
     model_comparison,
     predict,
     ring_allreduce_time,
     seed_comparison,
+    with_stage_rates,
 )
 
 SEED_BYTES = AF2_PARAMS * 4
@@ -257,3 +261,107 @@ def test_model_comparison_sets_each_models_prediction_beside_the_measurement():
     assert (nccl["slower_ms"] > nccl["same_ms"]).all()
     with pytest.raises(ValueError, match="frame: expected allreduce_frame columns"):
         model_comparison(frame.drop(columns="p50_ms"), {"same": spec})
+
+
+# The H200 host: copies at 55 GB/s each way, ~103 GB/s both at once; 2 ranks with 8 cores each.
+H200_RATES = StageRates(
+    local_ranks=2, threads=8, host_sum_gbps=85.0, host_copy_gbps=60.0,
+    d2h_alone_gbps=55.3, h2d_alone_gbps=55.4, d2h_all_gbps=50.0, h2d_all_gbps=40.0, bidir_all_gbps=80.0,
+)  # fmt: skip
+
+
+def test_hfreduce_bound_by_hand():
+    r = H200_RATES
+    c = 4 << 20
+    # 64 MiB on CUDA: 16 chunks; per chunk d2h = c/50, h2d = c/40, both at once 2c/80 = c/40 -> copy c/40;
+    # the sum of a 1/2 slice reads 2 halves and writes one: 3·(c/2)/85 = c/56.7 -> the copy bounds.
+    d2h, h2d, summed = c / 50e9, c / 40e9, 3 * (c / 2) / 85e9
+    expected = d2h + summed + h2d + 15 * max(c / 40e9, summed)
+    assert hfreduce_bound(64 << 20, r, chunk_bytes=c) == pytest.approx(expected, rel=1e-12)
+    # With a slow host sum the sum bounds instead.
+    slow = StageRates(**{**r.as_dict(), "host_sum_gbps": 10.0})
+    slow_sum = 3 * (c / 2) / 10e9
+    assert hfreduce_bound(64 << 20, slow, chunk_bytes=c) == pytest.approx(
+        d2h + slow_sum + h2d + 15 * slow_sum, rel=1e-12
+    )
+    # A message below one chunk: no overlap, d2h + sum + h2d; the small path sums the whole message.
+    s = 1 << 20
+    assert hfreduce_bound(s, r, chunk_bytes=c, small_bytes=0) == pytest.approx(
+        s / 50e9 + 3 * s / 2 / 85e9 + s / 40e9
+    )
+    assert hfreduce_bound(s, r, chunk_bytes=c, small_bytes=s) == pytest.approx(
+        s / 50e9 + 3 * s / 85e9 + s / 40e9
+    )
+    # CPU tensors: copies in and out (2 bytes of traffic each) and the sum share the cores.
+    cpu = StageRates(local_ranks=2, threads=1, host_sum_gbps=12.0, host_copy_gbps=10.0)
+    assert not cpu.cuda and r.cuda
+    big = 64 << 20
+    assert hfreduce_bound(big, cpu, cuda=False) == pytest.approx(4 * big / 10e9 + 3 * big / 2 / 12e9)
+    assert hfreduce_bound(0, cpu, cuda=False) == 0.0
+    with pytest.raises(ValueError, match="rates: expected device copy rates"):
+        hfreduce_bound(big, cpu, cuda=True)
+    with pytest.raises(ValueError, match="nbytes: expected >= 0"):
+        hfreduce_bound(-1, cpu, cuda=False)
+
+
+def test_hfreduce_bound_grows_with_size_and_falls_with_rates():
+    sizes = [4 << 10 << 2 * k for k in range(10)]
+    bounds = [hfreduce_bound(s, H200_RATES) for s in sizes]
+    assert all(b > a for a, b in zip(bounds, bounds[1:], strict=False))
+    faster = StageRates(**{**H200_RATES.as_dict(), "h2d_all_gbps": 50.0, "bidir_all_gbps": 100.0})
+    assert hfreduce_bound(1 << 30, faster) < hfreduce_bound(1 << 30, H200_RATES)
+
+
+def test_stage_rates_validation_and_round_trip():
+    assert StageRates.from_dict({**H200_RATES.as_dict(), "unknown": 1}) == H200_RATES
+    with pytest.raises(ValueError, match="StageRates.host_sum_gbps: expected a positive rate"):
+        StageRates(local_ranks=2, threads=1, host_sum_gbps=0.0, host_copy_gbps=1.0)
+    with pytest.raises(ValueError, match="local_ranks and threads >= 1"):
+        StageRates(local_ranks=0, threads=1, host_sum_gbps=1.0, host_copy_gbps=1.0)
+
+
+def test_with_stage_rates_sets_the_measured_rates():
+    spec = with_stage_rates(h200_nvlink(1), H200_RATES)
+    assert spec.gpus_per_node == 2 and spec.gpus_per_pcie_switch == 1
+    assert spec.pcie_gbps == 50.0 and spec.h2d_gbps == 40.0 and spec.host_mem_gbps == 170.0
+    st = hfreduce_stages(spec, 1e6)
+    assert st["d2h"] == pytest.approx(1e6 / 50e9) and st["h2d"] == pytest.approx(1e6 / 40e9)
+    # The model's node-wide reduce stage equals one rank's slice at the measured per-rank rate.
+    assert st["reduce"] == pytest.approx(3 * (1e6 / 2) / 85e9)
+    cpu = StageRates(local_ranks=2, threads=1, host_sum_gbps=12.0, host_copy_gbps=10.0)
+    assert with_stage_rates(h200_nvlink(1), cpu).pcie_gbps == h200_nvlink(1).pcie_gbps
+
+
+def test_fit_cluster_with_measured_stage_rates_fits_only_the_chunk_cost():
+    true = with_stage_rates(h200_nvlink(1), H200_RATES).with_(alpha_us=8.0, chunk_overhead_us=150.0)
+    frame = synthetic_frame(true)
+    frame["extra"] = [
+        {"stage_rates": H200_RATES.as_dict()} if p == "hfreduce" else {} for p in frame["provider"]
+    ]
+    fitted = fit_cluster(h200_nvlink(1), frame)
+    assert fitted.host_mem_gbps == pytest.approx(170.0) and fitted.pcie_gbps == 50.0
+    assert fitted.h2d_gbps == 40.0
+    # The reduce stage is the slowest at every size here, so the fit recovers L exactly.
+    assert fitted.chunk_overhead_us == pytest.approx(150.0, rel=1e-6)
+    assert "copy and host-sum rates measured in the run" in fitted.notes
+    bad = frame.assign(world_size=4)
+    with pytest.raises(ValueError, match="frame: expected stage rates of 4 local ranks, got 2"):
+        fit_cluster(h200_nvlink(1), bad)
+
+
+def test_best_chunk_bytes_trades_fill_against_per_chunk_cost():
+    gib = 1 << 30
+    # No per-chunk cost: the smallest chunk (the shortest fill) wins.
+    assert best_chunk_bytes(gib, H200_RATES, 0.0) == 1 << 18
+    # A per-chunk cost moves the optimum up; a larger cost, further up.
+    mid, high = best_chunk_bytes(gib, H200_RATES, 50.0), best_chunk_bytes(gib, H200_RATES, 2000.0)
+    assert (1 << 18) < mid < high
+
+    # The choice is the argmin over the candidates of bound + chunks·overhead.
+    def cost(c: int, overhead_us: float = 50.0) -> float:
+        return hfreduce_bound(gib, H200_RATES, c, small_bytes=0) + math.ceil(gib / c) * overhead_us * 1e-6
+
+    assert all(cost(mid) <= cost(1 << k) for k in range(18, 27))
+    assert best_chunk_bytes(gib, H200_RATES, 50.0, candidates=[4 << 20]) == 4 << 20
+    with pytest.raises(ValueError, match="chunk_overhead_us: expected >= 0"):
+        best_chunk_bytes(gib, H200_RATES, -1.0)

@@ -258,3 +258,156 @@ def test_hfreduce_cuda_tensors() -> None:
     for rank_errors in spawn_local(_cuda_compare, 2, timeout_s=120, start_method="spawn"):
         for case, err in rank_errors:
             assert err <= 1e-6, (case, err)
+
+
+def _rounded_once(n: int, world: int, dtype: torch.dtype) -> torch.Tensor:
+    """The float32 sum of every rank's input, rounded once to `dtype`."""
+    return torch.stack([x.float() for x in _inputs(n, world, dtype)]).sum(0).to(dtype)
+
+
+def _threads_and_fp32_accumulation(rank: int, local_world_size: int | None) -> list[tuple[str, float]]:
+    """Two host-sum threads, odd sizes on both paths (small: one barrier; pipelined: chunks that do not
+    divide the tensor), calls of either path in turn on one HostReduce: max |error| per case against
+    dist.all_reduce (fp32, int64) or the float32 sum rounded once (bf16, fp16; 0 expected)."""
+    world = dist.get_world_size()
+    errors = []
+    with HostReduce(chunk_mb=1.0, threads=2, small_kb=64, local_world_size=local_world_size) as hr:
+        assert hr.threads == 2 and hr.small_bytes == 64 << 10
+        for n in (7, 5003, 1000003, 11, 300007):
+            for dtype in (torch.float32, torch.int64, torch.bfloat16, torch.float16):
+                x = _inputs(n, world, dtype)[rank].clone()
+                if dtype in (torch.bfloat16, torch.float16):
+                    ref = _rounded_once(n, world, dtype)
+                else:
+                    ref = x.clone()
+                    dist.all_reduce(ref)
+                hr.allreduce_(x)
+                assert x.dtype == dtype
+                scale = max(1.0, float(ref.float().abs().max())) if dtype == torch.float32 else 1.0
+                errors.append((f"{dtype} {n=}", float((x.float() - ref.float()).abs().max()) / scale))
+        # The 1000003-element calls summed slices of >= 2 parts of _MIN_PART: the pool ran.
+        errors.append(("pool used", 0.0 if hr._pool is not None else 1.0))
+    return errors
+
+
+@pytest.mark.parametrize("nodes", [1, 2], ids=["one_node", "two_nodes"])
+def test_hfreduce_threads_and_fp32_accumulation(nodes: int) -> None:
+    # bf16/fp16 are summed in fp32 (also across nodes) and rounded once: they equal the float32 sum of
+    # the inputs rounded once, whatever the order of the adds (sums of 4 bf16/fp16 inputs are exact in
+    # fp32). fp32 sums of 2 terms equal gloo's; over 2 nodes × 2 the order differs: fp32 rounding.
+    env = {"HFKIT_LOCAL_WORLD_SIZE": "2"} if nodes == 2 else None
+    results = spawn_local(_threads_and_fp32_accumulation, 2 * nodes, None, timeout_s=120, env=env)
+    for rank_errors in results:
+        for case, err in rank_errors:
+            if "float32" in case:
+                assert err <= 1e-6, (case, err)
+            else:
+                assert err == 0.0, (case, err)
+
+
+def _bad_arguments(rank: int) -> list[str]:
+    messages = []
+    for kwargs in ({"threads": 0}, {"small_kb": -1.0}):
+        try:
+            HostReduce(**kwargs)
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_hfreduce_rejects_bad_threads_and_small_kb() -> None:
+    for messages in spawn_local(_bad_arguments, 2, timeout_s=30):
+        assert messages == ["threads: expected >= 1 or None, got 0", "small_kb: expected >= 0, got -1.0"]
+
+
+def test_default_threads_share_the_cores() -> None:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert hfreduce.default_threads(1) == cores
+    assert hfreduce.default_threads(10**6) == 1
+
+
+def test_split_over_threads_covers_the_range_once() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    m = 5 * hfreduce._MIN_PART + 3
+    hits = torch.zeros(m, dtype=torch.int64)
+
+    def mark(a: int, b: int) -> None:
+        hits[a:b] += 1
+
+    with ThreadPoolExecutor(3) as pool:
+        hfreduce.split_over_threads(mark, m, 4, pool)
+    assert bool((hits == 1).all())
+    seen: list[tuple[int, int]] = []
+    hfreduce.split_over_threads(lambda a, b: seen.append((a, b)), m, 4, None)  # no pool: one call
+    assert seen == [(0, m)]
+
+
+def _cuda_streams(rank: int) -> list[tuple[str, float]]:
+    """CUDA tensors through both paths, fp32 and bf16, with a producer on another stream (ready_event):
+    errors against gloo's fp32 sum and the float32 sum rounded once; and whether two copy streams ran."""
+    world = dist.get_world_size()
+    errors = []
+    with HostReduce(chunk_mb=1.0, small_kb=64) as hr:
+        producer = torch.cuda.Stream()
+        for n in SIZES:
+            for dtype in (torch.float32, torch.bfloat16):
+                cpu = _inputs(n, world, dtype)[rank].clone()
+                with torch.cuda.stream(producer):
+                    x = cpu.cuda(non_blocking=False) * 1  # written on the producer stream
+                    ready = torch.cuda.Event()
+                    ready.record(producer)
+                hr.allreduce_(x, ready_event=ready)
+                if dtype == torch.float32:
+                    dist.all_reduce(cpu)
+                    ref = cpu
+                else:
+                    ref = _rounded_once(n, world, dtype)
+                errors.append((f"cuda {dtype} {n=}", float((x.cpu().float() - ref.float()).abs().max())))
+        d2h, h2d = hr._copy_streams
+        errors.append(("two copy streams", 0.0 if d2h != h2d else 1.0))
+    return errors
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the copy streams are CUDA streams")
+def test_hfreduce_cuda_separate_copy_streams() -> None:
+    for rank_errors in spawn_local(_cuda_streams, 2, timeout_s=120, start_method="spawn"):
+        for case, err in rank_errors:
+            assert err <= (1e-6 if "float32" in case else 0.0), (case, err)
+
+
+def _different_small_kb(rank: int) -> str:
+    try:
+        HostReduce(small_kb=64.0 * (1 + rank), timeout=timedelta(seconds=10))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_hfreduce_different_small_kb_raise_on_every_rank() -> None:
+    # Ranks that disagree on the small path's limit would take different paths for one message.
+    for message in spawn_local(_different_small_kb, 2, timeout_s=30):
+        assert "small_kb: expected the same on every local rank" in message, message
+        assert f"[{64 << 10}, {128 << 10}]" in message, message
+
+
+def _late_every_time(rank: int) -> list[float]:
+    """Rank 1 arrives 0.05 s late at each all-reduce, so rank 0 waits past its spin in every barrier:
+    max |error| against gloo for each call."""
+    world = dist.get_world_size()
+    errors = []
+    with HostReduce(chunk_mb=0.01, timeout=timedelta(seconds=20)) as hr:
+        for n in (7, 5003, 30011):
+            if rank == 1:
+                time.sleep(0.05)
+            x = _inputs(n, world, torch.float32)[rank].clone()
+            ref = x.clone()
+            hr.allreduce_(x)
+            dist.all_reduce(ref)
+            errors.append(float((x - ref).abs().max()))
+    return errors
+
+
+def test_hfreduce_late_peer_each_call_is_waited_for() -> None:
+    for rank_errors in spawn_local(_late_every_time, 2, timeout_s=60):
+        assert rank_errors == [0.0, 0.0, 0.0], rank_errors

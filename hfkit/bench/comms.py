@@ -8,10 +8,27 @@ seed's experiment on a stack of Linear layers with AlphaFold's 93.2M parameters 
 backward alone on one process, backward on n processes without synchronization, and backward plus
 gradient synchronization per backend with overlap on and off; overhead = that minus backward alone.
 Allreduce rows go to `--out` (`comms.json`), DDP rows to `ddp_path(out)` beside it (`ddp.json`).
+
+Stage rates (`hfkit.parallel.cost_model.StageRates`, `measure_stage_rates`), measured in the same run as the
+allreduce: pinned device→host and host→device GB/s per rank, one rank alone and every local rank copying at
+once, and both directions at once on two streams (CUDA only; on a CPU skipped entries with the reason); the
+host sum (a 2-input add, counting read, read, write) and a host copy (read, write) on the threads a rank has
+(`hfkit.parallel.hfreduce.default_threads`), every rank at once. Before the allreduce on `STAGE_BYTES` buffers
+(`meta["stage_rates"]`, and one entry per measurement in `meta["stage_rows"]`); then for each hfreduce size on
+buffers of what the pipeline moves in one step, one chunk (the message, when smaller), kept in the row's
+`extra["stage_rates"]` with `bound_ms`, the time a pipelined host-staged allreduce of that size cannot beat
+with those rates, and `bound_fraction` = bound / measured time (1 = at the bound). The bound
+(`hfkit.parallel.cost_model.hfreduce_bound`), for L local ranks and chunks of c bytes: on GPUs the stages
+device→host c/D, the sum of this rank's 1/L slice over the L slots (L+1)·(c/L)/H and host→device c/U overlap,
+both copies at once limited by 2c/B, so T = c/D + (L+1)·(c/L)/H + c/U (one chunk's latency of fill) +
+(chunks−1)·max(c/D, c/U, 2c/B, (L+1)·(c/L)/H); on a CPU the copies into and out of the slots and the sum share
+the rank's cores, T = 4S/C + (L+1)·S/(L·H); messages up to the small-path limit: T = in + (L+1)·S/H + out. On
+several nodes the cross-node stage is not measured: no bound there.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -21,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -33,16 +51,20 @@ from torch import nn
 
 from hfkit.bench.results import ENV_KEYS, ResultFile, ResultRow, environment_info, make_row
 from hfkit.bench.timing import Timing
+from hfkit.parallel.cost_model import StageRates, hfreduce_bound
+from hfkit.parallel.hfreduce import HostReduce, default_threads, split_over_threads
 
 __all__ = [
     "AF2_PARAMS",
     "CommsConfig",
+    "STAGE_BYTES",
     "algbw_gbps",
     "busbw_gbps",
     "build_param_model",
     "ddp_path",
     "default_backends",
     "load_comms_results",
+    "measure_stage_rates",
     "message_sizes",
     "parse_bytes",
     "run_comms_benchmark",
@@ -51,6 +73,8 @@ __all__ = [
 
 AF2_PARAMS = 93_200_000
 GB = 1e9
+# Stage rates are measured on buffers of this size: beyond the CPU's caches, as a large allreduce is.
+STAGE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -161,22 +185,157 @@ def _max_over_ranks(values: Sequence[float], group: Any) -> list[float]:
 
 
 class _Comm:
-    """One allreduce per backend: nccl/gloo on their own process groups, hfreduce via hfkit.parallel."""
+    """One allreduce per backend: nccl/gloo on their own process groups, hfreduce a `HostReduce` with
+    its defaults (`reducer`)."""
 
     def __init__(self, backend: str, device: torch.device) -> None:
         self.backend = backend
         self.device = device if backend in ("nccl", "hfreduce") else torch.device("cpu")
         self.group = dist.new_group(backend=backend) if backend in ("nccl", "gloo") else None
-        if backend == "hfreduce":
-            from hfkit.parallel import allreduce
-
-            self._hf = allreduce
+        self.reducer = HostReduce() if backend == "hfreduce" else None
 
     def __call__(self, tensor: torch.Tensor) -> None:
-        if self.group is not None:
-            dist.all_reduce(tensor, group=self.group)
+        if self.reducer is not None:
+            self.reducer.allreduce_(tensor)
         else:
-            self._hf(tensor, "hfreduce")
+            dist.all_reduce(tensor, group=self.group)
+
+    def close(self) -> None:
+        if self.reducer is not None:
+            self.reducer.close()
+
+
+def _median_seconds(fn: Callable[[], None], reps: int, device: torch.device, ctrl: Any, alone: bool,
+                    calls: int = 1) -> float:  # fmt: skip
+    """The median over `reps` of the slowest rank's seconds per call of `fn`, timed over `calls`
+    back-to-back calls after a barrier (after one warm-up call); with `alone` only rank 0 runs it
+    while the others wait."""
+    runs = dist.get_rank() == 0 or not alone
+    times = []
+    for i in range(reps + 1):
+        dist.barrier(group=ctrl)
+        t0 = time.perf_counter()
+        if runs:
+            for _ in range(calls if i else 1):
+                fn()
+            _sync(device)
+        if i:
+            times.append((time.perf_counter() - t0) / calls if runs else 0.0)
+    return float(np.median(_max_over_ranks(times, ctrl)))
+
+
+def _calls_for(nbytes: int) -> int:
+    # Small buffers are timed over several calls, so that a timing covers ~STAGE_BYTES (at most 100).
+    return int(min(100, max(1, STAGE_BYTES // max(1, nbytes))))
+
+
+def _host_seconds(nbytes: int, stream_bytes: int, threads: int, reps: int, ctrl: Any) -> tuple[float, float]:
+    """Seconds of a 2-input add of `nbytes` of fp32, and of copying `stream_bytes` into and out of an
+    `nbytes` buffer chunk by chunk (as hfreduce copies a CPU tensor to its slot and back), on `threads`
+    threads as HostReduce splits them (`split_over_threads`), every rank at once (the slowest rank's
+    median)."""
+    n = max(1, nbytes // 4)
+    a, b, out = (torch.ones(n) for _ in range(3))
+    big = torch.ones(max(n, stream_bytes // 4))
+    cpu = torch.device("cpu")
+
+    def add_part(i: int, j: int) -> None:
+        torch.add(a[i:j], b[i:j], out=out[i:j])
+
+    def copy_chunks() -> None:
+        for lo in range(0, big.numel(), n):
+            m = min(n, big.numel() - lo)
+            split_over_threads(lambda i, j, lo=lo: out[i:j].copy_(big[lo + i : lo + j]), m, threads, pool)
+            split_over_threads(lambda i, j, lo=lo: big[lo + i : lo + j].copy_(out[i:j]), m, threads, pool)
+
+    pool = ThreadPoolExecutor(threads - 1) if threads > 1 else None
+    try:
+        summed = _median_seconds(lambda: split_over_threads(add_part, n, threads, pool), reps, cpu, ctrl,
+                                 False, _calls_for(nbytes))  # fmt: skip
+        copied = _median_seconds(copy_chunks, reps, cpu, ctrl, False, _calls_for(big.numel() * 4))
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    return summed, copied
+
+
+def measure_stage_rates(
+    device: torch.device,
+    ctrl: Any,
+    local_ranks: int,
+    host_bytes: int = STAGE_BYTES,
+    copy_bytes: int = STAGE_BYTES,
+    stream_bytes: int | None = None,
+    reps: int = 5,
+) -> tuple[StageRates, list[dict[str, Any]]]:
+    """hfreduce's stage rates on this node (collective over the default group; `ctrl` a gloo group),
+    and one entry per measurement (stage, mode, gbps, bytes, traffic counted per byte, skipped reason).
+
+    Host, on buffers of `host_bytes` (what fits in the caches matters: the worker measures on one chunk, the
+    working set of one pipeline step): a 2-input add ("host_sum", 3 bytes of traffic per byte), and
+    `stream_bytes` (default `host_bytes`; the worker: the message) copied into and out of that buffer
+    chunk by chunk, as hfreduce moves a CPU tensor through its slot ("host_copy", 4: a read and a write
+    each way), on `default_threads(local_ranks)` threads, every rank at once. Device copies of
+    `copy_bytes` (hfreduce's copy size: one chunk; CUDA `device` only, else skipped with the reason): pinned
+    device→host (d2h) and host→device (h2d) per rank, "alone" (rank 0, the others waiting) and "all_ranks"
+    (every rank of the run at once; ranks sharing a GPU share its copy engines), and "bidir" (each rank copies
+    both ways at once on two streams; both directions' bytes count). Rates are per rank, of the slowest rank,
+    each copy waited for as hfreduce waits for its chunk's.
+    """
+    threads = default_threads(local_ranks)
+    entries: list[dict[str, Any]] = []
+    rates: dict[str, float] = {}
+
+    def add(stage: str, mode: str, seconds: float | None, nbytes: int, traffic: int,
+            skipped: str | None = None) -> None:  # fmt: skip
+        gbps = None if seconds is None else traffic * nbytes / seconds / GB
+        entries.append({"stage": stage, "mode": mode, "gbps": gbps, "bytes": nbytes, "traffic": traffic,
+                        "skipped": skipped})  # fmt: skip
+        if gbps is not None:
+            # StageRates' names: d2h_alone_gbps, d2h_all_gbps, ..., bidir_all_gbps, host_sum_gbps.
+            short = {"alone": "_alone", "all_ranks": "_all"}[mode] if stage in ("d2h", "h2d", "bidir") else ""
+            rates[f"{stage}{short}_gbps"] = gbps
+
+    stream_bytes = stream_bytes or host_bytes
+    summed, copied = _host_seconds(host_bytes, stream_bytes, threads, reps, ctrl)
+    add("host_sum", "all_ranks", summed, host_bytes, 3)
+    add("host_copy", "all_ranks", copied, stream_bytes, 4)  # in and out, each a read and a write
+    if device.type != "cuda":
+        reason = "no CUDA device: CPU tensors go to and from the slots by host copies (host_copy)"
+        for stage, mode in (("d2h", "alone"), ("d2h", "all_ranks"), ("h2d", "alone"), ("h2d", "all_ranks")):
+            add(stage, mode, None, copy_bytes, 1, reason)
+        add("bidir", "all_ranks", None, copy_bytes, 2, reason)
+        return StageRates(local_ranks=local_ranks, threads=threads, **rates), entries
+    host = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=True)
+    host2 = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+    dev2 = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+    down, up = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def d2h() -> None:
+        with torch.cuda.stream(down):
+            host.copy_(dev, non_blocking=True)
+        down.synchronize()
+
+    def h2d() -> None:
+        with torch.cuda.stream(up):
+            dev2.copy_(host2, non_blocking=True)
+        up.synchronize()
+
+    def both() -> None:
+        with torch.cuda.stream(down):
+            host.copy_(dev, non_blocking=True)
+        with torch.cuda.stream(up):
+            dev2.copy_(host2, non_blocking=True)
+        down.synchronize()
+        up.synchronize()
+
+    calls = _calls_for(copy_bytes)
+    for mode, alone in (("alone", True), ("all_ranks", False)):
+        add("d2h", mode, _median_seconds(d2h, reps, device, ctrl, alone, calls), copy_bytes, 1)
+        add("h2d", mode, _median_seconds(h2d, reps, device, ctrl, alone, calls), copy_bytes, 1)
+    add("bidir", "all_ranks", _median_seconds(both, reps, device, ctrl, False, calls), copy_bytes, 2)
+    return StageRates(local_ranks=local_ranks, threads=threads, **rates), entries
 
 
 def _time_allreduce(
@@ -221,12 +380,20 @@ def _row(env: dict[str, Any], op: str, provider: str, mode: str, shape: list[int
 
 def _allreduce_rows(config: CommsConfig, env: dict[str, Any], device: torch.device, ctrl: Any,
                     log: Callable[[str], None]) -> list[ResultRow]:  # fmt: skip
+    """Allreduce rows per backend and size; on one node hfreduce rows also get the stage rates
+    measured at their size (`measure_stage_rates`) and the bound they give (`hfreduce_bound`)."""
     world = dist.get_world_size()
-    nodes = max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes = max(1, world // local_ranks)
     rows = []
-    for backend in config.backends:
-        comm = _Comm(backend, device)
-        for nbytes in message_sizes(config.min_bytes, config.max_bytes, config.factor):
+    # Sizes outer, backends inner: the backends are compared at a size within seconds of each other,
+    # under the same load from anything else on the machine.
+    comms = [_Comm(backend, device) for backend in config.backends]
+    try:
+        for nbytes, comm in itertools.product(
+            message_sizes(config.min_bytes, config.max_bytes, config.factor), comms
+        ):
+            backend = comm.backend
             times, inner = _time_allreduce(comm, nbytes, config.warmup, config.reps, config.budget_s, ctrl)
             t = float(np.median(times))
             extra = {
@@ -237,12 +404,35 @@ def _allreduce_rows(config: CommsConfig, env: dict[str, Any], device: torch.devi
                 "device": str(comm.device.type),
                 "calls_per_rep": inner,
             }
+            bound = ""
+            if comm.reducer is not None and nodes == 1:
+                hr = comm.reducer
+                # The rates of one pipeline step (one chunk, or the message when smaller): what the
+                # caches hold and each copy's latency are part of what the pipeline can reach.
+                step = min(nbytes, hr.chunk_bytes)
+                streamed = min(nbytes, STAGE_BYTES)
+                rates, _ = measure_stage_rates(device, ctrl, local_ranks, step, step, streamed)
+                bound_s = hfreduce_bound(
+                    nbytes, rates, hr.chunk_bytes, hr.small_bytes, cuda=device.type == "cuda"
+                )
+                extra.update(
+                    stage_rates=rates.as_dict(),
+                    bound_ms=bound_s * 1e3,
+                    bound_fraction=bound_s / t,
+                    path="small" if nbytes <= hr.small_bytes else "pipelined",
+                    chunk_bytes=hr.chunk_bytes,
+                    threads=hr.threads,
+                )
+                bound = f"  bound {bound_s * 1e3:9.3f} ms ({bound_s / t:.0%})"
             rows.append(_row(env, "allreduce", backend, "allreduce", [nbytes], times, nbytes,
                              extra["algbw_gbps"], extra))  # fmt: skip
             log(
                 f"allreduce {backend:9s} {nbytes:>11,d} B  {t * 1e3:9.3f} ms"
-                f"  busbw {extra['busbw_gbps']:.2f} GB/s"
+                f"  busbw {extra['busbw_gbps']:.2f} GB/s{bound}"
             )
+    finally:
+        for comm in comms:
+            comm.close()
     return rows
 
 
@@ -391,11 +581,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     env_all = environment_info(device, config.command)
     env = {k: env_all[k] for k in ENV_KEYS}
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
+    stage_meta: dict[str, Any] = {}
+    if "hfreduce" in config.backends:
+        # The machine's rates on buffers beyond the caches of most hosts (STAGE_BYTES) in the meta;
+        # the hfreduce rows carry the rates at their own size.
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        rates, entries = measure_stage_rates(device, ctrl, local_ranks)
+        stage_meta = {"stage_rates": rates.as_dict(), "stage_rows": entries}
+        for e in entries:
+            rate = f"{e['gbps']:8.2f} GB/s" if e["gbps"] is not None else f"skipped: {e['skipped']}"
+            log(f"stage {e['stage']:9s} {e['mode']:9s} {e['bytes']:>11,d} B {rate}")
     rows = _allreduce_rows(config, env, device, ctrl, log)
     if config.ddp:
         rows += _ddp_rows(config, env, device, ctrl, log)
     if rank == 0:
-        meta = {**env_all, "world_size": dist.get_world_size(), "backends": config.backends}
+        meta = {**env_all, "world_size": dist.get_world_size(), "backends": config.backends, **stage_meta}
         for path, part in ((config.out, "allreduce"), (ddp_path(config.out), "ddp_step")):
             chosen = [r for r in rows if r.op == part]
             if chosen:

@@ -6,8 +6,11 @@ by its slowest hop: NVLink or PCIe peer copies inside a node, the node's NIC bet
 `"hfreduce"` (per chunk: device-to-host over PCIe, a sum in host memory, an allreduce among node
 leaders over a double binary tree, host-to-device; pipelined by chunk). `calibrate` fits latency and
 bandwidth to measured (size, time) pairs by least squares, `fit_cluster` fits a spec to one measured
-single-node run (nccl and hfreduce), and `seed_comparison` sets the model's prediction for AlphaFold's
-93.2M fp32 gradients on 128 A100 PCIe GPUs next to the seed's measurement.
+single-node run (nccl and hfreduce; with the stage rates the comms benchmark measured in the same run,
+those replace the fitted copy and host-sum rates: `with_stage_rates`), `hfreduce_bound` is the time a
+pipelined host-staged allreduce cannot beat given measured `StageRates`, and `seed_comparison` sets
+the model's prediction for AlphaFold's 93.2M fp32 gradients on 128 A100 PCIe GPUs next to the seed's
+measurement.
 Bandwidths are in GB/s (1e9 bytes/s, one direction), latencies in microseconds, sizes in bytes.
 """
 
@@ -30,16 +33,22 @@ __all__ = [
     "Backend",
     "ClusterSpec",
     "Calibration",
+    "StageRates",
     "a100_pcie_fireflyer",
+    "best_chunk_bytes",
+    "bound_comparison",
     "h200_nvlink",
     "calibrate",
     "calibrate_backends",
     "fit_cluster",
+    "hfreduce_bound",
     "hfreduce_stages",
+    "measured_stage_rates",
     "model_comparison",
     "predict",
     "ring_allreduce_time",
     "seed_comparison",
+    "with_stage_rates",
 ]
 
 Backend = Literal["ring", "nccl", "gloo", "hfreduce"]
@@ -56,7 +65,8 @@ GB = 1e9
 class ClusterSpec:
     """A cluster for the cost model: shape, per-link bandwidths (GB/s, one direction) and latency.
 
-    `pcie_gbps`: one GPU's device<->host copy rate; `gpus_per_pcie_switch` GPUs share one uplink.
+    `pcie_gbps`: one GPU's device<->host copy rate; `gpus_per_pcie_switch` GPUs share one uplink;
+    `h2d_gbps`: the host->device rate where it differs (None: `pcie_gbps`).
     `nvlink_gbps`: per-GPU NVLink rate NCCL's ring reaches inside a node (None: no NVLink). Without
     NVLink a ring hop inside a node is a PCIe peer copy through the CPU's root complex, at
     `p2p_gbps` (default `pcie_gbps`), which is what NCCL really gets between GPUs on different root
@@ -80,13 +90,14 @@ class ClusterSpec:
     gpus_per_pcie_switch: int = 1
     chunk_bytes: int = 4 << 20
     chunk_overhead_us: float = 0.0
+    h2d_gbps: float | None = None
     notes: str = ""
 
     def __post_init__(self) -> None:
         for name in ("gpus_per_node", "nodes", "gpus_per_pcie_switch", "chunk_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ClusterSpec.{name}: expected >= 1, got {getattr(self, name)}")
-        for name in ("pcie_gbps", "nic_gbps", "host_mem_gbps", "nvlink_gbps", "p2p_gbps"):
+        for name in ("pcie_gbps", "nic_gbps", "host_mem_gbps", "nvlink_gbps", "p2p_gbps", "h2d_gbps"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"ClusterSpec.{name}: expected a positive bandwidth, got {value}")
@@ -184,16 +195,17 @@ def hfreduce_stages(spec: ClusterSpec, chunk: float) -> dict[str, float]:
     d2h: the chunk over PCIe (GPUs behind one switch share its uplink); reduce: a fixed
     `chunk_overhead_us`, then the host sums the node's g chunks (reads g·c, writes c at host memory
     bandwidth); inter: allreduce among node leaders on a double binary tree (≈2·c/B_nic +
-    log2(nodes)·α; zero on one node); h2d: the result back.
+    log2(nodes)·α; zero on one node); h2d: the result back (at `h2d_gbps` where set).
     """
     g = spec.gpus_per_node
     share = min(spec.gpus_per_pcie_switch, g)
     d2h = share * chunk / (spec.pcie_gbps * GB)
+    h2d = share * chunk / ((spec.h2d_gbps or spec.pcie_gbps) * GB)
     reduce = spec.chunk_overhead_us * 1e-6 + (g + 1) * chunk / (spec.host_mem_gbps * GB)
     inter = 0.0
     if spec.nodes > 1:
         inter = 2 * chunk / (spec.nic_gbps * GB) + math.ceil(math.log2(spec.nodes)) * spec.alpha_us * 1e-6
-    return {"d2h": d2h, "reduce": reduce, "inter": inter, "h2d": d2h}
+    return {"d2h": d2h, "reduce": reduce, "inter": inter, "h2d": h2d}
 
 
 def _chunking(spec: ClusterSpec, nbytes: float) -> tuple[int, float]:
@@ -209,6 +221,133 @@ def _hfreduce_time(spec: ClusterSpec, nbytes: float) -> float:
     stages = hfreduce_stages(spec, chunk)
     # Pipelined: the first chunk passes every stage, then one chunk leaves per slowest stage.
     return sum(stages.values()) + (chunks - 1) * max(stages.values())
+
+
+@dataclass(frozen=True)
+class StageRates:
+    """hfreduce's stage rates measured on one node (the comms benchmark, in the same run as the
+    allreduce), in GB/s per rank. `_all` rates are taken with all `local_ranks` ranks working at once,
+    `_alone` with one rank while the others wait. `host_sum_gbps`: a 2-input torch add on `threads`
+    threads, counting its memory traffic (read, read, write); `host_copy_gbps`: host copies as hfreduce
+    moves a CPU tensor (into a one-chunk slot and back out, chunk by chunk), counting read and write
+    each way. Device rates (None without CUDA): pinned device→host and host→device copies of
+    one rank, and `bidir_all_gbps`, both directions at once on two streams (both directions' bytes).
+    """
+
+    local_ranks: int
+    threads: int
+    host_sum_gbps: float
+    host_copy_gbps: float
+    d2h_alone_gbps: float | None = None
+    h2d_alone_gbps: float | None = None
+    d2h_all_gbps: float | None = None
+    h2d_all_gbps: float | None = None
+    bidir_all_gbps: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.local_ranks < 1 or self.threads < 1:
+            raise ValueError(
+                f"StageRates: expected local_ranks and threads >= 1, got {self.local_ranks}, {self.threads}"
+            )
+        for name, value in asdict(self).items():
+            if name.endswith("_gbps") and value is not None and not value > 0:
+                raise ValueError(f"StageRates.{name}: expected a positive rate or None, got {value}")
+
+    @property
+    def cuda(self) -> bool:
+        """Whether the device copy rates were measured (all three `_all` rates present)."""
+        return None not in (self.d2h_all_gbps, self.h2d_all_gbps, self.bidir_all_gbps)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> StageRates:
+        """The rates of `as_dict` (keys it does not know are ignored)."""
+        names = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+
+def hfreduce_bound(
+    nbytes: float,
+    rates: StageRates,
+    chunk_bytes: int = 4 << 20,
+    small_bytes: int = 256 << 10,
+    cuda: bool = True,
+) -> float:
+    """Seconds a pipelined host-staged allreduce of `nbytes` per rank cannot beat on one node with the
+    measured `rates` (L = `rates.local_ranks`, chunks of c = min(S, `chunk_bytes`), k = ⌈S/c⌉).
+
+    CUDA tensors (`cuda` and device rates present), per chunk the stages overlap: d2h = c/D (D: the
+    device→host rate with every local rank copying), h2d = c/U, both at once on the two copy
+    engines copy = max(d2h, h2d, 2c/B) (B: the bidirectional rate), and the host sum of this rank's
+    slice sum = (L+1)·(c/L)/H (L slot reads and one write at the threaded sum rate H). The pipeline
+    takes T = d2h + sum + h2d (one chunk's latency of fill) + (k−1)·max(copy, sum). CPU tensors: the
+    copies into and out of the slots (2c each of traffic at the host copy rate C) and the sum share the
+    rank's cores, so nothing overlaps: T = 4S/C + (L+1)·S/(L·H). Messages of at most `small_bytes`
+    take the one-barrier path, where each rank sums the whole message: T = in + (L+1)·S/H + out with
+    in = out = S/D, S/U (CUDA) or 2S/C (CPU). Barriers and launches are left out: it is a bandwidth
+    bound, far below what small messages can reach.
+    """
+    if nbytes < 0:
+        raise ValueError(f"nbytes: expected >= 0, got {nbytes}")
+    if cuda and not rates.cuda:
+        raise ValueError("rates: expected device copy rates for a CUDA bound, got a CPU-only measurement")
+    if nbytes == 0:
+        return 0.0
+    L, H = rates.local_ranks, rates.host_sum_gbps * GB
+    C = rates.host_copy_gbps * GB
+    if cuda:
+        D, U, B = (float(r or 0) * GB for r in (rates.d2h_all_gbps, rates.h2d_all_gbps, rates.bidir_all_gbps))
+    if nbytes <= small_bytes:
+        copy_in, copy_out = (nbytes / D, nbytes / U) if cuda else (2 * nbytes / C, 2 * nbytes / C)
+        return copy_in + (L + 1) * nbytes / H + copy_out
+    if not cuda:
+        return 4 * nbytes / C + (L + 1) * nbytes / (L * H)
+    c = min(nbytes, chunk_bytes)
+    k = math.ceil(nbytes / c)
+    d2h, h2d, summed = c / D, c / U, (L + 1) * (c / L) / H
+    copy = max(d2h, h2d, 2 * c / B)
+    return d2h + summed + h2d + (k - 1) * max(copy, summed)
+
+
+def best_chunk_bytes(
+    nbytes: float,
+    rates: StageRates,
+    chunk_overhead_us: float,
+    candidates: Sequence[int] = tuple(1 << k for k in range(18, 27)),
+) -> int:
+    """The chunk size (of `candidates`, default 256 KiB .. 64 MiB) at which a pipelined allreduce of
+    `nbytes` on CUDA tensors is fastest with the measured `rates` and a fixed cost per chunk of
+    `chunk_overhead_us` (the barrier and the copy launches: e.g. `fit_cluster`'s): the argmin of
+    `hfreduce_bound` (no small path) + chunks·overhead. Small chunks pay the overhead often, large
+    ones a long fill; ties go to the smaller chunk (a smaller segment)."""
+    if chunk_overhead_us < 0:
+        raise ValueError(f"chunk_overhead_us: expected >= 0, got {chunk_overhead_us}")
+    if not candidates:
+        raise ValueError("candidates: expected at least one chunk size, got none")
+
+    def cost(c: int) -> float:
+        chunks = max(1, math.ceil(nbytes / c))
+        return hfreduce_bound(nbytes, rates, c, small_bytes=0) + chunks * chunk_overhead_us * 1e-6
+
+    return min(sorted(candidates), key=cost)
+
+
+def with_stage_rates(spec: ClusterSpec, rates: StageRates) -> ClusterSpec:
+    """`spec` with hfreduce's copy and host-sum rates replaced by measured ones: `gpus_per_node` =
+    L = `rates.local_ranks`; `pcie_gbps` and `h2d_gbps` = the per-rank device↔host rates with every
+    local rank copying (so `gpus_per_pcie_switch` = 1: the sharing is in the measurement);
+    `host_mem_gbps` = L·`host_sum_gbps` (the model's reduce stage moves the node's (g+1)·c at the
+    node's rate; each rank's slice runs at the measured rate). Without device rates (a CPU run) the
+    copy rates stay as in `spec`."""
+    changes: dict[str, Any] = {
+        "gpus_per_node": rates.local_ranks,
+        "host_mem_gbps": rates.local_ranks * rates.host_sum_gbps,
+    }
+    if rates.cuda:
+        changes.update(pcie_gbps=rates.d2h_all_gbps, h2d_gbps=rates.h2d_all_gbps, gpus_per_pcie_switch=1)
+    return spec.with_(**changes)
 
 
 def predict(spec: ClusterSpec, nbytes: float, backend: str) -> float:
@@ -346,6 +485,9 @@ def fit_cluster(spec: ClusterSpec, frame: pd.DataFrame) -> ClusterSpec:
     source and each backend's rms relative error of the fitted spec's `predict` (which also covers
     sizes where the reduce stage turns out not to be the slowest; their count is noted). Both backends
     must be present with >= 3 sizes: a spec fitted on one alone would mix measured and assumed rates.
+    Where the hfreduce rows carry the stage rates measured in the same run (`extra["stage_rates"]`,
+    a `StageRates` dict), those set the copy and host-sum rates (`with_stage_rates`) and only the
+    per-chunk cost L is fitted.
     """
     _require_columns(frame, {"provider", "nbytes", "p50_ms", "world_size"})
     worlds = frame["world_size"].unique()
@@ -361,6 +503,11 @@ def fit_cluster(spec: ClusterSpec, frame: pd.DataFrame) -> ClusterSpec:
             raise ValueError(f"frame: {backend} times must be positive")
     g = int(worlds[0])
     base = spec.with_(gpus_per_node=g, nodes=1, chunk_overhead_us=0.0)
+    rates = measured_stage_rates(rows["hfreduce"])
+    if rates is not None:
+        if rates.local_ranks != g:
+            raise ValueError(f"frame: expected stage rates of {g} local ranks, got {rates.local_ranks}")
+        base = with_stage_rates(base, rates)
 
     def measured(backend: str) -> tuple[np.ndarray, np.ndarray]:  # sizes (bytes), times (s)
         return rows[backend]["nbytes"].to_numpy(float), rows[backend]["p50_ms"].to_numpy(float) / 1e3
@@ -373,11 +520,17 @@ def fit_cluster(spec: ClusterSpec, frame: pd.DataFrame) -> ClusterSpec:
     copies = np.array([(st := hfreduce_stages(base, c))["d2h"] + st["h2d"] for c in chunk])
     # Columns in µs per chunk and s per GB, so that the coefficients are L (µs) and 1/H (1/(GB/s)).
     design = np.stack([chunks * 1e-6, (g + 1) * sizes / GB], axis=1) / times[:, None]
-    overhead_us, inv_host = _nonneg_lstsq(design, (times - copies) / times)
+    if rates is None:
+        overhead_us, inv_host = _nonneg_lstsq(design, (times - copies) / times)
+        host_mem_gbps = 1.0 / max(float(inv_host), 1e-9)
+    else:  # the host rate is measured: fit L alone
+        host_mem_gbps = base.host_mem_gbps
+        summed = (g + 1) * sizes / (host_mem_gbps * GB)
+        (overhead_us,) = _nonneg_lstsq(design[:, :1], (times - copies - summed) / times)
     fitted = base.with_(
         alpha_us=ring.alpha_us,
         chunk_overhead_us=float(overhead_us),
-        host_mem_gbps=1.0 / max(float(inv_host), 1e-9),
+        host_mem_gbps=host_mem_gbps,
         **{link: ring.bw_gbps},
     )
 
@@ -390,13 +543,61 @@ def fit_cluster(spec: ClusterSpec, frame: pd.DataFrame) -> ClusterSpec:
     not_slowest = sum(st["reduce"] < max(st.values()) for st in stages)
     gpu = f"{frame['gpu'].iloc[0]} " if "gpu" in frame else ""
     when = f" of {frame['timestamp'].iloc[0]}" if "timestamp" in frame else ""
+    if rates is None:
+        source = "pcie_gbps and nic_gbps from the spec"
+    else:
+        source = f"{'copy and ' if rates.cuda else ''}host-sum rates measured in the run"
     notes = (
         f"fit_cluster of {spec.name!r} to a {g}× {gpu}allreduce run{when}: rms relative error "
-        f"nccl {rms('nccl'):.1%}, hfreduce {rms('hfreduce'):.1%}; pcie_gbps and nic_gbps from the spec"
+        f"nccl {rms('nccl'):.1%}, hfreduce {rms('hfreduce'):.1%}; {source}"
     )
     if not_slowest:
         notes += f"; the reduce stage is not the slowest at {not_slowest} of {len(sizes)} hfreduce sizes"
     return fitted.with_(name=f"{g}× {gpu}(fitted)", notes=notes)
+
+
+def measured_stage_rates(frame: pd.DataFrame) -> StageRates | None:
+    """The `StageRates` in the `extra` of a run's hfreduce allreduce rows (columns provider, extra and,
+    where present, nbytes, as `allreduce_frame` gives them): the comms benchmark measures them at each
+    size, and those of the largest size are returned. None where the rows have none (results from
+    before the rates were recorded)."""
+    if "extra" not in frame or "provider" not in frame:
+        return None
+    rows = frame[frame["provider"] == "hfreduce"]
+    if "nbytes" in rows:
+        rows = rows.sort_values("nbytes", ascending=False)
+    for extra in rows["extra"]:
+        if isinstance(extra, dict) and extra.get("stage_rates"):
+            return StageRates.from_dict(extra["stage_rates"])
+    return None
+
+
+def bound_comparison(frame: pd.DataFrame) -> pd.DataFrame:
+    """hfreduce's measured time beside the bound measured in the same run, per size: one line per
+    hfreduce row of `frame` (`allreduce_frame` columns provider, nbytes, p50_ms, extra) whose `extra`
+    has a bound, with backend ("hfreduce"), nbytes, measured_ms, bound_ms, bound_fraction (bound over
+    measured: 1 = at the bound), path (small | pipelined), and gloo_ms where the run has gloo at that
+    size. Empty (those columns) when no row has a bound."""
+    import pandas as pd
+
+    _require_columns(frame, {"provider", "nbytes", "p50_ms", "extra"})
+    columns = ["backend", "nbytes", "measured_ms", "bound_ms", "bound_fraction", "path", "gloo_ms"]
+    gloo_rows = frame[frame["provider"] == "gloo"]
+    gloo = dict(zip(gloo_rows["nbytes"].astype(int), gloo_rows["p50_ms"].astype(float), strict=True))
+    lines = [
+        {
+            "backend": "hfreduce",
+            "nbytes": int(r.nbytes),
+            "measured_ms": float(r.p50_ms),
+            "bound_ms": float(r.extra["bound_ms"]),
+            "bound_fraction": float(r.extra["bound_fraction"]),
+            "path": r.extra.get("path"),
+            "gloo_ms": gloo.get(int(r.nbytes), float("nan")),
+        }
+        for r in frame[frame["provider"] == "hfreduce"].itertuples()
+        if isinstance(r.extra, dict) and "bound_ms" in r.extra
+    ]
+    return pd.DataFrame(lines, columns=columns).sort_values("nbytes", ignore_index=True)
 
 
 def seed_comparison(params: int = AF2_PARAMS, bucket_mb: float = 25.0) -> pd.DataFrame:

@@ -1,14 +1,22 @@
 """hfreduce: `HostReduce`, an all-reduce staged through pinned host memory shared by a node's ranks.
 
 After the Fire-Flyer AI-HPC paper (arXiv 2408.14158): a tensor is cut into chunks; each rank copies a
-chunk device→host (async, side stream) into its slot of a node-wide shared-memory segment; every local
-rank sums its slice of the chunk over all local slots (a reduce-scatter on the CPU, vectorized torch);
-the node sums are all-reduced across nodes over gloo; every rank copies the summed chunk host→device.
-One PCIe crossing each way and no GPU kernels. Chunks are double-buffered so that chunk k+1's copy
-overlaps chunk k's reduction. The node's ranks meet once per chunk; on x86 that is a barrier of
-counters in the shared segment (a few microseconds), elsewhere a gloo barrier (~0.1 ms), since the
-counters rely on x86's store ordering. CPU tensors skip the device copies: their data is written to and read
-from the shared slots directly.
+chunk device→host into its slot of a node-wide shared-memory segment; every local rank sums its 1/L
+slice of the chunk over all L local slots (a reduce-scatter on the CPU); the node sums are all-reduced
+across nodes over gloo; every rank copies the summed chunk host→device. One PCIe crossing each way and
+no GPU kernels. The pipeline: device→host and host→device copies run on two CUDA streams (both copy
+engines), so chunk k+1's download and chunk k-1's upload overlap the host sum of chunk k; slots and
+results are double-buffered. The host sum is torch adds on the preallocated slots, one pass per slot,
+spread over the rank's share of the cores by worker threads (torch ops release the GIL). On the 2-core
+CPU machine a 64 MiB fp32 add (counting read, read, write) ran at 11-12 GB/s on one thread, 21-22 GB/s
+on two pool threads and 21-23 GB/s on torch's two intra-op threads (interleaved runs, medians): the
+same within noise, and `torch.set_num_threads` is a process-wide setting that would also change the
+training's own ops, so the pool is used; bf16/fp16 are summed in a float32
+accumulator (also across nodes) and rounded once. The node's ranks meet once per chunk; on x86 that is
+a barrier of counters in the shared segment (a few microseconds), elsewhere a gloo barrier (~0.1 ms),
+since the counters rely on x86's store ordering. CPU tensors skip the device copies: their data is
+copied to and from the shared slots by the same threads. Messages of at most `small_kb` on one node
+take a path with one barrier instead of two: each rank sums all L slots into its own tensor.
 
 Under faults: a rank that gives up (timeout, failed peer, `close()`) marks itself in the shared segment, so
 that its local peers waiting for it fail at once instead of after their timeout, and a HostReduce that
@@ -28,6 +36,8 @@ import platform
 import secrets
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -35,6 +45,14 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+# Messages up to this size on one node take the one-barrier small path. On the 2-core CPU machine (2
+# ranks, interleaved medians) it took 0.63/0.33/0.42/0.92 ms at 4 KB/64 KB/256 KB/1 MB against
+# 1.27/0.66/0.78/1.36 ms for the two-barrier pipeline; the limit stays at 256 KB because each rank sums
+# all L slots of the message there, L times the host traffic of its 1/L slice in the pipeline.
+DEFAULT_SMALL_KB = 256.0
+# The host sum and CPU copies split a range over threads only in parts of at least this many elements:
+# below, a thread hand-off (~10-20 µs) costs more than the part's work.
+_MIN_PART = 1 << 16
 # Chunk sizes are rounded down to this many bytes so that every dtype's view of a slot is aligned.
 _ALIGN = 64
 # Each local rank's 64-byte cache line at the start of the segment holds its barrier counter (int64 0)
@@ -54,6 +72,32 @@ def _shm_dir() -> str:
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else None
+
+
+def default_threads(local_world_size: int) -> int:
+    """Host-sum threads per rank: the cores this process may run on, shared evenly by the node's
+    `local_world_size` ranks (at least 1)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_world_size))
+
+
+def split_over_threads(
+    fn: Callable[[int, int], object], m: int, threads: int, pool: ThreadPoolExecutor | None
+) -> None:
+    """Run `fn(a, b)` over [0, m) cut into up to `threads` contiguous parts of at least `_MIN_PART`
+    elements: the first on this thread, the rest on `pool` (torch ops release the GIL, so the parts
+    run on separate cores). Small ranges, or no pool, run inline in one call."""
+    parts = max(1, min(threads, m // _MIN_PART)) if pool is not None else 1
+    if parts == 1:
+        fn(0, m)
+        return
+    bounds = [m * i // parts for i in range(parts + 1)]
+    futures = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, parts)]
+    try:
+        fn(bounds[0], bounds[1])
+    finally:
+        for f in futures:
+            f.result()
 
 
 def node_size(world_size: int, local_world_size: int | None = None) -> int:
@@ -85,6 +129,13 @@ class HostReduce:
     Where CUDA is present the segment is pinned (cudaHostRegister) the first time a CUDA tensor is
     reduced. After a failure (a barrier timeout, a peer that gave up, a failed cross-node all-reduce)
     every later `allreduce_` raises RuntimeError: the ranks no longer agree on the chunk sequence.
+
+    Tuning: `chunk_mb` (default 4 MiB: at H200's measured ~55 GB/s per copy direction a chunk's copy takes
+    ~76 µs, long beside the ~5 µs counter barrier and the copy launches, while a 64 MB message still fills
+    the pipeline in 1/16 of its time; `hfkit.parallel.cost_model.best_chunk_bytes` picks one from the
+    stage rates `hfkit bench comms` measures and a per-chunk cost); `threads`, the host-sum threads
+    (default `default_threads`: this process's cores over the node's ranks); `small_kb`, the largest
+    message (capped at one chunk) that takes the one-barrier small path on one node.
     """
 
     def __init__(
@@ -93,11 +144,17 @@ class HostReduce:
         chunk_mb: float = 4.0,
         local_world_size: int | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
+        threads: int | None = None,
+        small_kb: float = DEFAULT_SMALL_KB,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("HostReduce: torch.distributed is not initialized (call init_distributed)")
         if chunk_mb <= 0:
             raise ValueError(f"chunk_mb: expected > 0, got {chunk_mb}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads: expected >= 1 or None, got {threads}")
+        if small_kb < 0:
+            raise ValueError(f"small_kb: expected >= 0, got {small_kb}")
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.timeout = timeout
         self.rank = dist.get_rank(self.group)
@@ -124,10 +181,17 @@ class HostReduce:
                 "it needs torchrun's contiguous layout (global rank = node * LOCAL_WORLD_SIZE + LOCAL_RANK)"
             )
         self.chunk_bytes = max(_ALIGN, int(chunk_mb * 2**20) // _ALIGN * _ALIGN)
+        # The small path keeps a message in one slot: at most one chunk.
+        self.small_bytes = min(self.chunk_bytes, int(small_kb * 2**10))
+        self.threads = threads or default_threads(lws)
         self._pinned = False
         self._closed = False
         self._failure: str | None = None  # why an all-reduce failed; set once, then every call refuses
-        self._side_stream: torch.cuda.Stream | None = None
+        self._copy_streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
+        self._pool: ThreadPoolExecutor | None = None  # threads - 1 workers beside the calling thread
+        self._acc = torch.empty(0, dtype=torch.float32)  # bf16/fp16 accumulator
+        self._private = torch.empty(0, dtype=torch.uint8)  # the small path's result for CUDA tensors
+        self._turn = 0  # chunks (small messages count one) passed: their slot parity alternates
 
         ranks = [self._global(r) for r in range(self.world_size)]
         # On the default group every rank must call new_group for every group, in the same order; on a
@@ -189,22 +253,31 @@ class HostReduce:
                     fd = os.memfd_create(f"hfkit-hfreduce-n{self.node}", os.MFD_CLOEXEC)
                     path = f"/proc/{os.getpid()}/fd/{fd}"
                 os.ftruncate(fd, nbytes)
-            # (segment path, chunk bytes) of every local rank: the leader's path for all, and a check
-            # that all slice the segment alike (a different chunk_mb would read another rank's slots).
+            # (segment path, chunk bytes, small bytes) of every local rank: the leader's path for all,
+            # and a check that all slice the segment alike (a different chunk_mb would read another
+            # rank's slots) and take the same path for a message (a different small_kb would deadlock).
             gathered: list[Any] = [None] * self.local_world_size
             try:
-                dist.all_gather_object(gathered, (path, self.chunk_bytes), group=self._node_group)
+                dist.all_gather_object(
+                    gathered, (path, self.chunk_bytes, self.small_bytes), group=self._node_group
+                )
             except Exception as e:
                 raise RuntimeError(
                     f"HostReduce (rank {self.rank}, node {self.node}): receiving the shared segment from the "
                     f"node leader (rank {self._leader}) failed: a local peer died or did not arrive within "
                     f"the {self.timeout} timeout ({type(e).__name__}: {e})"
                 ) from e
-            chunks = [c for _, c in gathered]
+            chunks = [c for _, c, _ in gathered]
             if len(set(chunks)) > 1:
                 raise ValueError(
                     f"chunk_mb: expected the same on every local rank of node {self.node}, got chunks of "
                     f"{chunks} bytes on local ranks 0..{self.local_world_size - 1}"
+                )
+            smalls = [b for _, _, b in gathered]
+            if len(set(smalls)) > 1:
+                raise ValueError(
+                    f"small_kb: expected the same on every local rank of node {self.node}, got small-path "
+                    f"limits of {smalls} bytes on local ranks 0..{self.local_world_size - 1}"
                 )
             leader_path = gathered[0][0]
             try:
@@ -248,6 +321,9 @@ class HostReduce:
             self._pinned = False
         self._segment = self._buf = torch.empty(0, dtype=torch.uint8)
         self._flags = self._flags[:0].copy()  # drops the view that kept the mapping alive
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
     def __enter__(self) -> HostReduce:
         return self
@@ -350,68 +426,109 @@ class HostReduce:
     def _allreduce_contiguous(
         self, tensor: torch.Tensor, ready_event: torch.cuda.Event | None
     ) -> torch.Tensor:
-        """`allreduce_` of a contiguous dense tensor."""
+        """`allreduce_` of a contiguous dense tensor: the one-barrier small path, or the pipeline."""
         flat = tensor.view(-1)
         n = flat.numel()
         if n == 0:
             return tensor
-        itemsize = flat.element_size()
-        cap = self.chunk_bytes // itemsize  # elements per chunk
-        L = self.local_world_size
-        split = L * 2 * self.chunk_bytes
-        # [L, 2, cap] input slots and [2, cap] results, viewed in the tensor's dtype.
-        slots = self._buf[:split].view(flat.dtype).view(L, 2, cap)
-        results = self._buf[split:].view(flat.dtype).view(2, cap)
-        nchunks = math.ceil(n / cap)
-        cuda = flat.is_cuda
-        side: torch.cuda.Stream | None = None
-        if cuda:
+        d2h: torch.cuda.Stream | None = None
+        h2d: torch.cuda.Stream | None = None
+        if flat.is_cuda:
             self._pin()
-            if self._side_stream is None or self._side_stream.device != flat.device:
-                self._side_stream = torch.cuda.Stream(device=flat.device)
-            side = self._side_stream
+            d2h, h2d = self._streams(flat.device)
             if ready_event is not None:
-                side.wait_event(ready_event)
+                d2h.wait_event(ready_event)
             else:
-                side.wait_stream(torch.cuda.current_stream(flat.device))
+                d2h.wait_stream(torch.cuda.current_stream(flat.device))
+        if self.num_nodes == 1 and n * flat.element_size() <= self.small_bytes:
+            return self._allreduce_small(tensor, d2h, h2d)
+        return self._allreduce_pipelined(tensor, d2h, h2d)
+
+    def _streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """The device→host and host→device streams of `device`: two streams, so that the GPU's two
+        copy engines run chunk k+1's download and chunk k-1's upload at once."""
+        if self._copy_streams is None or self._copy_streams[0].device != device:
+            self._copy_streams = (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
+        return self._copy_streams
+
+    def _next_turn(self, count: int) -> int:
+        """The slot parity of the next `count` chunks (small calls count one): parities alternate over
+        all chunks of all calls, so that a slot is rewritten only two chunks, hence one barrier, after
+        every local rank last read it, whichever path either call took."""
+        base = self._turn
+        self._turn += count
+        return base
+
+    def _allreduce_small(
+        self, tensor: torch.Tensor, d2h: torch.cuda.Stream | None, h2d: torch.cuda.Stream | None
+    ) -> torch.Tensor:
+        """A message of at most `small_bytes` on one node, with one barrier instead of two: every rank
+        writes it to its slot, meets the others, and sums all L slots into its own tensor itself."""
+        flat = tensor.view(-1)
+        n = flat.numel()
+        parity = self._next_turn(1) % 2
+        slots = self._slots(flat.dtype)
+        mine = slots[self.local_rank, parity, :n]
+        if d2h is not None:
+            with torch.cuda.stream(d2h):
+                mine.copy_(flat, non_blocking=True)
+            d2h.synchronize()
+        else:
+            mine.copy_(flat)
+        self._chunk_barrier("reducing a small message")
+        inputs = slots[:, parity, :n]
+        if h2d is None:
+            self._sum_slots(inputs, flat)
+            return tensor
+        host = self._host_out(flat.dtype, n)
+        self._sum_slots(inputs, host)
+        with torch.cuda.stream(h2d):
+            flat.copy_(host, non_blocking=True)
+        h2d.synchronize()
+        return tensor
+
+    def _allreduce_pipelined(
+        self, tensor: torch.Tensor, d2h: torch.cuda.Stream | None, h2d: torch.cuda.Stream | None
+    ) -> torch.Tensor:
+        """The chunked pipeline: chunk s+1's device→host copy (stream d2h) and chunk s-1's host→device
+        copy (stream h2d) run while the host sums this rank's 1/L slice of chunk s over the local slots
+        (on `threads` threads, bf16/fp16 in fp32), then all-reduces it across nodes."""
+        flat = tensor.view(-1)
+        n = flat.numel()
+        L = self.local_world_size
+        cap = self.chunk_bytes // flat.element_size()  # elements per chunk
+        slots = self._slots(flat.dtype)  # [L, 2, cap]
+        results = self._buf[L * 2 * self.chunk_bytes :].view(flat.dtype).view(2, cap)
+        nchunks = math.ceil(n / cap)
+        base = self._next_turn(nchunks)
 
         def span(k: int) -> tuple[int, int]:
             return k * cap, min(n, (k + 1) * cap)
 
-        def write(k: int) -> None:  # my chunk k → my slot (device→host on the side stream)
+        def write(k: int) -> None:  # my chunk k → my slot (device→host on its stream)
             lo, hi = span(k)
-            dst = slots[self.local_rank, k % 2, : hi - lo]
-            if side is not None:
-                with torch.cuda.stream(side):
+            dst = slots[self.local_rank, (base + k) % 2, : hi - lo]
+            if d2h is not None:
+                with torch.cuda.stream(d2h):
                     dst.copy_(flat[lo:hi], non_blocking=True)
             else:
-                dst.copy_(flat[lo:hi])
+                self._parallel(lambda a, b: dst[a:b].copy_(flat[lo + a : lo + b]), hi - lo)
 
-        def read(k: int) -> None:  # summed chunk k → my tensor (host→device on the side stream)
+        def read(k: int) -> None:  # summed chunk k → my tensor (host→device on its stream)
             lo, hi = span(k)
-            src = results[k % 2, : hi - lo]
-            if side is not None:
-                with torch.cuda.stream(side):
+            src = results[(base + k) % 2, : hi - lo]
+            if h2d is not None:
+                with torch.cuda.stream(h2d):
                     flat[lo:hi].copy_(src, non_blocking=True)
             else:
-                flat[lo:hi].copy_(src)
+                self._parallel(lambda a, b: flat[lo + a : lo + b].copy_(src[a:b]), hi - lo)
 
         def reduce(k: int) -> None:  # my slice of chunk k: sum over local slots, then across nodes
             lo, hi = span(k)
             m = hi - lo
             a, b = self.local_rank * m // L, (self.local_rank + 1) * m // L
-            if a == b:
-                return
-            out = results[k % 2, a:b]
-            mine = slots[:, k % 2, a:b]
-            if L == 1:
-                out.copy_(mine[0])
-            else:  # adds: one pass each, faster on the CPU than torch.sum over the slot axis
-                torch.add(mine[0], mine[1], out=out)
-                for i in range(2, L):
-                    out.add_(mine[i])
-            if self._rail_group is not None:
-                self._cross_node(out)
+            if a < b:
+                self._sum_slots(slots[:, (base + k) % 2, a:b], results[(base + k) % 2, a:b])
 
         # One barrier per step s certifies: every rank's chunk s is in its slot, every slice of chunk
         # s-1 is summed, and every copy issued before it is complete. Hence, with double buffers, after
@@ -419,8 +536,9 @@ class HostReduce:
         # write result s%2 (last read by the copy-back of s-2, finished before this barrier).
         write(0)
         for s in range(nchunks + 1):
-            if side is not None:
-                side.synchronize()  # my device→host of chunk s and host→device of s-2 are done
+            if d2h is not None and h2d is not None:
+                d2h.synchronize()  # my device→host of chunk s is done
+                h2d.synchronize()  # my host→device of chunk s-2 is done
             self._chunk_barrier(f"reducing chunk {s} of {nchunks}")
             if s > 0:
                 read(s - 1)
@@ -428,9 +546,65 @@ class HostReduce:
                 write(s + 1)  # overlaps (CUDA) with the reduction of chunk s below
             if s < nchunks:
                 reduce(s)
-        if side is not None:
-            side.synchronize()
+        if h2d is not None:
+            h2d.synchronize()
         return tensor
+
+    # ---------------------------------------------------------------- the host sum
+
+    def _slots(self, dtype: torch.dtype) -> torch.Tensor:
+        """The input slots [L, 2, chunk elements] viewed in `dtype`."""
+        L = self.local_world_size
+        return self._buf[: L * 2 * self.chunk_bytes].view(dtype).view(L, 2, -1)
+
+    def _host_out(self, dtype: torch.dtype, n: int) -> torch.Tensor:
+        """This rank's own pinned host buffer of `n` elements of `dtype` (the small path's sum for a
+        CUDA tensor, which the other ranks must not see)."""
+        nbytes = n * torch.empty(0, dtype=dtype).element_size()
+        if self._private.numel() < nbytes:
+            self._private = torch.empty(self.small_bytes, dtype=torch.uint8, pin_memory=True)
+        return self._private[:nbytes].view(dtype)
+
+    def _accumulator(self, m: int) -> torch.Tensor:
+        """A float32 scratch of `m` elements (bf16/fp16 sums are accumulated in it, then rounded once)."""
+        if self._acc.numel() < m:
+            self._acc = torch.empty(m, dtype=torch.float32)
+        return self._acc[:m]
+
+    def _parallel(self, fn: Callable[[int, int], object], m: int) -> None:
+        """`split_over_threads` on this HostReduce's threads (the pool is made on first use)."""
+        if self._pool is None and self.threads > 1 and m >= 2 * _MIN_PART:
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="hfreduce-sum")
+        split_over_threads(fn, m, self.threads, self._pool)
+
+    def _sum_slots(self, inputs: torch.Tensor, out: torch.Tensor) -> None:
+        """out = the sum of `inputs` [L, m] over its first axis, then across nodes (rail group);
+        bf16/fp16 accumulate in a float32 scratch (also across nodes) and are rounded once into `out`.
+        Adds, one pass per slot, spread over the threads (faster on the CPU than torch.sum over the
+        slot axis)."""
+        L, m = inputs.shape
+        widen = out.dtype in (torch.bfloat16, torch.float16)
+        acc = self._accumulator(m) if widen else out
+        cross = self._rail_group is not None
+
+        def local(a: int, b: int) -> None:
+            part, src = acc[a:b], inputs[:, a:b]
+            if L == 1 or widen:
+                part.copy_(src[0])
+                rest = range(1, L)
+            else:
+                torch.add(src[0], src[1], out=part)
+                rest = range(2, L)
+            for i in rest:
+                part.add_(src[i])
+            if widen and not cross:
+                out[a:b].copy_(part)
+
+        self._parallel(local, m)
+        if cross:
+            self._cross_node(acc)
+            if widen:
+                self._parallel(lambda a, b: out[a:b].copy_(acc[a:b]), m)
 
 
 # ---------------------------------------------------------------- one-call all-reduce
