@@ -247,24 +247,6 @@ def test_profile_explorer_shows_a_given_result_before_the_widget(displayed, caps
     assert ProfileExplorer("cpu").result_outputs() == []  # nothing to show before a first result
 
 
-def test_swap_explorer_figure_and_static_outputs(displayed):
-    from hfkit.viz.model import SwapExplorer, preset_config
-
-    swap = SwapExplorer(preset_config("tiny"), "cpu")
-    assert swap.result_outputs() == []
-    swap.history = [
-        {"swapped": "(none)", "compile": False, "step_ms": 10.0, "eager_ms": 10.0},
-        {"swapped": "layer_norm", "compile": True, "step_ms": 8.0, "eager_ms": 10.0},
-    ]
-    fig = swap.figure()
-    assert list(fig.data[0].x) == ["1: (none)", "2: layer_norm + compile"] and list(fig.data[0].y) == [10, 8]
-    swap.show()
-    assert len(displayed[0]) == 2 and displayed[1] is not None and displayed[2] is swap.widget
-
-
-# --- notebook 00 and 04: measured now on a GPU, committed results elsewhere ----------------------------
-
-
 def test_layernorm_results_on_a_cpu_load_the_committed_results_or_say_how_to_make_them():
     from hfkit.viz.figures import layernorm_results
 
@@ -391,27 +373,6 @@ def test_reference_ops_and_census_unpack_the_extra_dicts():
     assert table["calls"].tolist() == [60, 40] and table["time_pct"].isna().all()
     assert census_timings(table)["shape"].tolist() == [(1, 256, 256, 128)]
     assert census_timings(table.assign(torch_ms=None)) is None and reference_census(None) is None
-
-
-def test_run_waterfall_passes_the_device_settings_and_adds_first_call_seconds(monkeypatch):
-    import hfkit.bench.model as bench_model
-    from hfkit.viz.model import run_waterfall
-
-    seen = {}
-
-    def fake(device, **kwargs):
-        seen.update(kwargs)
-        stages = (("eager", 10.0), ("layer_norm", 9.0))
-        return [
-            result_row("step_waterfall", name, [1], ms, stage=i, ops=[], first_call_s=0.5 * i)
-            for i, (name, ms) in enumerate(stages)
-        ]
-
-    monkeypatch.setattr(bench_model, "run_model_benchmark", fake)
-    steps = run_waterfall(CPU, quick=True)
-    assert seen["step_dtype"] == "fp32" and seen["compile_backend"] == "eager" and seen["quick"]
-    assert steps["stage"].tolist() == ["eager", "layer_norm"] and steps["first call s"].tolist() == [0.0, 0.5]
-    assert steps["delta_ms"].tolist() == [10.0, -1.0]
 
 
 def test_saved_activation_table_and_figure():

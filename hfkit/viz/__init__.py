@@ -16,7 +16,6 @@ from hfkit.viz.kernels import (
 )
 from hfkit.viz.model import (
     ProfileExplorer,
-    SwapExplorer,
     census_figure,
     model_time_bars,
     op_share_bars,
@@ -31,7 +30,6 @@ __all__ = [
     "NotebookResults",
     "NotebookSettings",
     "ProfileExplorer",
-    "SwapExplorer",
     "census_figure",
     "goal_sentences",
     "kernel_explorer",

@@ -1,8 +1,8 @@
 """Figures and widgets of notebooks 03 (op profiling) and 05 (end to end): the operator-share bars,
 the LayerNorm shape census, model-benchmark bars, the swap waterfall, and explorers that rerun a
 profile or a training step for the settings chosen; and what the notebooks run for their profile
-(`profile_step`, `reference_ops`/`reference_census` of the committed profile, `run_waterfall`: the
-benchmark's waterfall on a synthetic batch, `saved_activation_table`). For notebook 05's user-side
+(`profile_step`, `reference_ops`/`reference_census` of the committed profile,
+`saved_activation_table`). For notebook 05's user-side
 step: `batch_waterfall` (the waterfall on a given batch, e.g. the data pipeline's from
 `hfkit.viz.batches`), `stage_bars`, `StepLaunchExplorer` (checkpointing, precision, crop: the step
 launched from Python against the graphed step) and `openfold_stack_here` (OpenFold's own stack
@@ -16,7 +16,6 @@ ipywidgets are imported inside the functions that need them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +43,6 @@ __all__ = [
     "STEP_PRECISIONS",
     "ProfileExplorer",
     "StepLaunchExplorer",
-    "SwapExplorer",
     "census_figure",
     "batch_waterfall",
     "census_timings",
@@ -57,7 +55,6 @@ __all__ = [
     "profile_step",
     "reference_census",
     "reference_ops",
-    "run_waterfall",
     "saved_activation_figure",
     "saved_activation_table",
     "stage_bars",
@@ -356,117 +353,6 @@ class ProfileExplorer:
         return self.widget._repr_mimebundle_(**kwargs)
 
 
-class SwapExplorer:
-    """A checkbox per registered op (`swappable_ops()`) and one for compile, and a button that
-    reruns the training step with exactly those ops swapped (`measure_train_step`) and compares it
-    with the eager step (measured once). `run()` does what the button does; `show()` displays the runs
-    so far as a static table and chart, then the widget."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        device: torch.device | str | None = None,
-        precision: str | None = None,
-        compile_backend: str | None = None,
-    ) -> None:
-        import ipywidgets as widgets
-
-        from hfkit.bench.model import swappable_ops
-
-        self.config = config
-        self.device = resolve_device(device)
-        on_cuda = self.device.type == "cuda"
-        self.precision = precision or ("bf16_autocast" if on_cuda else "fp32")
-        # On a CPU, Inductor's C++ build takes minutes; the "eager" backend (Dynamo only) checks the path.
-        self.compile_backend = compile_backend or ("inductor" if on_cuda else "eager")
-        self.boxes = {
-            op: widgets.Checkbox(value=True, description=op, indent=False) for op in swappable_ops()
-        }
-        self.compile = widgets.Checkbox(value=False, description="torch.compile", indent=False)
-        self.button = widgets.Button(description="run step", button_style="primary", icon="play")
-        self.output = widgets.Output()
-        self.button.on_click(self._on_click)
-        self.widget = widgets.VBox(
-            [
-                widgets.HBox([*self.boxes.values(), self.compile]),
-                self.button,
-                widgets.Label(
-                    f"{self.device}, {self.precision}, crop {config.crop_size}, {config.no_blocks} blocks; "
-                    f"compile backend {self.compile_backend}"
-                ),
-                self.output,
-            ]
-        )
-        self._eager: dict[str, Any] | None = None
-        self.history: list[dict[str, Any]] = []
-
-    def _step(self, variant: str, ops: Sequence[str] | None) -> dict[str, Any]:
-        from hfkit.bench.model import measure_train_step
-
-        return measure_train_step(
-            self.config, self.device, self.precision, variant, ops=ops, compile_backend=self.compile_backend
-        )
-
-    def run(self) -> pd.DataFrame:
-        """Measure the step with the ticked ops (and compile); return the comparison, one row per run."""
-        if self._eager is None:
-            self._eager = self._step("eager", None)
-        ops = [op for op, box in self.boxes.items() if box.value]
-        variant = (
-            ("compile_hfkit" if ops else "compile") if self.compile.value else ("hfkit" if ops else "eager")
-        )
-        now = self._step(variant, ops)
-        eager_ms, now_ms = self._eager["timing"].p50, now["timing"].p50
-        row = {
-            "swapped": ", ".join(ops) or "(none)",
-            "compile": self.compile.value,
-            "step_ms": now_ms,
-            "eager_ms": eager_ms,
-            "speedup": eager_ms / now_ms,
-            "peak_GiB": _gib(now["peak_mem_bytes"]),
-            "eager_peak_GiB": _gib(self._eager["peak_mem_bytes"]),
-            "first_call_s": now["first_call_s"],
-        }
-        self.history.append(row)
-        return pd.DataFrame(self.history)
-
-    def figure(self) -> go.Figure:
-        """Bars of the step time of every run so far, with the eager step as a dashed line."""
-        import plotly.express as px
-
-        table = pd.DataFrame(self.history)
-        table["run"] = [
-            f"{i + 1}: {r['swapped']}{' + compile' if r['compile'] else ''}" for i, r in table.iterrows()
-        ]
-        fig = px.bar(
-            table,
-            x="run",
-            y="step_ms",
-            labels={"step_ms": "step time (ms)", "run": ""},
-            title="step time per run",
-        )
-        fig.add_hline(y=float(table["eager_ms"].iloc[0]), line_dash="dash", annotation_text="eager step")
-        fig.update_layout(height=380)
-        return fig
-
-    def result_outputs(self) -> list[Any]:
-        """The runs so far as outputs to display (table and chart); empty before the first run."""
-        if not self.history:
-            return []
-        return [pd.DataFrame(self.history).round(3), self.figure()]
-
-    def _on_click(self, _: Any = None) -> None:
-        self.run()
-        render_into(self.output, *self.result_outputs())
-
-    def show(self) -> None:
-        """Display the runs so far (static: readable in an HTML report), then the widget."""
-        show_static_then_widget(self.widget, *self.result_outputs())
-
-    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        return self.widget._repr_mimebundle_(**kwargs)
-
-
 def profile_step(device: torch.device, full: bool, where: str) -> dict[str, Any]:
     """Profile one training step for notebook 03: on a GPU with `full`, `af2_initial` with per-block
     checkpointing under bf16 autocast; otherwise the `tiny` preset in fp32. Returns
@@ -531,27 +417,6 @@ def census_timings(table: pd.DataFrame) -> pd.DataFrame | None:
     None when no shape was timed."""
     speed = table[["shape", "torch_ms", "hfkit_ms"]].dropna()
     return speed if len(speed) else None
-
-
-def run_waterfall(device: torch.device, quick: bool) -> pd.DataFrame:
-    """Run the waterfall of notebook 05 now (`run_model_benchmark(parts=("waterfall",))`): bf16
-    autocast and Inductor on a GPU, fp32 and Dynamo's "eager" backend on a CPU; `quick` takes the
-    `tiny` preset. Returns `waterfall_frame`'s table with each stage's first-call seconds."""
-    from hfkit.bench import rows_to_frame
-    from hfkit.bench.model import run_model_benchmark
-
-    on_cuda = device.type == "cuda"
-    rows = run_model_benchmark(
-        device,
-        parts=("waterfall",),
-        quick=quick,
-        step_dtype="bf16_autocast" if on_cuda else "fp32",
-        compile_backend="inductor" if on_cuda else "eager",
-        progress=False,
-    )
-    steps = waterfall_frame(rows_to_frame(rows))
-    steps["first call s"] = [r.extra.get("first_call_s") for r in rows]
-    return steps
 
 
 def saved_activation_table(device: torch.device, quick: bool) -> pd.DataFrame:

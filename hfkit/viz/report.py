@@ -479,6 +479,16 @@ HEADLINES = (
         lambda r: _extra_is(checkpointing=True)(r) and (r["extra"] or {}).get("launch", "eager") == "eager",
     ),
     Headline(
+        "Training step, af2_initial, checkpointed, hfkit.train.graphed_step",
+        "train_step",
+        _extra_is(checkpointing=True, launch="graph"),
+    ),
+    Headline(
+        "Training step, af2_initial, not checkpointed, hfkit.train.graphed_step",
+        "train_step",
+        _extra_is(checkpointing=False, launch="graph"),
+    ),
+    Headline(
         "Triangle attention, N = 1024, bf16",
         "triangle_attention",
         lambda r: r["dtype"] == "bf16" and list(r["shape"][-2:-1]) == [1024],
