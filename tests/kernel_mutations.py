@@ -76,20 +76,15 @@ class _Ops(TorchDispatchMode):
 LAUNCHES: list[tuple[str, Any, dict[str, Any], set[int], set[int]]] = []
 
 
-def _recording_wrap(ops: _Ops):
-    def wrap(kernel):
-        class _Grid:
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    op, inputs, mutable = ops.stack[-1] if ops.stack else ("<no op>", set(), set())
-                    named = dict(zip(kernel.arg_names, args, strict=False)) | kwargs
-                    LAUNCHES.append((op, kernel, named, inputs, mutable))
+def _recording_launch(ops: _Ops):
+    """A stand-in for `hfkit.ops._triton.launch` that records each launch instead of running it."""
 
-                return launch
+    def launch(kernel, grid, *args, **kwargs):
+        op, inputs, mutable = ops.stack[-1] if ops.stack else ("<no op>", set(), set())
+        named = dict(zip(kernel.arg_names, args, strict=False)) | kwargs
+        LAUNCHES.append((op, kernel, named, inputs, mutable))
 
-        return _Grid()
-
-    return wrap
+    return launch
 
 
 def written_args(kernel, kwargs: dict[str, Any]) -> list[str]:
@@ -138,7 +133,7 @@ def main() -> int:
     ops = _Ops()
     for module in MODULES:
         module.triton_can_run = lambda x: x.dtype in TRITON_DTYPES
-        module.wrap_triton = _recording_wrap(ops)
+        module.launch = _recording_launch(ops)
     with ops:
         drive()
     errors = []
