@@ -506,3 +506,59 @@ def test_dap_overlap_on_and_off_are_bit_identical(nprocs: int, kind: str) -> Non
         assert close <= 1e-10
         assert len(diffs) >= 4 + 30
         assert max(diffs.values()) == 0.0, {k: v for k, v in diffs.items() if v}
+
+
+def _in_flight_counts(rank: int, overlap: bool) -> dict[str, int]:
+    """The most collectives in flight at once (launched, not yet waited for) in the forward and in the
+    backward of a DAP block, seen by wrapping the asynchronous collectives' work handles."""
+    state = {"in_flight": 0, "most": 0, "launched": 0}
+    originals = {name: getattr(dist, name) for name in ("all_gather", "all_to_all_single", "all_reduce")}
+
+    class LoggedWork:
+        def __init__(self, work: Any) -> None:
+            self.work = work
+            state["in_flight"] += 1
+            state["launched"] += 1
+            state["most"] = max(state["most"], state["in_flight"])
+
+        def wait(self, *args: Any) -> Any:
+            state["in_flight"] -= 1
+            return self.work.wait(*args)
+
+    def logged(fn: Any) -> Any:
+        def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+            work = fn(*args, async_op=async_op, **kwargs)
+            return LoggedWork(work) if async_op else work
+
+        return call
+
+    block = to_dap(_block(torch.float64), None, overlap=overlap)
+    m, z, msa_mask, pair_mask = _inputs(5, 7, True, torch.float64)
+    m, z = m.requires_grad_(), z.requires_grad_()
+    counts: dict[str, int] = {}
+    for name, fn in originals.items():
+        setattr(dist, name, logged(fn))
+    try:
+        out = block(m, z, msa_mask, pair_mask)
+        counts["forward most in flight"], counts["forward launched"] = state["most"], state["launched"]
+        state.update(most=0, launched=0)
+        sum(o.sum() for o in out).backward()
+        counts["backward most in flight"], counts["backward launched"] = state["most"], state["launched"]
+        counts["left in flight"] = state["in_flight"]
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return counts
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_dap_overlap_keeps_collectives_in_flight(overlap: bool) -> None:
+    """With overlap the m transpose stays in flight across the outer product mean and the pair stack's
+    gathers (several at once, forward and backward); without, each is waited for where launched."""
+    for counts in spawn_local(_in_flight_counts, 2, overlap, timeout_s=60):
+        assert counts["forward launched"] >= 11 and counts["backward launched"] >= 11, counts
+        assert counts["left in flight"] == 0, counts
+        if overlap:
+            assert counts["forward most in flight"] >= 3 and counts["backward most in flight"] >= 2, counts
+        else:
+            assert counts["forward most in flight"] == counts["backward most in flight"] == 1, counts

@@ -261,6 +261,15 @@ class Pending:
     collective overlaps it as the forward one overlapped the forward's. With `overlap` False every
     collective is waited for where it is launched (forward and backward): the same collectives on the
     same buffers, hence bit-identical results.
+
+    The backward collectives are the synchronous ones' (launching early changes when, not what): with
+    y = gather(x) = [x_0, .., x_{P-1}] and a loss summed over the ranks, L = sum_q L_q(y) where rank q
+    holds only dL_q/dy, dL/dx_r = sum_q (dL_q/dy)[part r] (a reduce-scatter) when each rank's use is
+    partial, and (dL_r/dy)[part r] (a split) when every rank computes the same. An all-to-all only moves
+    elements between ranks (a permutation P of the group's elements), so its adjoint is P's inverse,
+    the all-to-all with split and concatenation dims exchanged. The gradient's layout (the whole
+    tensor all-reduced on gloo, dim moved first for nccl's reduce-scatter) is the synchronous one's,
+    so that the sums run in the same order.
     """
 
     def __init__(self, kind: str, group: ProcessGroup, overlap: bool, **how: Any) -> None:
