@@ -24,6 +24,7 @@ from hfkit.model import AlphaFoldLite, EvoformerBlock, EvoformerStack, ExtraMSAS
 from hfkit.nn import EvoformerAttention, to_hfkit
 from hfkit.parallel import RankError, spawn_local
 from hfkit.parallel.dap import (
+    OVERLAPPED_WITH,
     all_to_all,
     dap_block_comm,
     dap_groups,
@@ -562,3 +563,8 @@ def test_dap_overlap_keeps_collectives_in_flight(overlap: bool) -> None:
             assert counts["forward most in flight"] >= 3 and counts["backward most in flight"] >= 2, counts
         else:
             assert counts["forward most in flight"] == counts["backward most in flight"] == 1, counts
+
+
+def test_overlapped_with_names_every_collective_of_a_block() -> None:
+    for extra in (False, True):
+        assert OVERLAPPED_WITH.keys() == dap_block_comm(5, 7, _config(), 2, extra=extra).keys()

@@ -39,7 +39,8 @@ Pieces:
 Duality async (`to_dap(module, group, overlap=True)`, the default): each collective of the block is
 launched as soon as its input exists and waited for just before its result is used, so that the
 computation in between, which does not depend on it, overlaps it (gloo runs collectives on its own
-threads, nccl on its own stream). In the block's order:
+threads, nccl on its own stream). In the block's order (`OVERLAPPED_WITH` has it by `dap_block_comm`'s
+keys, for tables):
 
 | collective                          | in flight while (forward)                              |
 |-------------------------------------|--------------------------------------------------------|
@@ -90,6 +91,7 @@ __all__ = [
     "DAPEvoformerStack",
     "DAPExtraMSAStack",
     "DAPGroups",
+    "OVERLAPPED_WITH",
     "Pending",
     "all_to_all",
     "dap_block_comm",
@@ -469,6 +471,23 @@ def pad_to_multiple(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = pad
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+# What each collective of a DAP block's forward is in flight with (the module docstring's table), by
+# `dap_block_comm`'s keys.
+OVERLAPPED_WITH: dict[str, str] = {
+    "msa_att_row pair bias (all_gather)": "the MSA layer norm, the row mask bias",
+    "m rows -> columns (all_to_all)": "the column mask bias",
+    "outer_product_mean b (all_gather)": "a = linear_1, the normaliser",
+    "m columns -> rows (all_to_all)": "the outer product mean and the whole pair stack",
+    "tri_mul_out b (all_gather)": "a and the gate",
+    "tri_mul_in b (all_gather)": "a, a's transpose (in flight too), the gate",
+    "tri_mul_in a (all_to_all)": "the gate, b's gather (in flight too)",
+    "tri_att_start bias (all_gather)": "the pair mask bias",
+    "z rows -> columns (all_to_all)": "nothing (waited for at once)",
+    "tri_att_end bias (all_gather)": "the pair mask bias",
+    "z columns -> rows (all_to_all)": "nothing (waited for at once)",
+}
 
 
 def dap_block_comm(
