@@ -663,6 +663,73 @@ def _add_longseq_bench(bench_sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_dap_bench(bench_sub: argparse._SubParsersAction) -> None:
+    """`hfkit bench dap`: one DAP Evoformer block over G local processes against one process, duality
+    async on and off: time, per-rank peak memory, communication volume per block."""
+    from hfkit.bench.dap import PROVIDERS
+    from hfkit.bench.runner import DTYPES, MODES
+
+    def run(args: argparse.Namespace) -> int:
+        import pandas as pd
+
+        from hfkit.bench import gpu_slug, resolve_device
+        from hfkit.bench.ceilings import device_name
+        from hfkit.bench.dap import dap_results_folder, run_dap_benchmark, summary_table
+
+        device = resolve_device(args.device)
+        out = _results_path(args, dap_results_folder(gpu_slug(device_name(device)), args.nproc), "dap.json")
+        try:
+            rows = run_dap_benchmark(
+                args.nproc,
+                device=str(device),
+                profile=args.profile,
+                sizes=args.sizes,
+                n_seq=args.n_seq,
+                dtype=args.dtype,
+                modes=args.modes,
+                providers=args.providers,
+                warmup=args.warmup,
+                reps=args.reps,
+                out=out,
+                append=args.append,
+                command=args.command,
+                timeout_s=args.timeout,
+            )
+        except (ValueError, RuntimeError) as err:
+            print(f"hfkit bench dap: {err}", file=sys.stderr)
+            return 2 if isinstance(err, ValueError) else 1
+        with pd.option_context("display.max_rows", None, "display.width", 250, "display.max_columns", None):
+            print(summary_table(rows).to_string(index=False))
+        failed = sum(r.method == "error" for r in rows)
+        print(f"\nwrote {len(rows)} rows to {out} ({failed} failed: see 'error')")
+        return 0 if len(rows) > failed else 1
+
+    ints = lambda t: [int(v) for v in _csv(t)]  # noqa: E731
+    p = bench_sub.add_parser(
+        "dap", help="DAP: one Evoformer block over G processes against one, overlap on and off"
+    )
+    p.add_argument("--nproc", type=int, default=2, help="local ranks, one GPU each on GPUs (default 2)")
+    p.add_argument("--sizes", type=ints, default=None, help="N values (default: 256,512; smoke 12,17)")
+    p.add_argument("--n-seq", type=int, default=None, help="MSA rows S (default 128; smoke 6)")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: bf16 on GPUs, fp32 on CPU")
+    p.add_argument("--modes", type=_choices(MODES), default=list(MODES), help="comma list of fwd,fwd+bwd")
+    p.add_argument(
+        "--providers",
+        type=_choices(PROVIDERS),
+        default=list(PROVIDERS),
+        help=f"comma list of {','.join(PROVIDERS)} (default: all)",
+    )
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls per configuration")
+    p.add_argument("--reps", type=int, default=None, help="timed calls per configuration")
+    p.add_argument("--timeout", type=float, default=600.0, help="kill every rank after this many seconds")
+    p.add_argument("--out", default=None, help="results JSON (default: data/results/<gpu>[x<G>]/dap.json)")
+    p.add_argument(
+        "--append", action="store_true", help="keep the rows in --out that this run does not repeat"
+    )
+    _add_run_options(p)  # --profile smoke: the tiny preset and sizes; --device cpu: gloo on CPU
+    p.set_defaults(func=run)
+
+
 def _add_train(sub: argparse._SubParsersAction) -> None:
     """`hfkit train`: AlphaFoldLite trained from preprocessed records or synthetic batches through
     `hfkit.train.graphed_step`."""
@@ -816,7 +883,7 @@ def _parser() -> argparse.ArgumentParser:
     env.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: the GPU if any)")
     env.set_defaults(func=_cmd_env)
 
-    names = ", ".join([*NAMES, "model", "comms", "data", "launch", "longseq"])
+    names = ", ".join([*NAMES, "model", "comms", "data", "launch", "longseq", "dap"])
     bench = sub.add_parser(
         "bench",
         help=f"run a benchmark ({names}); results under data/results/",
@@ -830,6 +897,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_data_bench(bench_sub)
     _add_launch_bench(bench_sub)
     _add_longseq_bench(bench_sub)
+    _add_dap_bench(bench_sub)
 
     pre = sub.add_parser(
         "preprocess",

@@ -4,7 +4,9 @@ EvoformerStack and a 2-block ExtraMSAStack gives the outputs and every parameter
 the single-process module (float64: 1e-10 relative, float32: 1e-5), with N and S not divisible by the
 group size, masked residues and MSA rows (fully masked ones included), chunking, checkpointing, dropout
 (same seed on every rank), and a 2 x 2 dp x dap layout; a dead rank gives a clear error within the
-group's timeout."""
+group's timeout. Duality async: the asynchronous collectives' forwards and backwards equal the
+synchronous ones exactly, and `to_dap(..., overlap=True)` gives bit-identical outputs and gradients to
+`overlap=False`."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from hfkit.model import AlphaFoldLite, EvoformerBlock, EvoformerStack, ExtraMSAS
 from hfkit.nn import EvoformerAttention, to_hfkit
 from hfkit.parallel import RankError, spawn_local
 from hfkit.parallel.dap import (
+    OVERLAPPED_WITH,
     all_to_all,
     dap_block_comm,
     dap_groups,
@@ -29,6 +32,8 @@ from hfkit.parallel.dap import (
     pad_to_multiple,
     reduce_grad,
     scatter,
+    start_all_to_all,
+    start_gather,
     to_dap,
 )
 
@@ -382,13 +387,13 @@ def _received_elements(rank: int, n_seq: int, n_res: int, extra: bool) -> tuple[
     received = [0]
     all_gather, all_to_all_single = dist.all_gather, dist.all_to_all_single
 
-    def counting_all_gather(parts, x, group=None):
+    def counting_all_gather(parts, x, group=None, **kwargs):
         received[0] += x.numel() * (len(parts) - 1)
-        return all_gather(parts, x, group=group)
+        return all_gather(parts, x, group=group, **kwargs)
 
-    def counting_all_to_all(out, x, group=None):
+    def counting_all_to_all(out, x, group=None, **kwargs):
         received[0] += x.numel() * (p - 1) // p
-        return all_to_all_single(out, x, group=group)
+        return all_to_all_single(out, x, group=group, **kwargs)
 
     dist.all_gather, dist.all_to_all_single = counting_all_gather, counting_all_to_all
     try:
@@ -416,3 +421,150 @@ def _fused_errors(rank: int) -> dict[str, float]:
 
 def test_dap_block_with_fused_ops_equals_single_process() -> None:
     _assert_within(spawn_local(_fused_errors, 2, timeout_s=240), 1e-5, 4 + 30)
+
+
+# ---- duality async --------------------------------------------------------------------------------------
+
+
+def _async_collective_differences(rank: int) -> dict[str, float]:
+    """max |async - sync| of the forward and the input gradient of each asynchronous collective, with
+    independent computation between launch and wait and two collectives in flight at once (launched
+    in one order, waited for in the other), overlap on and off. Exactness means 0."""
+    p, dtype = dist.get_world_size(), torch.float64
+    g = torch.Generator().manual_seed(rank)  # different data on every rank
+    x = torch.randn(3, 4 * p, 2 * p, 5, generator=g, dtype=dtype)
+    w = torch.randn(3, 4 * p, 2 * p * p, 5, generator=g, dtype=dtype)
+    w_t = torch.randn(3, 4, 2 * p * p, 5, generator=g, dtype=dtype)
+    diffs: dict[str, float] = {}
+
+    def run(asynchronous: bool, overlap: bool, partial: bool) -> tuple[torch.Tensor, ...]:
+        xs = x.clone().requires_grad_()
+        if asynchronous:
+            gathered = start_gather(xs * 2, 2, None, partial=partial, overlap=overlap)
+            transposed = start_all_to_all(xs.sin(), 1, 2, None, overlap=overlap)
+            independent = (xs * xs).sum()  # computed while both are in flight
+            t = transposed.wait()
+            whole = gathered.wait()
+        else:
+            whole = gather(xs * 2, 2, None, partial=partial)
+            t = all_to_all(xs.sin(), 1, 2, None)
+            independent = (xs * xs).sum()
+        loss = (whole * w).sum() * (1 if not partial else rank + 1) + (t * w_t).sum() + independent
+        loss.backward()
+        return whole.detach(), t.detach(), xs.grad
+
+    for partial in (True, False):
+        expected = run(False, True, partial)
+        for overlap in (True, False):
+            got = run(True, overlap, partial)
+            for name, a, b in zip(("gather fwd", "all_to_all fwd", "grad"), got, expected, strict=True):
+                diffs[f"{name} partial={partial} overlap={overlap}"] = float((a - b).abs().max())
+    pending = start_gather(x, 1, None)
+    pending.wait()
+    try:
+        pending.wait()
+        diffs["second wait refused"] = 1.0
+    except RuntimeError as e:
+        diffs["second wait refused"] = float("waited for already" not in str(e))
+    return diffs
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_async_collectives_equal_synchronous_ones(nprocs: int) -> None:
+    for diffs in spawn_local(_async_collective_differences, nprocs, timeout_s=60):
+        assert len(diffs) == 13
+        assert max(diffs.values()) == 0.0, diffs
+
+
+def _overlap_differences(rank: int, kind: str) -> dict[str, float]:
+    """max |overlap on - overlap off| of every output, input gradient and parameter gradient of
+    `to_dap` of a block (masked, N and S not divisible by the group, chunked), an extra-MSA block, or
+    a 2-block stack under checkpointing (float64); and the relative errors against one process."""
+    dtype = torch.float64
+    if kind == "stack":
+        torch.manual_seed(0)
+        module = _perturbed(EvoformerStack.from_config(_config().replace(checkpoint=True)), dtype)
+        args, chunk = _inputs(5, 7, True, dtype), None
+    else:
+        extra = kind == "extra"
+        c_m = ModelConfig.tiny().c_e if extra else ModelConfig.tiny().c_m
+        module = _block(dtype, extra=extra)
+        args, chunk = _inputs(5, 7, True, dtype, c_m=c_m), 3
+    single = _outputs_and_grads(module, *args, chunk_size=chunk)
+    on = _outputs_and_grads(to_dap(module, None, overlap=True), *args, chunk_size=chunk)
+    off = _outputs_and_grads(to_dap(module, None, overlap=False), *args, chunk_size=chunk)
+    assert to_dap(module, None).blocks[0].overlap if kind == "stack" else to_dap(module, None).overlap
+    diffs = {f"on-off {key}": float((on[key] - off[key]).abs().max()) for key in off}
+    worst = _errors(on, single)
+    diffs["on vs one process (rel)"] = max(worst.values())
+    return diffs
+
+
+@pytest.mark.parametrize(("nprocs", "kind"), [(2, "block"), (4, "block"), (4, "extra"), (2, "stack")])
+def test_dap_overlap_on_and_off_are_bit_identical(nprocs: int, kind: str) -> None:
+    for diffs in spawn_local(_overlap_differences, nprocs, kind, timeout_s=120):
+        close = diffs.pop("on vs one process (rel)")
+        assert close <= 1e-10
+        assert len(diffs) >= 4 + 30
+        assert max(diffs.values()) == 0.0, {k: v for k, v in diffs.items() if v}
+
+
+def _in_flight_counts(rank: int, overlap: bool) -> dict[str, int]:
+    """The most collectives in flight at once (launched, not yet waited for) in the forward and in the
+    backward of a DAP block, seen by wrapping the asynchronous collectives' work handles."""
+    state = {"in_flight": 0, "most": 0, "launched": 0}
+    originals = {name: getattr(dist, name) for name in ("all_gather", "all_to_all_single", "all_reduce")}
+
+    class LoggedWork:
+        def __init__(self, work: Any) -> None:
+            self.work = work
+            state["in_flight"] += 1
+            state["launched"] += 1
+            state["most"] = max(state["most"], state["in_flight"])
+
+        def wait(self, *args: Any) -> Any:
+            state["in_flight"] -= 1
+            return self.work.wait(*args)
+
+    def logged(fn: Any) -> Any:
+        def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+            work = fn(*args, async_op=async_op, **kwargs)
+            return LoggedWork(work) if async_op else work
+
+        return call
+
+    block = to_dap(_block(torch.float64), None, overlap=overlap)
+    m, z, msa_mask, pair_mask = _inputs(5, 7, True, torch.float64)
+    m, z = m.requires_grad_(), z.requires_grad_()
+    counts: dict[str, int] = {}
+    for name, fn in originals.items():
+        setattr(dist, name, logged(fn))
+    try:
+        out = block(m, z, msa_mask, pair_mask)
+        counts["forward most in flight"], counts["forward launched"] = state["most"], state["launched"]
+        state.update(most=0, launched=0)
+        sum(o.sum() for o in out).backward()
+        counts["backward most in flight"], counts["backward launched"] = state["most"], state["launched"]
+        counts["left in flight"] = state["in_flight"]
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return counts
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_dap_overlap_keeps_collectives_in_flight(overlap: bool) -> None:
+    """With overlap the m transpose stays in flight across the outer product mean and the pair stack's
+    gathers (several at once, forward and backward); without, each is waited for where launched."""
+    for counts in spawn_local(_in_flight_counts, 2, overlap, timeout_s=60):
+        assert counts["forward launched"] >= 11 and counts["backward launched"] >= 11, counts
+        assert counts["left in flight"] == 0, counts
+        if overlap:
+            assert counts["forward most in flight"] >= 3 and counts["backward most in flight"] >= 2, counts
+        else:
+            assert counts["forward most in flight"] == counts["backward most in flight"] == 1, counts
+
+
+def test_overlapped_with_names_every_collective_of_a_block() -> None:
+    for extra in (False, True):
+        assert OVERLAPPED_WITH.keys() == dap_block_comm(5, 7, _config(), 2, extra=extra).keys()

@@ -22,6 +22,10 @@ Pieces:
   `all_to_all` (backward: the inverse all-to-all), `reduce_grad` (identity; backward: all-reduce sum,
   used for parameters, whose gradient each rank computes from its shard alone), and `pad_to_multiple`.
   Every collective runs under its group's timeout and a failure names the collective and the group.
+- Asynchronous versions (duality async): `start_gather` and `start_all_to_all` launch the collective
+  (`async_op=True`) and return a `Pending` whose `wait()` gives the result; backward launches the
+  backward collective when the result's gradient arrives and waits for it where the input's gradient
+  is needed (see `Pending`).
 - `to_dap(module, group)`: an `EvoformerBlock` or `ExtraMSABlock` (-> `DAPEvoformerBlock`), an
   `EvoformerStack` or an `ExtraMSAStack` run with DAP, sharing the module's submodules (same
   state_dict). Called with full inputs on every rank it returns the single-process outputs, and after
@@ -31,6 +35,30 @@ Pieces:
   norm, outer product, transitions, dropout-add); triangle multiplication's matmul is split around the
   gather here, so that one runs its projections as plain torch. `chunk_size` chunks as in one process,
   and stacks honour their `checkpoint` switch (the collectives run again in backward).
+
+Duality async (`to_dap(module, group, overlap=True)`, the default): each collective of the block is
+launched as soon as its input exists and waited for just before its result is used, so that the
+computation in between, which does not depend on it, overlaps it (gloo runs collectives on its own
+threads, nccl on its own stream). In the block's order (`OVERLAPPED_WITH` has it by `dap_block_comm`'s
+keys, for tables):
+
+| collective                          | in flight while (forward)                              |
+|-------------------------------------|--------------------------------------------------------|
+| row attention's pair bias (gather)  | the MSA layer norm, the row mask bias                  |
+| m rows -> columns (all_to_all)      | the column mask bias                                   |
+| m columns -> rows (all_to_all)      | the outer product mean and the whole pair stack        |
+| outer product mean's b (gather)     | a = linear_1, the normaliser                           |
+| tri_mul_out's b (gather)            | a and the gate                                         |
+| tri_mul_in's b (gather)             | a, a's transpose (all_to_all, also in flight), the gate|
+| tri_att_start/end bias (gather)     | the pair mask bias                                     |
+| z rows <-> columns (all_to_all, x2) | nothing: everything after needs z (waited at once)     |
+
+Backward mirrors it: the backward collective of each (the partial gathers' reduce-scatter, the inverse
+all-to-alls) is launched when its result's gradient arrives and waited for when its input's gradient
+is needed; the autograd engine runs the backward of the computation listed beside it in between (the
+m transpose's inverse, for one, overlaps the backward of the whole pair stack and the outer product
+mean). `overlap=False` waits for every collective where it is launched: the same collectives on the
+same buffers in the same order, hence bit-identical outputs and gradients.
 
 Padding: padded residues and MSA rows are masked (mask 0) and, as attention keys, get a bias of -inf
 on top of the mask's, so that a row whose real keys are all masked still attends uniformly to exactly
@@ -63,6 +91,8 @@ __all__ = [
     "DAPEvoformerStack",
     "DAPExtraMSAStack",
     "DAPGroups",
+    "OVERLAPPED_WITH",
+    "Pending",
     "all_to_all",
     "dap_block_comm",
     "dap_groups",
@@ -70,6 +100,8 @@ __all__ = [
     "pad_to_multiple",
     "reduce_grad",
     "scatter",
+    "start_all_to_all",
+    "start_gather",
     "to_dap",
 ]
 
@@ -116,16 +148,21 @@ def dap_groups(dap_size: int, timeout: timedelta | None = None) -> DAPGroups:
     return DAPGroups(dap_group, dp_group, rank % dap_size, dap_size, rank // dap_size, dp_size)
 
 
+def _collective_error(op: str, group: ProcessGroup, error: RuntimeError) -> RuntimeError:
+    """The error of a failed collective, naming the collective and the group."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    return RuntimeError(
+        f"DAP {op} failed on rank {rank} of a group of {size} (a peer died, or the group's timeout "
+        f"passed): {error}"
+    )
+
+
 def _run(op: str, group: ProcessGroup, fn: Any, *args: Any) -> None:
     """Run collective `fn(*args, group=group)`, naming the collective and the group when it fails."""
     try:
         fn(*args, group=group)
     except RuntimeError as e:
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        raise RuntimeError(
-            f"DAP {op} failed on rank {rank} of a group of {size} (a peer died, or the group's timeout "
-            f"passed): {e}"
-        ) from e
+        raise _collective_error(op, group, e) from e
 
 
 def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
@@ -214,6 +251,188 @@ class _ReduceGrad(torch.autograd.Function):
         return grad, None
 
 
+class Pending:
+    """A DAP collective in flight (`start_gather`, `start_all_to_all`): `wait()` returns its result, as
+    the synchronous `gather` / `all_to_all` would, and connects it to autograd.
+
+    Autograd: the launch and the wait are two autograd nodes sharing this object. In backward the wait's
+    node runs first (it is later in the graph): it launches the backward collective (the partial
+    gather's reduce-scatter, the inverse all-to-all) asynchronously and hands the launch's node a
+    placeholder of the receive buffer's shape; the launch's node waits for that collective and returns
+    the input's gradient. The engine runs in between whatever backward work is ready, so the backward
+    collective overlaps it as the forward one overlapped the forward's. With `overlap` False every
+    collective is waited for where it is launched (forward and backward): the same collectives on the
+    same buffers, hence bit-identical results.
+
+    The backward collectives are the synchronous ones' (launching early changes when, not what): with
+    y = gather(x) = [x_0, .., x_{P-1}] and a loss summed over the ranks, L = sum_q L_q(y) where rank q
+    holds only dL_q/dy, dL/dx_r = sum_q (dL_q/dy)[part r] (a reduce-scatter) when each rank's use is
+    partial, and (dL_r/dy)[part r] (a split) when every rank computes the same. An all-to-all only moves
+    elements between ranks (a permutation P of the group's elements), so its adjoint is P's inverse,
+    the all-to-all with split and concatenation dims exchanged. The gradient's layout (the whole
+    tensor all-reduced on gloo, dim moved first for nccl's reduce-scatter) is the synchronous one's,
+    so that the sums run in the same order.
+    """
+
+    def __init__(self, kind: str, group: ProcessGroup, overlap: bool, **how: Any) -> None:
+        self.kind, self.group, self.overlap, self.how = kind, group, overlap, how
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.work: Any = None
+        self.grad_work: Any = None
+        self.keep: tuple[torch.Tensor, ...] = ()  # buffers an asynchronous collective still reads
+        self.recv: torch.Tensor | None = None  # the forward's receive buffer, until `finish`
+        self.grad_recv: torch.Tensor | None = None
+        self.recv_shape: tuple[int, ...] = ()
+        self.launched: torch.Tensor | None = None  # the launch node's output, until `wait`
+        self.waited = False
+
+    @property
+    def op(self) -> str:
+        return "all_gather" if self.kind == "gather" else "all_to_all"
+
+    def _launch(self, op: str, fn: Any, *args: Any) -> Any:
+        try:
+            work = fn(*args, group=self.group, async_op=True)
+        except RuntimeError as e:
+            raise _collective_error(op, self.group, e) from e
+        if not self.overlap:
+            self._finish(op, work)
+            return None
+        return work
+
+    def _finish(self, op: str, work: Any) -> None:
+        if work is None:
+            return
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise _collective_error(op, self.group, e) from e
+
+    # forward ----------------------------------------------------------------------------------------
+
+    def start(self, x: torch.Tensor) -> torch.Tensor:
+        """Launch the forward collective on x; return the receive buffer [P, *part]."""
+        p = self.size
+        if self.kind == "gather":
+            x = x.contiguous()
+            self.recv = x.new_empty((p, *x.shape))
+            self.recv_shape = tuple(self.recv.shape)
+            self.keep = (x,)
+            self.work = self._launch("all_gather", dist.all_gather, list(self.recv.unbind(0)), x)
+        else:
+            split_dim = self.how["split_dim"]
+            if x.shape[split_dim] % p:
+                raise ValueError(
+                    f"x: expected dim {split_dim} divisible by the group size {p}, got {tuple(x.shape)}"
+                )
+            send = torch.stack(x.chunk(p, dim=split_dim)).contiguous()  # part p goes to rank p
+            self.recv = torch.empty_like(send)
+            self.recv_shape = tuple(send.shape)
+            self.keep = (send,)
+            self.work = self._launch("all_to_all", dist.all_to_all_single, self.recv, send)
+        return self.recv
+
+    def finish(self) -> torch.Tensor:
+        """Wait for the forward collective; its result ([P, *part] joined along the output dim)."""
+        self._finish(self.op, self.work)
+        self.work, self.keep = None, ()
+        dim = self.how["dim"] if self.kind == "gather" else self.how["cat_dim"]
+        recv, self.recv = self.recv, None
+        return torch.cat(recv.unbind(0), dim=dim)
+
+    # backward ---------------------------------------------------------------------------------------
+
+    def start_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        """Launch the backward collective on the result's gradient (on the same layouts as `gather`'s
+        and `all_to_all`'s backwards, so that sums run in the same order); return a stand-in shaped
+        like the receive buffer (the launch's node reads the gradient from this object)."""
+        p = self.size
+        if self.kind == "all_to_all":
+            send = torch.stack(grad.chunk(p, dim=self.how["cat_dim"])).contiguous()
+            self.grad_recv = torch.empty_like(send)
+            self.keep = (send,)
+            self.grad_work = self._launch("all_to_all", dist.all_to_all_single, self.grad_recv, send)
+        elif not self.how["partial"]:  # replicated use: this rank's part of its own gradient
+            self.grad_recv = _split(grad, self.how["dim"], self.group)
+        elif dist.get_backend(self.group) == "nccl":
+            whole = grad.movedim(self.how["dim"], 0).contiguous()
+            self.grad_recv = whole.new_empty((whole.shape[0] // p, *whole.shape[1:]))
+            self.keep = (whole,)
+            self.grad_work = self._launch("reduce_scatter", dist.reduce_scatter_tensor, self.grad_recv, whole)
+        else:  # gloo has no reduce-scatter: all-reduce (a copy: grad may be shared), keep this rank's part
+            whole = grad.contiguous()
+            whole = whole.clone() if whole is grad else whole
+            self.grad_recv = whole
+            self.grad_work = self._launch("all_reduce", dist.all_reduce, whole)
+        # The launch node ignores the gradient it is handed: a free stand-in of the right shape.
+        return grad.new_zeros(()).expand(self.recv_shape)
+
+    def finish_backward(self) -> torch.Tensor:
+        """Wait for the backward collective; the input's gradient."""
+        op = {"gather": "reduce_scatter", "all_to_all": "all_to_all"}[self.kind]
+        self._finish(op, self.grad_work)
+        grad, self.grad_work, self.grad_recv, self.keep = self.grad_recv, None, None, ()
+        if self.kind == "all_to_all":
+            return torch.cat(grad.unbind(0), dim=self.how["split_dim"])
+        if not self.how["partial"]:
+            return grad
+        if dist.get_backend(self.group) == "nccl":
+            return grad.movedim(0, self.how["dim"])
+        return _split(grad, self.how["dim"], self.group)
+
+    def wait(self) -> torch.Tensor:
+        """The collective's result (waiting for it if it is still in flight), connected to autograd."""
+        if self.waited:
+            raise RuntimeError(f"Pending.wait: this {self.op} was waited for already")
+        launched, self.launched, self.waited = self.launched, None, True
+        return _WaitCollective.apply(launched, self)
+
+
+class _LaunchCollective(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, pending: Pending) -> torch.Tensor:
+        ctx.pending = pending
+        return pending.start(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad_recv: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.pending.finish_backward(), None
+
+
+class _WaitCollective(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, recv: torch.Tensor, pending: Pending) -> torch.Tensor:
+        ctx.pending = pending
+        return pending.finish()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.pending.start_backward(grad), None
+
+
+def start_gather(
+    x: torch.Tensor, dim: int, group: ProcessGroup = None, partial: bool = True, overlap: bool = True
+) -> Pending:
+    """Launch `gather(x, dim, group, partial)` asynchronously: [.., D, ..] -> (after `wait()`)
+    [.., D * P, ..]. Work between this call and `wait()` that does not need the result overlaps the
+    collective; its backward (reduce-scatter with `partial`) overlaps the backward work in between
+    likewise. `overlap` False: waited for at once (the same result)."""
+    pending = Pending("gather", group, overlap, dim=dim, partial=partial)
+    pending.launched = _LaunchCollective.apply(x, pending)
+    return pending
+
+
+def start_all_to_all(
+    x: torch.Tensor, split_dim: int, cat_dim: int, group: ProcessGroup = None, overlap: bool = True
+) -> Pending:
+    """Launch `all_to_all(x, split_dim, cat_dim, group)` asynchronously (the row <-> column transpose);
+    `wait()` returns the resharded tensor. Backward: the inverse all-to-all, launched when the result's
+    gradient arrives and waited for where x's gradient is needed. `overlap` False: waited for at once."""
+    pending = Pending("all_to_all", group, overlap, split_dim=split_dim, cat_dim=cat_dim)
+    pending.launched = _LaunchCollective.apply(x, pending)
+    return pending
+
+
 def scatter(x: torch.Tensor, dim: int, group: ProcessGroup = None) -> torch.Tensor:
     """This rank's part of x (the same on every rank) split evenly along `dim`: [.., D, ..] ->
     [.., D / P, ..]. Backward: the parts' gradients gathered, i.e. the full gradient on every rank."""
@@ -252,6 +471,23 @@ def pad_to_multiple(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = pad
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+# What each collective of a DAP block's forward is in flight with (the module docstring's table), by
+# `dap_block_comm`'s keys.
+OVERLAPPED_WITH: dict[str, str] = {
+    "msa_att_row pair bias (all_gather)": "the MSA layer norm, the row mask bias",
+    "m rows -> columns (all_to_all)": "the column mask bias",
+    "outer_product_mean b (all_gather)": "a = linear_1, the normaliser",
+    "m columns -> rows (all_to_all)": "the outer product mean and the whole pair stack",
+    "tri_mul_out b (all_gather)": "a and the gate",
+    "tri_mul_in b (all_gather)": "a, a's transpose (in flight too), the gate",
+    "tri_mul_in a (all_to_all)": "the gate, b's gather (in flight too)",
+    "tri_att_start bias (all_gather)": "the pair mask bias",
+    "z rows -> columns (all_to_all)": "nothing (waited for at once)",
+    "tri_att_end bias (all_gather)": "the pair mask bias",
+    "z columns -> rows (all_to_all)": "nothing (waited for at once)",
+}
 
 
 def dap_block_comm(
@@ -320,13 +556,20 @@ def _global_attention(ga: nn.Module, m: torch.Tensor, mask: torch.Tensor, pad: t
 class _ShardedEvoformerBlock(nn.Module):
     """The sharded computation of one Evoformer block over the block's own submodules."""
 
-    def __init__(self, block: EvoformerBlock, group: ProcessGroup) -> None:
+    def __init__(self, block: EvoformerBlock, group: ProcessGroup, overlap: bool) -> None:
         super().__init__()
         self.msa_att_row = block.msa_att_row
         self.msa_att_col = block.msa_att_col
         self.msa_dropout_layer = block.msa_dropout_layer
         self.core = block.core
         self.group = group
+        self.overlap = overlap
+
+    def _gather(self, x: torch.Tensor, dim: int) -> Pending:
+        return start_gather(x, dim, self.group, partial=True, overlap=self.overlap)
+
+    def _all_to_all(self, x: torch.Tensor, split_dim: int, cat_dim: int) -> Pending:
+        return start_all_to_all(x, split_dim, cat_dim, self.group, overlap=self.overlap)
 
     def forward(
         self,
@@ -362,58 +605,64 @@ class _ShardedEvoformerBlock(nn.Module):
         msa_mask_rows, msa_mask_cols = msa_mask[..., rows_s, :], msa_mask[..., rows_n]
         pair_mask_rows, pair_mask_cols = pair_mask[..., rows_n, :], pair_mask[..., rows_n]
 
-        # MSA row attention with pair bias: m by rows of S; the bias [N, N, H] gathered over rows i.
+        # MSA row attention with pair bias: m by rows of S; the bias [N, N, H] gathered over rows i
+        # (in flight while m's layer norm and the mask bias are computed).
         att = self.msa_att_row
         pad_n = _key_pad_bias(n_res, n_pad, m, att.inf)
-        pair_bias = gather(att.linear_z(att.layer_norm_z(z)), -3, g)
-        biases = [
-            _attention_biases(msa_mask_rows, pad_n, att.inf, dtype),
-            pair_bias.movedim(-1, -3).unsqueeze(-4),
-        ]
-        m = self.msa_dropout_layer.residual_add(
-            m, attend_rows(att.mha, att.layer_norm_m(m), biases, chunk_size)
-        )
+        pair_bias = self._gather(att.linear_z(att.layer_norm_z(z)), -3)
+        m_normed = att.layer_norm_m(m)
+        mask_bias_rows = _attention_biases(msa_mask_rows, pad_n, att.inf, dtype)
+        biases = [mask_bias_rows, pair_bias.wait().movedim(-1, -3).unsqueeze(-4)]
+        m = self.msa_dropout_layer.residual_add(m, attend_rows(att.mha, m_normed, biases, chunk_size))
 
         # MSA column attention: m to columns of N (whole S), attention along S within each column.
-        m = all_to_all(m, -2, -3, g)
-        m = m + self._column_attention(m, msa_mask_cols, n_seq, chunk_size)
+        m = self._all_to_all(m, -2, -3)
+        m = self._column_attention(m, msa_mask_cols, n_seq, chunk_size)
 
         core = self.core
         m = core.msa_transition_step(m, msa_mask_cols, chunk_size)
+        # m back to rows of S: in flight through the outer product mean and the whole pair stack.
+        m_rows = self._all_to_all(m, -3, -2)
         z = z + self._outer_product_mean(m, msa_mask_cols, msa_mask, chunk_size)
-        m = all_to_all(m, -3, -2, g)  # back to rows of S
 
         z = core.ps_dropout_row_layer.residual_add(z, self._tri_mul(core.tri_mul_out, z, pair_mask_rows))
         z = core.ps_dropout_row_layer.residual_add(z, self._tri_mul(core.tri_mul_in, z, pair_mask_rows))
         z = core.ps_dropout_row_layer.residual_add(
             z, self._tri_att(core.tri_att_start, z, pair_mask_rows, pad_n, chunk_size)
         )
-        # Ending node: z to columns; in the transposed frame these are rows again.
-        z = all_to_all(z, -2, -3, g)
+        # Ending node: z to columns; in the transposed frame these are rows again. Nothing independent
+        # of z is left to compute: these two transposes are waited for at once.
+        z = self._all_to_all(z, -2, -3).wait()
         z_t = z.transpose(-2, -3)
         update = self._tri_att(core.tri_att_end, z_t, pair_mask_cols.transpose(-1, -2), pad_n, chunk_size)
         z = core.ps_dropout_col_layer.residual_add(z, update.transpose(-2, -3))
-        z = all_to_all(z, -3, -2, g)  # back to rows
-        return m, core.pair_transition_step(z, pair_mask_rows, chunk_size)
+        z = self._all_to_all(z, -3, -2).wait()  # back to rows
+        z = core.pair_transition_step(z, pair_mask_rows, chunk_size)
+        return m_rows.wait(), z
 
     def _column_attention(
-        self, m: torch.Tensor, mask_cols: torch.Tensor, n_seq: int, chunk_size: int | None
+        self, m_cols: Pending, mask_cols: torch.Tensor, n_seq: int, chunk_size: int | None
     ) -> torch.Tensor:
-        """m by columns [*, S, N/P, C_m], its mask [*, S, N/P] -> column attention's update (gated
-        self-attention, or the extra-MSA stack's global attention), S rows beyond n_seq padding."""
-        x_t, mask_t = m.transpose(-2, -3), mask_cols.transpose(-1, -2)
+        """m on its way to columns [*, S, N/P, C_m] (in flight while the mask bias is computed), its
+        mask [*, S, N/P] -> m + column attention's update (gated self-attention, or the extra-MSA
+        stack's global attention), S rows beyond n_seq padding."""
+        mask_t = mask_cols.transpose(-1, -2)
+        s_pad = mask_cols.shape[-2]
         if isinstance(self.msa_att_col, MSAColumnAttention):
             att = self.msa_att_col._msa_att
-            pad_s = _key_pad_bias(n_seq, m.shape[-3], m, att.inf)
-            biases = [_attention_biases(mask_t, pad_s, att.inf, m.dtype)]
-            return attend_rows(att.mha, att.layer_norm_m(x_t), biases, chunk_size).transpose(-2, -3)
+            pad_s = _key_pad_bias(n_seq, s_pad, mask_cols, att.inf)
+            biases = [_attention_biases(mask_t, pad_s, att.inf, mask_cols.dtype)]
+            m = m_cols.wait()
+            update = attend_rows(att.mha, att.layer_norm_m(m.transpose(-2, -3)), biases, chunk_size)
+            return m + update.transpose(-2, -3)
         ga = self.msa_att_col.global_attention
-        pad_s = _key_pad_bias(n_seq, m.shape[-3], m, ga.inf)
-        x_t = self.msa_att_col.layer_norm_m(x_t)
+        pad_s = _key_pad_bias(n_seq, s_pad, mask_cols, ga.inf)
+        m = m_cols.wait()
+        x_t = self.msa_att_col.layer_norm_m(m.transpose(-2, -3))
         out = chunk_apply(
             lambda x_, mask_: _global_attention(ga, x_, mask_, pad_s), [x_t, mask_t], [-3, -2], -3, chunk_size
         )
-        return out.transpose(-2, -3)
+        return m + out.transpose(-2, -3)
 
     def _outer_product_mean(
         self, m: torch.Tensor, mask_cols: torch.Tensor, mask: torch.Tensor, chunk_size: int | None
@@ -423,26 +672,31 @@ class _ShardedEvoformerBlock(nn.Module):
         opm = self.core.outer_product_mean
         mask_cols = mask_cols[..., None]
         ln = opm.layer_norm(m)
+        # b gathered over all residues while a and the normaliser are computed.
+        b = self._gather(opm.linear_2(ln) * mask_cols, -2)
         a = opm.linear_1(ln) * mask_cols
-        b = gather(opm.linear_2(ln) * mask_cols, -2, self.group)
-        outer = chunk_apply(lambda a_: opm._outer(a_, b), [a], [-2], -3, chunk_size)
         norm = torch.einsum("...sia,...sja->...ija", mask_cols, mask[..., None])
+        b = b.wait()
+        outer = chunk_apply(lambda a_: opm._outer(a_, b), [a], [-2], -3, chunk_size)
         return outer / (opm.eps + norm)
 
     def _tri_mul(self, mod: nn.Module, z: torch.Tensor, mask_rows: torch.Tensor) -> torch.Tensor:
         """Triangle multiplication on rows i of z [*, N/P, N, C_z] -> update for the same rows."""
         mask_rows = mask_rows[..., None]
         zn = mod.layer_norm_in(z)
+        # b gathered over all rows while a (and its transpose, incoming) and the gate are computed.
+        b = self._gather(mask_rows * torch.sigmoid(mod.linear_b_g(zn)) * mod.linear_b_p(zn), -3)
         a = mask_rows * torch.sigmoid(mod.linear_a_g(zn)) * mod.linear_a_p(zn)
-        b = mask_rows * torch.sigmoid(mod.linear_b_g(zn)) * mod.linear_b_p(zn)
-        b = gather(b, -3, self.group).movedim(-1, -3)  # [*, C, N, N], all rows
-        if mod.outgoing:  # x_ij = sum_k a_ik b_jk: a's own rows i, b's rows j from every rank
+        a_cols = None if mod.outgoing else self._all_to_all(a, -2, -3)
+        gate = torch.sigmoid(mod.linear_g(zn))
+        b = b.wait().movedim(-1, -3)  # [*, C, N, N], all rows
+        if a_cols is None:  # outgoing: x_ij = sum_k a_ik b_jk: a's own rows i, b's rows j from every rank
             x = torch.matmul(a.movedim(-1, -3), b.transpose(-1, -2))
-        else:  # x_ij = sum_k a_ki b_kj: a's columns i (all k) through the transpose
-            a = all_to_all(a, -2, -3, self.group).movedim(-1, -3)  # [*, C, N (k), N/P (i)]
+        else:  # incoming: x_ij = sum_k a_ki b_kj: a's columns i (all k) through the transpose
+            a = a_cols.wait().movedim(-1, -3)  # [*, C, N (k), N/P (i)]
             x = torch.matmul(a.transpose(-1, -2), b)
         x = mod.linear_z(mod.layer_norm_out(x.movedim(-3, -1)))
-        return x * torch.sigmoid(mod.linear_g(zn))
+        return x * gate
 
     def _tri_att(
         self,
@@ -455,8 +709,9 @@ class _ShardedEvoformerBlock(nn.Module):
         """Starting-node triangle attention on rows of x [*, N/P, N, C_z] (the ending node's on the
         transposed pair representation) -> update for the same rows."""
         x = mod.layer_norm(x)
-        triangle_bias = gather(mod.linear(x), -3, self.group).movedim(-1, -3).unsqueeze(-4)
-        biases = [_attention_biases(mask_rows, pad, mod.inf, x.dtype), triangle_bias]
+        triangle_bias = self._gather(mod.linear(x), -3)  # in flight while the mask bias is computed
+        mask_bias = _attention_biases(mask_rows, pad, mod.inf, x.dtype)
+        biases = [mask_bias, triangle_bias.wait().movedim(-1, -3).unsqueeze(-4)]
         return attend_rows(mod.mha, x, biases, chunk_size)
 
 
@@ -543,10 +798,10 @@ class _DAPModule(nn.Module):
 
 class DAPEvoformerBlock(_DAPModule):
     """An `EvoformerBlock` or `ExtraMSABlock` run with DAP over `group`; its submodules are the block's
-    own (same parameters, same state_dict keys). See the module docstring for the layout; `forward`
-    and `forward_sharded` as `_DAPModule`'s."""
+    own (same parameters, same state_dict keys). See the module docstring for the layout and for what
+    `overlap` overlaps; `forward` and `forward_sharded` as `_DAPModule`'s."""
 
-    def __init__(self, block: EvoformerBlock, group: ProcessGroup = None) -> None:
+    def __init__(self, block: EvoformerBlock, group: ProcessGroup = None, overlap: bool = True) -> None:
         super().__init__()
         if not isinstance(block.msa_att_col, (MSAColumnAttention, MSAColumnGlobalAttention)):
             raise TypeError(
@@ -558,8 +813,9 @@ class DAPEvoformerBlock(_DAPModule):
         self.msa_dropout_layer = block.msa_dropout_layer
         self.core = block.core
         self.group = group
+        self.overlap = overlap
         # Not a submodule (its parameters are these): keeps the state_dict the block's.
-        object.__setattr__(self, "_sharded", _ShardedEvoformerBlock(block, group))
+        object.__setattr__(self, "_sharded", _ShardedEvoformerBlock(block, group, overlap))
 
     def _run_sharded(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
         params = {name: reduce_grad(p, self.group) for name, p in self._sharded.named_parameters()}
@@ -571,10 +827,12 @@ class _DAPStack(_DAPModule):
     `checkpoint` (and autograd on) each under a non-reentrant checkpoint (its collectives run again in
     backward, in the same order on every rank)."""
 
-    def __init__(self, stack: EvoformerStack | ExtraMSAStack, group: ProcessGroup = None) -> None:
+    def __init__(
+        self, stack: EvoformerStack | ExtraMSAStack, group: ProcessGroup = None, overlap: bool = True
+    ) -> None:
         super().__init__()
         self.checkpoint = stack.checkpoint
-        self.blocks = nn.ModuleList(DAPEvoformerBlock(b, group) for b in stack.blocks)
+        self.blocks = nn.ModuleList(DAPEvoformerBlock(b, group, overlap) for b in stack.blocks)
         self.group = group
 
     def _run_sharded(self, m: torch.Tensor, z: torch.Tensor, *rest: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -587,8 +845,8 @@ class DAPEvoformerStack(_DAPStack):
     run on shards, and the outputs are gathered once; s = linear(m[0]) is computed whole on every rank:
     `forward` -> (m, z, s [*, N, C_s]) as `EvoformerStack.forward`; `forward_sharded` -> (m, z) shards."""
 
-    def __init__(self, stack: EvoformerStack, group: ProcessGroup = None) -> None:
-        super().__init__(stack, group)
+    def __init__(self, stack: EvoformerStack, group: ProcessGroup = None, overlap: bool = True) -> None:
+        super().__init__(stack, group, overlap)
         self.linear = stack.linear
 
     def _whole_result(
@@ -611,7 +869,7 @@ class DAPExtraMSAStack(_DAPStack):
         return _unshard(z, n_res, n_res, self.group)
 
 
-def _dap_alphafold(model: AlphaFoldLite, group: ProcessGroup) -> AlphaFoldLite:
+def _dap_alphafold(model: AlphaFoldLite, group: ProcessGroup, overlap: bool) -> AlphaFoldLite:
     """A shallow copy of `model` whose `evoformer` and `extra_msa_stack` run with DAP; every other
     submodule (embedders, heads) is the model's own and runs whole on every rank."""
     dap = copy.copy(model)
@@ -619,26 +877,28 @@ def _dap_alphafold(model: AlphaFoldLite, group: ProcessGroup) -> AlphaFoldLite:
     dap._modules = dict(model._modules)
     dap._parameters = dict(model._parameters)
     dap._buffers = dict(model._buffers)
-    dap.evoformer = DAPEvoformerStack(model.evoformer, group)
+    dap.evoformer = DAPEvoformerStack(model.evoformer, group, overlap)
     if model.extra_msa_stack is not None:
-        dap.extra_msa_stack = DAPExtraMSAStack(model.extra_msa_stack, group)
+        dap.extra_msa_stack = DAPExtraMSAStack(model.extra_msa_stack, group, overlap)
     return dap
 
 
-def to_dap(module: nn.Module, group: ProcessGroup = None) -> nn.Module:
+def to_dap(module: nn.Module, group: ProcessGroup = None, overlap: bool = True) -> nn.Module:
     """`module` run with Dynamic Axial Parallelism over `group` (default: the default group), sharing
     its parameters (same state_dict): an `EvoformerBlock` or `ExtraMSABlock` (-> `DAPEvoformerBlock`),
     an `EvoformerStack` (-> `DAPEvoformerStack`), an `ExtraMSAStack` (-> `DAPExtraMSAStack`) or an
     `AlphaFoldLite` (-> an `AlphaFoldLite` whose two stacks are those; embedders and heads run whole
-    on every rank)."""
+    on every rank). `overlap` (duality async): collectives are launched asynchronously and waited for
+    where their result is needed (the module docstring's table); False waits for each where it is
+    launched. The results are bit-identical either way."""
     if isinstance(module, AlphaFoldLite):
-        return _dap_alphafold(module, group)
+        return _dap_alphafold(module, group, overlap)
     if isinstance(module, EvoformerBlock):
-        return DAPEvoformerBlock(module, group)
+        return DAPEvoformerBlock(module, group, overlap)
     if isinstance(module, EvoformerStack):
-        return DAPEvoformerStack(module, group)
+        return DAPEvoformerStack(module, group, overlap)
     if isinstance(module, ExtraMSAStack):
-        return DAPExtraMSAStack(module, group)
+        return DAPExtraMSAStack(module, group, overlap)
     raise TypeError(
         "module: expected an EvoformerBlock, ExtraMSABlock, EvoformerStack, ExtraMSAStack or "
         f"AlphaFoldLite, got {type(module).__name__}"
