@@ -26,6 +26,7 @@ from hfkit.viz.dap import (  # noqa: E402
     LAYOUT_STAGES,
     DAPExplorer,
     block_widths,
+    dap_comm_breakdown,
     dap_comm_figure,
     dap_comm_summary,
     dap_comm_table,
@@ -95,8 +96,9 @@ def test_dap_layout_figure_has_one_panel_per_layout_and_names_the_padding() -> N
     heatmaps = [t for t in fig.data if isinstance(t, go.Heatmap)]
     assert len(heatmaps) == len(LAYOUT_STAGES) == 4
     assert [int(v) for v in np.unique(np.asarray(heatmaps[0].z))] == [0, 1]
-    assert "padded to 8; rank 1 holds 3 real" in fig.layout.title.text
-    assert "padded to 6; rank 1 holds 2 real" in fig.layout.title.text
+    assert "4 each, padded to 8: rank 1 holds 3 real" in fig.layout.title.text
+    assert "3 each, padded to 6: rank 1 holds 2 real" in fig.layout.title.text
+    assert "(32 each)" in dap_layout_figure(128, 4096, 4).layout.title.text  # no padding
     assert "all-to-all: m rows -> columns" in fig.layout.xaxis.title.text
 
 
@@ -117,6 +119,12 @@ def test_comm_table_is_dap_block_comm_in_bytes_and_modelled_time() -> None:
     summary = dap_comm_summary(table)
     row = summary[(summary["n_res"] == 256) & (summary["gpus"] == 4)].iloc[0]
     assert row["MiB_per_rank"] == pytest.approx(2 * sum(dap_block_comm(30, 256, AF2, 4).values()) / 2**20)
+    breakdown = dap_comm_breakdown(256, 4, 30, AF2, itemsize=2, link_gbps=100.0, alpha_us=5.0)
+    at = table[(table["n_res"] == 256) & (table["gpus"] == 4)]
+    assert breakdown["collective"].tolist() == at["collective"].tolist()
+    assert np.allclose(breakdown["MiB"] * 2**20, at["bytes"]) and np.allclose(
+        breakdown["model_ms"], at["model_ms"]
+    )
     fig = dap_comm_figure(table)
     assert {t.name for t in fig.data} == {"2", "4"} and len(fig.data) == 4  # two panels, P = 1 left out
 
@@ -151,6 +159,17 @@ def test_dap_working_set_keeps_gathered_tensors_whole_and_shards_the_rest() -> N
     # A chunk larger than the shard: the chunked axis is cut to the shard (N/P pair rows).
     big_one, big_four = (dap_working_set_bytes(w, s, n, q, n, 2)["pair_transition"] for q in (1, p))
     assert big_four * p == big_one
+    # Without logits (fused attention) exactly the logits and softmax of one chunk are left out.
+    fused = dap_working_set_bytes(w, s, n, p, c, 2, logits=False)
+    r, k = min(c, s // p), min(c, n // p)
+    left_out = {
+        "msa_row_attention": 2 * r * w.heads_msa * n * n,
+        "msa_column_attention": 2 * k * w.heads_msa * s * s,
+        "triangle_attention": 2 * k * w.heads_pair * n * n,
+    }
+    assert {op: (four[op] - fused[op]) // 2 for op in LEAN_OPS} == {
+        op: left_out.get(op, 0) for op in LEAN_OPS
+    }
     with pytest.raises(ValueError, match="group_size, chunk_size: expected >= 1, got 0, 4"):
         dap_working_set_bytes(w, s, n, 0, 4, 2)
 
@@ -214,6 +233,7 @@ def test_load_longseq_is_none_without_the_file_and_reads_it_when_present(tmp_pat
     assert names.count("1 GPU, hfkit_lean (measured)") == 2 and names.count("2 GPUs (modelled)") == 2
     measured_time = [t for t in fig.data if t.name.endswith("(measured)")][1]
     assert list(measured_time.y) == [48.0, 384.0]
+    assert "measured" in fig.layout.title.text and "measured" not in dap_model_figure(model).layout.title.text
 
 
 # ---- the live check --------------------------------------------------------------------------------------
@@ -234,14 +254,16 @@ def test_exactness_check_on_two_gloo_processes_is_exact() -> None:
 
 def test_explorer_shows_its_result_before_the_widget(displayed) -> None:
     explorer = DAPExplorer(n_values=(512, 1024, 4096))
-    explorer.show(n_res=1024, gpus=2, chunk_size=16)
+    explorer.show(n_res=1024, gpus=2, chunk_size=16, logits=False)
     layout, comm, at_n, figure, widget = displayed
     assert isinstance(layout, go.Figure) and "over 2 ranks" in layout.layout.title.text
     assert comm["collective"].tolist() == list(dap_block_comm(128, 1024, AF2, 2))
     assert at_n["n_res"].tolist() == [1024] * 4 and at_n["gpus"].tolist() == [1, 2, 4, 8]
-    expected = dap_model_table([1024], [1, 2, 4, 8], AF2, chunk_size=16).round(3)
+    expected = dap_model_table([1024], [1, 2, 4, 8], AF2, chunk_size=16, logits=False).round(3)
     pd.testing.assert_frame_equal(at_n, expected)
-    assert isinstance(figure, go.Figure) and "chunk 16" in figure.layout.title.text
+    assert isinstance(figure, go.Figure) and "chunk 16, fused attention" in figure.layout.title.text
+    plain = explorer.update(1024, 2, 16, logits=True)[2]
+    assert (plain["memory_GiB"] > at_n["memory_GiB"]).all()
     assert type(widget).__name__ == "VBox"
     with pytest.raises(ValueError, match=r"gpus: expected one of \(1, 2, 4, 8\), got 3"):
         explorer.update(1024, 3)

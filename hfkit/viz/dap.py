@@ -7,18 +7,20 @@ sequences).
   draws them.
 - Communication: `dap_comm_table` gives, per N, group size and collective, what one rank receives in
   one block's forward (`hfkit.parallel.dap.dap_block_comm`) in bytes and, as a model, in time over a
-  link of a stated bandwidth and latency; `dap_comm_summary` sums it per block, `dap_comm_figure`
-  plots it.
+  link of a stated bandwidth and latency; `dap_comm_summary` sums it per block, `dap_comm_breakdown`
+  gives one (N, P) by collective, `dap_comm_figure` plots it.
 - Memory and time per GPU (`dap_model_table`, `dap_model_figure`): a model, labelled so. One GPU is
   `hfkit.model.inference.lean_forward`'s working set (`lean_working_set_bytes`); P GPUs are the same
-  chunking applied to one rank's shards plus the tensors DAP gathers whole (`dap_working_set_bytes`).
+  chunking applied to one rank's shards plus the tensors DAP gathers whole (`dap_working_set_bytes`),
+  with the attention logits counted (plain torch) or not (hfkit's fused attention holds none).
   Time is the block's matmul FLOPs (`evoformer_block_flops`) split over the ranks at a stated rate,
   plus the communication model, without overlap.
 - Measured: `load_longseq` reads `data/results/<gpu>/longseq.json` (None when absent),
   `measured_tflops` the rate it implies, `longseq_table` / `longseq_figure` show it.
 - `dap_exactness_check` runs `to_dap` of a tiny float64 Evoformer block on 2 gloo CPU processes and
   reports the largest difference of its outputs and gradients from the single-process block.
-- `DAPExplorer`: an N slider and a GPUs dropdown over all of the above, static result first.
+- `DAPExplorer`: an N slider and dropdowns for the GPUs, the chunk and the attention (fused, or plain
+  torch with its logits) over all of the above, the static result first.
 
 plotly and ipywidgets are imported inside the functions (they are the `notebooks` extra).
 """
@@ -58,6 +60,7 @@ __all__ = [
     "DAPExplorer",
     "LayoutStage",
     "block_widths",
+    "dap_comm_breakdown",
     "dap_comm_figure",
     "dap_comm_summary",
     "dap_comm_table",
@@ -172,7 +175,7 @@ def _shard_note(size: int, group_size: int) -> str:
     last = size - per * (group_size - 1)
     note = f"{per} each"
     if per * group_size != size:
-        note += f" (padded to {per * group_size}; rank {group_size - 1} holds {max(last, 0)} real)"
+        note += f", padded to {per * group_size}: rank {group_size - 1} holds {max(last, 0)} real"
     return note
 
 
@@ -257,6 +260,21 @@ def dap_comm_summary(table: pd.DataFrame) -> pd.DataFrame:
     return summary[["n_res", "gpus", "MiB_per_rank", "model_ms"]]
 
 
+def dap_comm_breakdown(
+    n_res: int,
+    gpus: int,
+    n_seq: int,
+    config: ModelConfig,
+    itemsize: int = 2,
+    link_gbps: float = LINK_GBPS,
+    alpha_us: float = LINK_ALPHA_US,
+) -> pd.DataFrame:
+    """One rank's communication in one block's forward at (N = n_res, P = gpus), by collective in
+    block order: collective, MiB received, model_ms (`dap_comm_table`'s model)."""
+    table = dap_comm_table([n_res], [gpus], n_seq, config, itemsize, link_gbps, alpha_us)
+    return table.assign(MiB=table["bytes"] / 2**20)[["collective", "MiB", "model_ms"]]
+
+
 def dap_comm_figure(table: pd.DataFrame, link_gbps: float = LINK_GBPS) -> go.Figure:
     """Two panels from a `dap_comm_table` (P > 1): MiB one rank receives per block's forward against N
     (log-log), one line per group size; and the modelled time of those collectives at `link_gbps`."""
@@ -296,7 +314,13 @@ def block_widths(config: ModelConfig) -> BlockWidths:
 
 
 def dap_working_set_bytes(
-    widths: BlockWidths, n_seq: int, n_res: int, group_size: int, chunk_size: int, itemsize: int
+    widths: BlockWidths,
+    n_seq: int,
+    n_res: int,
+    group_size: int,
+    chunk_size: int,
+    itemsize: int,
+    logits: bool = True,
 ) -> dict[str, int]:
     """Modelled peak bytes each op (`LEAN_OPS`) allocates on one rank of a DAP group of P beyond its
     shards of m [S/P, N, C_m] and z [N/P, N, C_z], if `lean_forward`'s chunking ran on the shards:
@@ -307,8 +331,9 @@ def dap_working_set_bytes(
     P > 1 the out-of-place transposes (m by columns S (N/P) C_m beside the rows; the triangle
     multiplication's local b and transposed a, 2 C_h (N/P) N; z by columns (N/P) N C_z). P = 1 gives
     `lean_working_set_bytes` exactly. hfkit's `to_dap` runs the triangle multiplication unchunked, so
-    it holds more than this; the attention terms count plain-torch logits (an upper bound for fused
-    attention). Returns {op: bytes}."""
+    it holds more than this. `logits`: the attention terms count plain-torch logits and their softmax,
+    2 c H L² for c rows of L keys (as `lean_working_set_bytes` does); without, they are left out, as
+    hfkit's fused attention never holds them. Returns {op: bytes}."""
     if group_size < 1 or chunk_size < 1:
         raise ValueError(f"group_size, chunk_size: expected >= 1, got {group_size}, {chunk_size}")
     w, s, n, p = widths, n_seq, n_res, group_size
@@ -319,13 +344,14 @@ def dap_working_set_bytes(
     qkvgo_m = 5 * w.heads_msa * w.c_hidden_msa
     qkvgo_z = 5 * w.heads_pair * w.c_hidden_pair
     m_cols = sharded * s * n_p * w.c_m
+    held = 2 * logits  # logits and their softmax, per attention row
     elements = (
-        w.heads_msa * n * n + r * n * (2 * w.c_m + qkvgo_m) + 2 * r * w.heads_msa * n * n,
-        m_cols + k * s * (2 * w.c_m + qkvgo_m) + 2 * k * w.heads_msa * s * s,
+        w.heads_msa * n * n + r * n * (2 * w.c_m + qkvgo_m) + held * r * w.heads_msa * n * n,
+        m_cols + k * s * (2 * w.c_m + qkvgo_m) + held * k * w.heads_msa * s * s,
         m_cols + r_cols * n_p * w.c_m * (2 + 2 * w.transition_n),
         m_cols + (s * n_p + s * n) * w.c_hidden_opm + k * n * (w.c_hidden_opm**2 + 2 * w.c_z),
         w.c_hidden_mul * n * (n + 2 * sharded * n_p) + k * n * (4 * w.c_z + 6 * w.c_hidden_mul),
-        sharded * n_p * n * w.c_z + w.heads_pair * n * n * (1 + 2 * k) + k * n * (2 * w.c_z + qkvgo_z),
+        sharded * n_p * n * w.c_z + w.heads_pair * n * n * (1 + held * k) + k * n * (2 * w.c_z + qkvgo_z),
         k * n * w.c_z * (2 + 2 * w.transition_n),
     )
     return {op: int(e * itemsize) for op, e in zip(LEAN_OPS, elements, strict=True)}
@@ -341,13 +367,14 @@ def dap_model_table(
     tflops: float = ASSUMED_TFLOPS,
     link_gbps: float = LINK_GBPS,
     alpha_us: float = LINK_ALPHA_US,
+    logits: bool = True,
 ) -> pd.DataFrame:
     """Modelled memory and time of one Evoformer block's inference per GPU, one row per (N, GPUs):
     `resident_GiB` (the rank's shards of m and z), `working_GiB` (the largest op of
-    `dap_working_set_bytes`, named in `peak_op`), `memory_GiB` (their sum; parameters left out, a few
-    MiB), `compute_s` (`evoformer_block_flops` / GPUs at `tflops`), `comm_s` (`dap_comm_table`'s
-    collectives, forward only), `block_s` (compute + communication, not overlapped) and `stack_s`
-    (`config.no_blocks` blocks). `itemsize` 2: bf16."""
+    `dap_working_set_bytes` with `logits`, named in `peak_op`), `memory_GiB` (their sum; parameters
+    left out, a few MiB), `compute_s` (`evoformer_block_flops` / GPUs at `tflops`), `comm_s`
+    (`dap_comm_table`'s collectives, forward only), `block_s` (compute + communication, not
+    overlapped) and `stack_s` (`config.no_blocks` blocks). `itemsize` 2: bf16."""
     import pandas as pd
 
     widths = block_widths(config)
@@ -360,7 +387,7 @@ def dap_model_table(
         for p in gpu_counts:
             s_p, n_p = math.ceil(n_seq / p), math.ceil(n / p)
             resident = (s_p * n * config.c_m + n_p * n * config.c_z) * itemsize
-            ops = dap_working_set_bytes(widths, n_seq, n, p, chunk_size, itemsize)
+            ops = dap_working_set_bytes(widths, n_seq, n, p, chunk_size, itemsize, logits)
             peak_op = max(ops, key=ops.get)
             compute_s = flops / p / (tflops * 1e12)
             comm_s = float(comm[(n, p)]) / 1e3
@@ -430,7 +457,9 @@ def dap_model_figure(
     fig.update_xaxes(type="log", title_text="N (residues)")
     fig.update_yaxes(type="log")
     fig.update_layout(
-        height=430, title="Evoformer inference per GPU against N: modelled (lines), measured (×)"
+        height=430,
+        title="Evoformer inference per GPU against N: modelled (lines)"
+        + (", measured (×)" if measured is not None and len(measured) else ""),
     )
     return fig
 
@@ -590,14 +619,14 @@ def dap_exactness_check(
 
 @dataclass
 class DAPExplorer:
-    """An N slider and dropdowns for the GPUs and the chunk over the DAP layout, the communication of
-    one block and the memory/time model per GPU, at `n_seq` MSA rows, `config`'s widths, bf16
-    (`itemsize` 2) and the rate `tflops`. `measured` (a `longseq_table`, or None) adds the one-GPU
-    measurements to the model's figure.
+    """An N slider and dropdowns for the GPUs, the chunk and the attention over the DAP layout, the
+    communication of one block and the memory/time model per GPU, at `n_seq` MSA rows, `config`'s
+    widths, bf16 (`itemsize` 2) and the rate `tflops`. `measured` (a `longseq_table`, or None) adds the
+    one-GPU measurements to the model's figure.
 
-    `update(n_res, gpus, chunk_size)` returns (layout figure, communication table of that (N, GPUs) by
-    collective, model table at that N for every GPU count, model figure) — what the widget shows, and
-    what tests call; `show()` displays the first result, then the widget."""
+    `update(n_res, gpus, chunk_size, logits)` returns (layout figure, `dap_comm_breakdown` at that
+    (N, GPUs), the model table at that N for every GPU count, the model figure against N) — what the
+    widget shows, and what tests call; `show()` displays the first result, then the widget."""
 
     config: ModelConfig = field(default_factory=ModelConfig.af2_initial)
     n_seq: int = 128
@@ -609,13 +638,14 @@ class DAPExplorer:
     chunk_sizes: tuple[int, ...] = CHUNK_SIZES
 
     def update(
-        self, n_res: int, gpus: int, chunk_size: int = 32
+        self, n_res: int, gpus: int, chunk_size: int = 32, logits: bool = False
     ) -> tuple[go.Figure, pd.DataFrame, pd.DataFrame, go.Figure]:
+        """What the panel shows at N = n_res on `gpus` GPUs with `chunk_size` and `logits` (plain-torch
+        attention logits counted, or the fused attention's none)."""
         if gpus not in self.gpu_counts:
             raise ValueError(f"gpus: expected one of {self.gpu_counts}, got {gpus!r}")
         layout = dap_layout_figure(self.n_seq, n_res, gpus)
-        comm = dap_comm_table([n_res], [gpus], self.n_seq, self.config, self.itemsize)
-        comm = comm.assign(MiB=comm["bytes"] / 2**20)[["collective", "MiB", "model_ms"]]
+        comm = dap_comm_breakdown(n_res, gpus, self.n_seq, self.config, self.itemsize)
         model = partial(
             dap_model_table,
             gpu_counts=self.gpu_counts,
@@ -624,35 +654,41 @@ class DAPExplorer:
             chunk_size=chunk_size,
             itemsize=self.itemsize,
             tflops=self.tflops,
+            logits=logits,
         )
         figure = dap_model_figure(
             model(self.n_values), self.measured, n_blocks=self.config.no_blocks, marker_n=n_res
         )
-        figure.update_layout(title=f"{figure.layout.title.text}; chunk {chunk_size}, {self.tflops:g} TFLOP/s")
+        attention = "plain-torch attention" if logits else "fused attention"
+        figure.update_layout(
+            title=f"{figure.layout.title.text}; chunk {chunk_size}, {attention}, {self.tflops:g} TFLOP/s"
+        )
         return layout, comm, model([n_res]), figure
 
-    def show(self, n_res: int = 4096, gpus: int = 4, chunk_size: int = 32) -> None:
-        """Display the result at (n_res, gpus, chunk_size) as static outputs (kept in an HTML report),
-        then the widget."""
-        layout, comm, at_n, figure = self.update(n_res, gpus, chunk_size)
-        widget = self.widget(n_res, gpus, chunk_size)
+    def show(self, n_res: int = 4096, gpus: int = 4, chunk_size: int = 32, logits: bool = False) -> None:
+        """Display the result of `update` as static outputs (kept in an HTML report), then the widget."""
+        layout, comm, at_n, figure = self.update(n_res, gpus, chunk_size, logits)
+        widget = self.widget(n_res, gpus, chunk_size, logits)
         show_static_then_widget(widget, layout, comm.round(3), at_n.round(3), figure)
 
-    def widget(self, n_res: int = 4096, gpus: int = 4, chunk_size: int = 32) -> Any:
-        """The ipywidgets panel: N (a slider over `n_values`), GPUs and chunk (dropdowns), and an Output
-        area with what `update` returns."""
+    def widget(self, n_res: int = 4096, gpus: int = 4, chunk_size: int = 32, logits: bool = False) -> Any:
+        """The ipywidgets panel: N (a slider over `n_values`), GPUs, chunk and attention (dropdowns),
+        and an Output area with what `update` returns."""
         import ipywidgets as w
 
         n_slider = w.SelectionSlider(options=list(self.n_values), value=n_res, description="N")
         gpu_menu = w.Dropdown(options=list(self.gpu_counts), value=gpus, description="GPUs")
         chunk_menu = w.Dropdown(options=list(self.chunk_sizes), value=chunk_size, description="chunk")
+        attention = [("fused (no logits)", False), ("plain torch (logits)", True)]
+        logits_menu = w.Dropdown(options=attention, value=logits, description="attention")
         out = w.Output()
 
         def refresh(_: Any = None) -> None:
-            layout, comm, at_n, figure = self.update(n_slider.value, gpu_menu.value, chunk_menu.value)
+            shown = self.update(n_slider.value, gpu_menu.value, chunk_menu.value, logits_menu.value)
+            layout, comm, at_n, figure = shown
             render_into(out, layout, comm.round(3), at_n.round(3), figure)
 
-        for control in (n_slider, gpu_menu, chunk_menu):
+        for control in (n_slider, gpu_menu, chunk_menu, logits_menu):
             control.observe(refresh, names="value")
         refresh()
-        return w.VBox([w.HBox([n_slider, gpu_menu, chunk_menu]), out])
+        return w.VBox([w.HBox([n_slider, gpu_menu]), w.HBox([chunk_menu, logits_menu]), out])
