@@ -99,7 +99,7 @@ def test_dap_layout_figure_has_one_panel_per_layout_and_names_the_padding() -> N
     assert "4 each, padded to 8: rank 1 holds 3 real" in fig.layout.title.text
     assert "3 each, padded to 6: rank 1 holds 2 real" in fig.layout.title.text
     assert "(32 each)" in dap_layout_figure(128, 4096, 4).layout.title.text  # no padding
-    assert "all-to-all: m rows -> columns" in fig.layout.xaxis.title.text
+    assert "then: all-to-all to columns" in fig.layout.xaxis.title.text
 
 
 # ---- communication ---------------------------------------------------------------------------------------
@@ -231,6 +231,8 @@ def test_load_longseq_is_none_without_the_file_and_reads_it_when_present(tmp_pat
     fig = dap_model_figure(model, measured=table, marker_n=1024)
     names = [t.name for t in fig.data]
     assert names.count("1 GPU, hfkit_lean (measured)") == 2 and names.count("2 GPUs (modelled)") == 2
+    line = next(t for t in fig.data if t.name == "device memory (141 GiB)")
+    assert list(line.x) == [1024, 2048] and list(line.y) == [141.0, 141.0]
     measured_time = [t for t in fig.data if t.name.endswith("(measured)")][1]
     assert list(measured_time.y) == [48.0, 384.0]
     assert "measured" in fig.layout.title.text and "measured" not in dap_model_figure(model).layout.title.text

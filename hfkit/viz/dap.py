@@ -107,22 +107,22 @@ class LayoutStage:
 LAYOUT_STAGES = (
     LayoutStage(
         "MSA by rows", "m", "rows", "MSA row attention (pair bias gathered: H channels)",
-        "all-to-all: m rows -> columns",
+        "all-to-all to columns",
     ),
     LayoutStage(
         "MSA by columns", "m", "columns",
         "column attention, MSA transition, outer product mean (b gathered over all residues)",
-        "all-to-all: m columns -> rows (for the next block)",
+        "all-to-all to rows (next block)",
     ),
     LayoutStage(
         "pair by rows", "z", "rows",
         "outer product mean's update, triangle multiplication (b gathered; incoming: a transposed), "
         "starting-node attention (bias gathered), pair transition",
-        "all-to-all: z rows -> columns",
+        "all-to-all to columns",
     ),
     LayoutStage(
         "pair by columns", "z", "columns", "ending-node attention (bias gathered)",
-        "all-to-all: z columns -> rows, before the pair transition",
+        "all-to-all back to rows",
     ),
 )  # fmt: skip
 
@@ -181,8 +181,9 @@ def _shard_note(size: int, group_size: int) -> str:
 
 def dap_layout_figure(n_seq: int, n_res: int, group_size: int) -> go.Figure:
     """Four heatmaps, one per layout of `LAYOUT_STAGES` in block order, coloured by the rank that holds
-    each element of m [S, N] or z [N, N] for a DAP group of `group_size`; each panel's title names the
-    ops run in it, and the collective that leaves it is written under it."""
+    each element of m [S, N] or z [N, N] for a DAP group of `group_size` (long axes sampled, see
+    `dap_layout`); hovering names the ops run in a layout, and the collective that leaves it is
+    written under each panel."""
     import plotly.colors as pc
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
@@ -450,7 +451,15 @@ def dap_model_figure(
                     ),
                     row=1, col=col,
                 )  # fmt: skip
-    fig.add_hline(y=device_gib, line_dash="dot", annotation_text=f"{device_gib:g} GiB", row=1, col=1)
+    # A trace rather than `add_hline`: plotly places a line's annotation wrongly on a log axis.
+    span = [table["n_res"].min(), table["n_res"].max()]
+    fig.add_trace(
+        go.Scatter(
+            x=span, y=[device_gib] * 2, mode="lines", name=f"device memory ({device_gib:g} GiB)",
+            line={"dash": "dot", "color": "black"}, hoverinfo="skip",
+        ),
+        row=1, col=1,
+    )  # fmt: skip
     if marker_n is not None:
         for col in (1, 2):
             fig.add_vline(x=marker_n, line_dash="dot", line_color="grey", row=1, col=col)
@@ -661,7 +670,7 @@ class DAPExplorer:
         )
         attention = "plain-torch attention" if logits else "fused attention"
         figure.update_layout(
-            title=f"{figure.layout.title.text}; chunk {chunk_size}, {attention}, {self.tflops:g} TFLOP/s"
+            title=f"{figure.layout.title.text}; chunk {chunk_size}, {attention}, {self.tflops:.3g} TFLOP/s"
         )
         return layout, comm, model([n_res]), figure
 
