@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 pytest.importorskip("plotly")
 pytest.importorskip("ipywidgets")
@@ -39,6 +40,7 @@ from hfkit.viz.dap import (  # noqa: E402
     load_longseq,
     longseq_figure,
     longseq_table,
+    measure_longseq_here,
     measured_tflops,
     shard_owner,
 )
@@ -236,6 +238,28 @@ def test_load_longseq_is_none_without_the_file_and_reads_it_when_present(tmp_pat
     measured_time = [t for t in fig.data if t.name.endswith("(measured)")][1]
     assert list(measured_time.y) == [48.0, 384.0]
     assert "measured" in fig.layout.title.text and "measured" not in dap_model_figure(model).layout.title.text
+
+
+def test_measure_longseq_here_needs_cuda_and_runs_the_benchmark_without_search(monkeypatch) -> None:
+    import hfkit.bench.longseq as longseq
+
+    calls = []
+
+    def fake_benchmark(device, **kwargs):
+        calls.append((device, kwargs))
+        return _longseq_rows()
+
+    monkeypatch.setattr(longseq, "run_longseq_benchmark", fake_benchmark)
+    assert measure_longseq_here(torch.device("cpu"), smoke=False) is None and calls == []
+    cuda = torch.device("cuda", 0)  # a device object only: nothing runs on it
+    table = measure_longseq_here(cuda, smoke=False)
+    assert calls[-1] == (
+        cuda,
+        {"profile": "full", "sizes": (1024, 2048, 4096), "chunks": ("auto",), "search": False},
+    )
+    assert table["n_res"].tolist() == [1024, 2048] and table["seconds"].tolist() == [1.0, 8.0]
+    measure_longseq_here(cuda, smoke=True)
+    assert calls[-1] == (cuda, {"profile": "smoke", "search": False})
 
 
 # ---- the live check --------------------------------------------------------------------------------------

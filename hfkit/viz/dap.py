@@ -16,7 +16,8 @@ sequences).
   Time is the block's matmul FLOPs (`evoformer_block_flops`) split over the ranks at a stated rate,
   plus the communication model, without overlap.
 - Measured: `load_longseq` reads `data/results/<gpu>/longseq.json` (None when absent),
-  `measured_tflops` the rate it implies, `longseq_table` / `longseq_figure` show it.
+  `measure_longseq_here` measures on this machine's GPU (None without one), `measured_tflops` gives
+  the rate they imply, `longseq_table` / `longseq_figure` show them.
 - `dap_exactness_check` runs `to_dap` of a tiny float64 Evoformer block on 2 gloo CPU processes and
   reports the largest difference of its outputs and gradients from the single-process block.
 - `DAPExplorer`: an N slider and dropdowns for the GPUs, the chunk and the attention (fused, or plain
@@ -73,6 +74,7 @@ __all__ = [
     "load_longseq",
     "longseq_figure",
     "longseq_table",
+    "measure_longseq_here",
     "measured_tflops",
     "shard_owner",
 ]
@@ -482,6 +484,26 @@ def load_longseq(gpu: str = "h200", root: str | Path | None = None) -> pd.DataFr
     if not path.is_file():
         return None
     return load_results(path)
+
+
+def measure_longseq_here(device: torch.device, smoke: bool) -> pd.DataFrame | None:
+    """One block's inference time and peak memory against N measured on `device` now
+    (`hfkit.bench.longseq.run_longseq_benchmark`, no largest-N search, nothing saved), as a
+    `longseq_table`; None off CUDA (peak memory is measured on CUDA only, and CPU times of a block say
+    nothing about a GPU). `smoke`: the benchmark's smoke profile (the `tiny` preset, N = 9 and 16);
+    otherwise `af2_initial` at N = 1024, 2048 and 4096, unchunked and lean with chunk "auto"."""
+    if device.type != "cuda":
+        return None
+    from hfkit.bench.longseq import run_longseq_benchmark
+    from hfkit.bench.results import rows_to_frame
+
+    if smoke:
+        rows = run_longseq_benchmark(device, profile="smoke", search=False)
+    else:
+        rows = run_longseq_benchmark(
+            device, profile="full", sizes=(1024, 2048, 4096), chunks=("auto",), search=False
+        )
+    return longseq_table(rows_to_frame(rows))
 
 
 def longseq_table(frame: pd.DataFrame) -> pd.DataFrame:
