@@ -24,7 +24,7 @@ import pandas as pd
 from hfkit.bench.cases.layer_norm import CENSUS_SHAPES
 from hfkit.bench.ceilings import resolve_device
 from hfkit.bench.model import summary_table
-from hfkit.viz.notebook import render_into, show_static_then_widget
+from hfkit.viz.notebook import RunPanel
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -275,7 +275,7 @@ def _gib(nbytes: float | None) -> float | None:
     return None if nbytes is None else nbytes / 2**30
 
 
-class ProfileExplorer:
+class ProfileExplorer(RunPanel):
     """Dropdowns for preset and precision, a crop box, and a button that profiles one training step
     (`hfkit.bench.model.profile_train_step`) and shows the operator table, the LayerNorm census and
     their figures. On a CPU the AlphaFold presets are scaled down (`preset_config(on_cpu=True)`).
@@ -340,17 +340,6 @@ class ProfileExplorer:
             out["census"].round(2),
             census_figure(out["census"], out["speed"], title=f"LayerNorm census: {label}"),
         ]
-
-    def _on_click(self, _: Any = None) -> None:
-        self.run()
-        render_into(self.output, *self.result_outputs())
-
-    def show(self) -> None:
-        """Display the last result (static: readable in an HTML report), then the widget."""
-        show_static_then_widget(self.widget, *self.result_outputs())
-
-    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        return self.widget._repr_mimebundle_(**kwargs)
 
 
 def profile_step(device: torch.device, full: bool, where: str) -> dict[str, Any]:
@@ -555,7 +544,7 @@ def stage_bars(table: pd.DataFrame, title: str | None = None) -> go.Figure:
     return fig
 
 
-class StepLaunchExplorer:
+class StepLaunchExplorer(RunPanel):
     """Checkpointing, precision (bf16 autocast / fp32) and crop size, and a button that times the
     swapped ("hfkit") training step on a batch of the data pipeline (`PipelineBatches.batch`) at
     those sizes, launched from Python ("eager": `train_step`) and as `graphed_step` ("graph"), with
@@ -671,17 +660,6 @@ class StepLaunchExplorer:
         if not self.history:
             return []
         return [pd.DataFrame(self.history).round(3), self.figure()]
-
-    def _on_click(self, _: Any = None) -> None:
-        self.run()
-        render_into(self.output, *self.result_outputs())
-
-    def show(self) -> None:
-        """Display the runs so far (static: readable in an HTML report), then the widget."""
-        show_static_then_widget(self.widget, *self.result_outputs())
-
-    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        return self.widget._repr_mimebundle_(**kwargs)
 
 
 def openfold_stack_here(device: torch.device | str | None, full: bool) -> pd.DataFrame | None:

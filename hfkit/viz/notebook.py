@@ -273,3 +273,31 @@ def show_static_then_widget(widget: Any, *objects: Any) -> None:
         else:
             display(obj)
     display(widget)
+
+
+class RunPanel:
+    """The button-driven part of a notebook panel: a subclass sets `widget` (what the cell shows) and
+    `output` (the ipywidgets `Output` its results go to) and defines `run()` (measure for the current
+    settings) and `result_outputs()` (the last results as tables, figures or text; empty before the
+    first run). The button's handler is `_on_click`; `show()` displays the results statically, then
+    the widget."""
+
+    widget: Any
+    output: Any
+
+    def run(self) -> Any:
+        raise NotImplementedError
+
+    def result_outputs(self) -> list[Any]:
+        raise NotImplementedError
+
+    def _on_click(self, _: Any = None) -> None:
+        self.run()
+        render_into(self.output, *self.result_outputs())
+
+    def show(self) -> None:
+        """Display the results so far (static: readable in an HTML report), then the widget."""
+        show_static_then_widget(self.widget, *self.result_outputs())
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
