@@ -211,7 +211,8 @@ def test_with_speedup_uses_the_matching_baseline():
     assert math.isnan(by[("hfkit", "2x64")])  # no eager row for that shape
 
 
-def test_environment_info_and_git_commit(tmp_path):
+def test_environment_info_and_git_commit(tmp_path, monkeypatch):
+    monkeypatch.delenv("HFKIT_GIT_COMMIT", raising=False)
     info = environment_info("cpu", command="hfkit env")
     assert info["torch"] == torch.__version__ and info["command"] == "hfkit env"
     assert info["timestamp"].endswith("+00:00")
@@ -230,6 +231,10 @@ def test_environment_info_and_git_commit(tmp_path):
     (repo / "f.txt").write_text("b")
     git_commit.cache_clear()
     assert git_commit(str(repo)) == head + "-dirty"
+    # A tree copied to a GPU machine names its commit; a stale .git there does not win.
+    monkeypatch.setenv("HFKIT_GIT_COMMIT", "abc1234")
+    git_commit.cache_clear()
+    assert git_commit(str(repo)) == "abc1234" and git_commit(str(tmp_path)) == "abc1234"
 
 
 # --- LayerNorm benchmark ----------------------------------------------------------------------------------

@@ -174,9 +174,12 @@ def gpu_slug(name: str) -> str:
 @cache
 def git_commit(path: str | None = None) -> str | None:
     """`git rev-parse HEAD` of the repository at `path` (default: this package's), '-dirty' appended
-    when tracked files differ from HEAD. Outside a git repository (e.g. a copy of the tree sent to a
-    GPU machine) the `HFKIT_GIT_COMMIT` environment variable is used if set, else None."""
+    when tracked files differ from HEAD; None outside a git repository. The `HFKIT_GIT_COMMIT`
+    environment variable, when set, is the answer instead: the commit of a copy of the tree sent to a
+    GPU machine, whose own `.git` may be missing or from an earlier commit."""
     fallback = os.environ.get("HFKIT_GIT_COMMIT") or None
+    if fallback is not None:
+        return fallback
     cwd = path or str(repo_root())
     try:
         head = subprocess.run(
