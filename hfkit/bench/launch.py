@@ -1,8 +1,8 @@
 """Launch cost: the host time of one call, plain PyTorch against `to_hfkit`, for every swappable module
 of an Evoformer block and for the whole block.
 
-On tiny inputs the GPU work of a call is a few microseconds, so the wall time per call (many calls,
-CUDA-synchronised only at both ends) is what launching costs the host: Python, the dispatcher,
+On tiny inputs the GPU work of a call is a few microseconds, so the wall time per call (samples of
+many calls, each synchronised at its end: `host_timing`) is what launching costs the host: Python, the dispatcher,
 autograd and the kernel launches. That is what an eager training loop pays on every op when the
 device is fast enough to wait for the host, and what a CUDA graph removes. Each row compares the
 plain module (the torch ops hfkit replaces) with its swapped copy, forward ("fwd", inputs requiring
@@ -11,47 +11,51 @@ its children (captured with forward pre-hooks on one call of the block), so ever
 exactly as inside the model.
 
 Rows: op "launch_cost", provider "eager" (plain) or "hfkit" (swapped), shape = (S, N) of the block's
-inputs, `method` "cpu_wall_mean", `p50_ms` the mean wall time per call, `extra["module"]` the
-module's path in the block ("" for the block itself) and class.
+inputs, `method` "wall", p20/p50/p80 over the samples of the mean time per call in a sample,
+`extra["module"]` the module's path in the block ("" for the block itself) and class. (Rows with
+`extra["method"]` "cpu_wall_mean" hold one mean over all calls, synchronised only at both ends.)
 """
 
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from hfkit.bench.ceilings import resolve_device
 from hfkit.bench.results import ENV_KEYS, ResultFile, ResultRow, environment_info, make_row, row_key
-from hfkit.bench.timing import Timing
+from hfkit.bench.timing import Timing, time_cpu
 from hfkit.model import EvoformerBlock, ModelConfig
 
-__all__ = ["module_inputs", "per_call_seconds", "run_launch_benchmark"]
+__all__ = ["host_timing", "module_inputs", "run_launch_benchmark"]
 
 # Tiny MSA rows and residues: the device work of a call is negligible next to its launch cost.
 TINY_SHAPE = (4, 16)
 
 
-def per_call_seconds(fn: Callable[[], Any], device: torch.device, calls: int, warmup: int = 20) -> float:
-    """Mean wall seconds per call of `fn` over `calls` calls after `warmup`, synchronised at both ends."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    _sync(device)
-    return (time.perf_counter() - start) / calls
+# Calls per timed sample: the host time of a sample is the mean of this many calls, synchronised at
+# its end, so a slow call here and there does not move the median.
+CALLS_PER_SAMPLE = 30
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def host_timing(fn: Callable[[], Any], device: torch.device, calls: int) -> Timing:
+    """Host time per call of `fn` (`time_cpu`): about `calls` calls in samples of `CALLS_PER_SAMPLE`,
+    each sample synchronised with the device at its end (so queued work is paid for), after two
+    warm-up samples; percentiles over the samples."""
+    per_sample = min(CALLS_PER_SAMPLE, calls)
+
+    def sample() -> None:
+        for _ in range(per_sample):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return time_cpu(sample, warmup=2, reps=max(1, calls // per_sample), calls=per_sample)
 
 
 def module_inputs(
@@ -79,23 +83,14 @@ def module_inputs(
 
 
 def _detached(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone().requires_grad_(value.is_floating_point())
-    if isinstance(value, tuple | list):
-        return type(value)(_detached(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
-    return value
+    """`value` with every tensor replaced by a detached copy that requires grad where it can."""
+    return tree_map_only(
+        torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.is_floating_point()), value
+    )
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, tuple | list):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _calls(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Callable[[], Any]]:
@@ -152,13 +147,12 @@ def run_launch_benchmark(
         swapped = swapped_block if path == "" else swapped_block.get_submodule(path)
         for provider, mod in (("eager", module), ("hfkit", swapped)):
             for mode, fn in _calls(mod, args, kwargs).items():
-                seconds = per_call_seconds(fn, device, calls if path else max(20, calls // 10))
-                ms = seconds * 1e3
+                timing = host_timing(fn, device, calls if path else max(CALLS_PER_SAMPLE, calls // 10))
                 row = make_row(
-                    {k: env[k] for k in ENV_KEYS}, Timing(ms, ms, ms, calls, "wall"),
+                    {k: env[k] for k in ENV_KEYS}, timing,
                     op="launch_cost", provider=provider + provider_suffix, mode=mode, shape=list(shape),
                     dtype=str(dtype).removeprefix("torch."),
-                    extra={"module": path, "class": type(mod).__name__, "method": "cpu_wall_mean"},
+                    extra={"module": path, "class": type(mod).__name__},
                 )  # fmt: skip
                 rows.append(row)
                 if file is not None:
