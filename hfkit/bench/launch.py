@@ -2,9 +2,9 @@
 of an Evoformer block and for the whole block.
 
 On tiny inputs the GPU work of a call is a few microseconds, so the wall time per call (samples of
-many calls, each synchronised at its end: `host_timing`) is what launching costs the host: Python, the dispatcher,
-autograd and the kernel launches. That is what an eager training loop pays on every op when the
-device is fast enough to wait for the host, and what a CUDA graph removes. Each row compares the
+many calls, each synchronised at its end: `host_timing`) is what launching costs the host: Python,
+the dispatcher, autograd and the kernel launches. That is what an eager training loop pays on every
+op when the device is fast enough to wait for the host, and what a CUDA graph removes. Each row compares the
 plain module (the torch ops hfkit replaces) with its swapped copy, forward ("fwd", inputs requiring
 grad) and forward + `autograd.grad` ("fwd+bwd"). The module inputs are those the block passes to
 its children (captured with forward pre-hooks on one call of the block), so every module runs

@@ -849,8 +849,7 @@ def _row_key(row: Mapping[str, Any]) -> tuple:
     """`row_key`, checkpointing and launch: a stack or step with and without checkpointing, launched
     eagerly or replayed as a CUDA graph, are different configurations."""
     extra = row.get("extra") or {}
-    # `row_key` ends with the raw launch; here a row without one has its part's default (`_launch`).
-    return (*row_key(row)[:-1], extra.get("checkpointing"), _launch(extra))
+    return (*row_key(row, _launch(extra)), extra.get("checkpointing"))
 
 
 def _launch(extra: Mapping[str, Any]) -> str:

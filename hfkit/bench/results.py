@@ -298,12 +298,12 @@ def check_choice(name: str, values: Sequence[str], allowed: Sequence[str]) -> li
     return values
 
 
-def row_key(row: Mapping[str, Any]) -> tuple:
+def row_key(row: Mapping[str, Any], default_launch: str | None = None) -> tuple:
     """What identifies a measurement: op, provider, mode, shape, dtype and how the calls were launched
-    (`extra["launch"]`, absent for the default of the file's benchmark). A later run of the same
-    configuration replaces it (`merge_rows`)."""
-    extra = row.get("extra") or {}
-    return (row["op"], row["provider"], row["mode"], tuple(row["shape"]), row["dtype"], extra.get("launch"))
+    (`extra["launch"]`; `default_launch` for a row without one: what its benchmark did before rows
+    said). A later run of the same configuration replaces it (`merge_rows`)."""
+    launch = (row.get("extra") or {}).get("launch", default_launch)
+    return (row["op"], row["provider"], row["mode"], tuple(row["shape"]), row["dtype"], launch)
 
 
 def merge_rows(
