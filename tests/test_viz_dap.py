@@ -26,7 +26,6 @@ from hfkit.parallel.dap import dap_block_comm  # noqa: E402
 from hfkit.viz.dap import (  # noqa: E402
     LAYOUT_STAGES,
     DAPExplorer,
-    block_widths,
     dap_comm_breakdown,
     dap_comm_figure,
     dap_comm_summary,
@@ -136,19 +135,19 @@ def test_comm_table_is_dap_block_comm_in_bytes_and_modelled_time() -> None:
 
 @pytest.mark.parametrize("config", [ModelConfig.tiny(), AF2], ids=["tiny", "af2_initial"])
 def test_block_widths_match_a_built_block(config: ModelConfig) -> None:
-    assert block_widths(config) == BlockWidths.from_block(make_block(config))
+    assert BlockWidths.from_config(config) == BlockWidths.from_block(make_block(config))
 
 
 @pytest.mark.parametrize("chunk", [1, 16, 64, 10_000])
 def test_one_gpu_working_set_is_the_lean_path(chunk: int) -> None:
-    widths = block_widths(AF2)
+    widths = BlockWidths.from_config(AF2)
     assert dap_working_set_bytes(widths, 128, 1000, 1, chunk, 2) == lean_working_set_bytes(
         widths, 128, 1000, chunk, 2
     )
 
 
 def test_dap_working_set_keeps_gathered_tensors_whole_and_shards_the_rest() -> None:
-    w = block_widths(AF2)
+    w = BlockWidths.from_config(AF2)
     s, n, p, c = 128, 2048, 4, 32
     one, four = dap_working_set_bytes(w, s, n, 1, c, 2), dap_working_set_bytes(w, s, n, p, c, 2)
     assert list(four) == list(LEAN_OPS)
@@ -181,7 +180,7 @@ def test_model_table_memory_and_time() -> None:
     assert len(table) == 8
     one = table[(table["n_res"] == 4096) & (table["gpus"] == 1)].iloc[0]
     assert one["resident_GiB"] * 2**30 == 2 * (128 * 4096 * AF2.c_m + 4096 * 4096 * AF2.c_z)
-    lean = lean_working_set_bytes(block_widths(AF2), 128, 4096, 16, 2)
+    lean = lean_working_set_bytes(BlockWidths.from_config(AF2), 128, 4096, 16, 2)
     assert one["working_GiB"] * 2**30 == max(lean.values()) and one["peak_op"] == max(lean, key=lean.get)
     assert one["compute_s"] == pytest.approx(evoformer_block_flops(128, 4096, AF2) / 100e12)
     assert one["comm_s"] == 0

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hfkit.model.config import ModelConfig
 from hfkit.model.evoformer import EvoformerBlock, EvoformerStack, ExtraMSAStack
 from hfkit.model.msa import MSAColumnGlobalAttention
 from hfkit.model.pair_transition import Transition
@@ -85,6 +86,22 @@ class BlockWidths:
     c_hidden_mul: int
     c_hidden_opm: int
     transition_n: int
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> BlockWidths:
+        """The widths of an Evoformer block of `config` (what `from_block` reads from a built block),
+        without building one."""
+        return cls(
+            c_m=config.c_m,
+            c_z=config.c_z,
+            heads_msa=config.no_heads_msa,
+            c_hidden_msa=config.c_hidden_msa_att,
+            heads_pair=config.no_heads_pair,
+            c_hidden_pair=config.c_hidden_pair_att,
+            c_hidden_mul=config.c_hidden_mul,
+            c_hidden_opm=config.c_hidden_opm,
+            transition_n=config.transition_n,
+        )
 
     @classmethod
     def from_block(cls, block: EvoformerBlock) -> BlockWidths:

@@ -60,7 +60,6 @@ __all__ = [
     "N_VALUES",
     "DAPExplorer",
     "LayoutStage",
-    "block_widths",
     "dap_comm_breakdown",
     "dap_comm_figure",
     "dap_comm_summary",
@@ -300,22 +299,6 @@ def dap_comm_figure(table: pd.DataFrame, link_gbps: float = LINK_GBPS) -> go.Fig
     return fig
 
 
-def block_widths(config: ModelConfig) -> BlockWidths:
-    """The `BlockWidths` of an Evoformer block of `config` (what `BlockWidths.from_block` reads from a
-    built block), without building one."""
-    return BlockWidths(
-        c_m=config.c_m,
-        c_z=config.c_z,
-        heads_msa=config.no_heads_msa,
-        c_hidden_msa=config.c_hidden_msa_att,
-        heads_pair=config.no_heads_pair,
-        c_hidden_pair=config.c_hidden_pair_att,
-        c_hidden_mul=config.c_hidden_mul,
-        c_hidden_opm=config.c_hidden_opm,
-        transition_n=config.transition_n,
-    )
-
-
 def dap_working_set_bytes(
     widths: BlockWidths,
     n_seq: int,
@@ -380,7 +363,7 @@ def dap_model_table(
     overlapped) and `stack_s` (`config.no_blocks` blocks). `itemsize` 2: bf16."""
     import pandas as pd
 
-    widths = block_widths(config)
+    widths = BlockWidths.from_config(config)
     comm = dap_comm_summary(
         dap_comm_table(n_res_values, gpu_counts, n_seq, config, itemsize, link_gbps, alpha_us)
     ).set_index(["n_res", "gpus"])["model_ms"]
