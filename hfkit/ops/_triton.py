@@ -24,6 +24,7 @@ try:
     import triton.language as tl
     from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
     from torch.library import triton_op, wrap_triton
+    from triton.runtime.interpreter import InterpretedFunction
 
     try:  # Triton's runtime settings (launch hooks); without them every launch takes the JIT path
         from triton import knobs as _knobs
@@ -233,7 +234,8 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
         wrap_triton(kernel)[grid](*args, **meta)
         return
     grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-    cuda = not interpreting()
+    # Compiled or interpreted is fixed when Triton defines the kernel (TRITON_INTERPRET at import).
+    cuda = not isinstance(kernel, InterpretedFunction)
     device = torch.cuda.current_device() if cuda else -1
     key = (device, *map(_arg_key, args), *meta.items())
     table = _BOUND.get(id(kernel))
