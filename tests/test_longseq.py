@@ -332,3 +332,23 @@ def test_bench_longseq_smoke_writes_rows(tmp_path) -> None:
     (stack,) = [r for r in rows if r["op"] == "longseq_stack"]
     assert stack["method"] == "wall" and stack["shape"] == [4, 10] and "error" not in stack["extra"]
     assert stack["extra"]["n_blocks"] == n_blocks
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_bench_longseq_openfold_provider(monkeypatch) -> None:
+    """OpenFold's own block runs as its inference does (int chunks only, no error check against
+    hfkit's weights); without OpenFold its rows are skipped rows that say why."""
+    from hfkit.bench import longseq
+    from hfkit.bench.peers import load_openfold
+
+    if load_openfold()[0] is None:
+        pytest.skip(f"OpenFold source not found: {load_openfold()[1]}")
+    kw = dict(profile="smoke", sizes=[9], providers=["openfold_chunked"], search=False, progress=False)
+    rows = [r for r in longseq.run_longseq_benchmark("cpu", **kw) if r.op == "longseq_block"]
+    assert sorted(r.extra["chunk_size"] for r in rows) == [4, 5]
+    for r in rows:
+        assert r.method == "wall" and r.p50_ms > 0 and "inplace_safe=True" in r.extra["inference"], r
+        assert "check_ok" not in r.extra
+    monkeypatch.setattr(longseq, "load_openfold", lambda: (None, "no OpenFold here"))
+    rows = [r for r in longseq.run_longseq_benchmark("cpu", **kw) if r.op == "longseq_block"]
+    assert len(rows) == 2 and all(r.extra["error"] == "skipped: no OpenFold here" for r in rows)

@@ -8,8 +8,11 @@ Rows (`ResultRow`s, every one measured by the shared runner's `measure_case` unl
   forward, chunk_size None), `hfkit_chunked` (the same forward with its own `chunk_size`: attention,
   outer product mean and transitions chunked, out of place) and `hfkit_lean`
   (`hfkit.model.inference.lean_forward` of the same block: in place, every op chunked; chunk "auto"
-  chooses per op from free memory). `peak_mem_bytes` is the peak above the inputs; `extra` has
-  `total_peak_bytes` (peak + inputs + parameters) and, at N <= `check_max_n`, the relative error
+  chooses per op from free memory), and `openfold_chunked`: OpenFold's own `EvoformerBlock` (from
+  `hfkit.bench.peers.load_openfold`; skipped rows where it is absent) as its inference runs it, its
+  `chunk_size` for every chunked op and residual updates in place (`OPENFOLD_INFERENCE`), int chunks
+  only, with its own random weights (no error check). `peak_mem_bytes` is the peak above the inputs;
+  `extra` has `total_peak_bytes` (peak + inputs + parameters) and, at N <= `check_max_n`, the relative error
   against the unchunked forward.
 - `longseq_stack_estimate`: 48 x (the preset's block count) a `longseq_block` or `longseq_max_n` row's
   times: an estimate of the stack's inference time, not a measurement (`extra["estimate"]` says so);
@@ -43,6 +46,7 @@ from torch import nn
 
 from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
 from hfkit.bench.model import bench_config, evoformer_block_flops, make_block, reference_ops_on_cpu
+from hfkit.bench.peers import load_openfold, openfold_evoformer_block
 from hfkit.bench.results import (
     ENV_KEYS,
     ResultFile,
@@ -66,7 +70,9 @@ __all__ = [
     "summary_table",
 ]
 
-PROVIDERS = ("hfkit_unchunked", "hfkit_chunked", "hfkit_lean")
+PROVIDERS = ("hfkit_unchunked", "hfkit_chunked", "hfkit_lean", "openfold_chunked")
+# OpenFold's inference settings: its own chunked forward, residual updates in place.
+OPENFOLD_INFERENCE = {"use_lma": False, "inplace_safe": True, "_mask_trans": True}
 # Relative error (max |difference| / max |reference|) against the unchunked forward above which a
 # row is flagged: bf16 rounding differs between chunkings by ~1e-2 at most; a wrong chunk gives O(1).
 CHECK_REL_TOL = {"bf16": 0.05, "fp16": 0.05, "fp32": 1e-4}
@@ -186,9 +192,12 @@ def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
 
 
 def _forward(block: nn.Module, provider: str, chunk: int | str | None, inputs, offload_msa: bool):
-    """One inference call of `provider`; returns (m, z). The lean path updates `inputs` in place."""
+    """One inference call of `provider`; returns (m, z). The lean path and OpenFold's (in place, as its
+    inference runs) update `inputs` in place."""
     m, z, msa_mask, pair_mask = inputs
     with torch.no_grad():
+        if provider == "openfold_chunked":
+            return block(m, z, msa_mask, pair_mask, chunk_size=chunk, **OPENFOLD_INFERENCE)
         if provider == "hfkit_lean":
             return lean_forward(block, m, z, msa_mask, pair_mask, chunk_size=chunk, offload_msa=offload_msa)
         return block(m, z, msa_mask, pair_mask, chunk_size=None if provider == "hfkit_unchunked" else chunk)
@@ -295,6 +304,16 @@ class _Reference:
         return self.value
 
 
+def _openfold_block(run: _Run, config: ModelConfig) -> tuple[nn.Module | None, str | None]:
+    """OpenFold's own `EvoformerBlock` at `config`'s sizes (randomized like hfkit's, on the run's device
+    and dtype, in eval mode), or (None, why not) where OpenFold is absent (`load_openfold`)."""
+    of, reason = load_openfold()
+    if of is None:
+        return None, reason
+    module = _randomize(openfold_evoformer_block(of, config)).to(run.device, run.torch_dtype).eval()
+    return module, None
+
+
 def _bench_blocks(
     run: _Run,
     profile: LongseqProfile,
@@ -306,24 +325,38 @@ def _bench_blocks(
     timing: tuple[int, int],
 ) -> None:
     config, s = profile.config, profile.n_seq
+    theirs, why_not = _openfold_block(run, config) if "openfold_chunked" in providers else (None, None)
     for n in sizes:
         reference = _Reference(run, block, config, (s, n), profile.check_max_n)
         for provider in providers:
             for chunk in [None] if provider == "hfkit_unchunked" else chunks:
-                if provider == "hfkit_chunked" and chunk == "auto":
+                if provider in ("hfkit_chunked", "openfold_chunked") and chunk == "auto":
                     continue  # "auto" is the lean path's choice; the module's forward takes an int
                 notes = {"chunk_size": chunk, "n_blocks": 1, "grad": False, "dropout": "off"}
                 if provider == "hfkit_lean":
                     notes["offload_msa"] = offload_msa
+                key = dict(op="longseq_block", provider=provider, mode="fwd", shape=[s, n], dtype=run.dtype)
+                flops = evoformer_block_flops(s, n, config)
+                if provider == "openfold_chunked":
+                    if theirs is None:
+                        notes["error"] = f"skipped: {why_not}"
+                        row = make_row(run.env, None, ceilings=run.ceilings, flops=flops, extra=notes, **key)
+                        run.add(row)
+                        continue
+                    notes["inference"] = "OpenFold's EvoformerBlock, its own weights: " + ", ".join(
+                        f"{k}={v}" for k, v in OPENFOLD_INFERENCE.items()
+                    )
+                    ours = theirs
+                    ref = lambda: None  # noqa: E731 - other weights than hfkit's: no error check
+                else:
+                    ours, ref = block, reference
                 build = functools.partial(
-                    _block_steps, run, block, provider, chunk, (s, n), config, reference, offload_msa
+                    _block_steps, run, ours, provider, chunk, (s, n), config, ref, offload_msa
                 )
                 with run.cpu_path():
                     row = measure_case(
-                        env=run.env, ceilings=run.ceilings, device=run.device, op="longseq_block",
-                        provider=provider, mode="fwd", shape=[s, n], dtype=run.dtype, nbytes=0,
-                        flops=evoformer_block_flops(s, n, config), build=build, warmup=timing[0],
-                        reps=timing[1], extra=notes, graph=False,
+                        env=run.env, ceilings=run.ceilings, device=run.device, **key, nbytes=0, flops=flops,
+                        build=build, warmup=timing[0], reps=timing[1], extra=notes, graph=False,
                     )  # fmt: skip
                 if row.peak_mem_bytes is not None and "inputs_bytes" in row.extra:
                     row.extra["total_peak_bytes"] = (
