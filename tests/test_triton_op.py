@@ -206,3 +206,22 @@ def test_profiler_sees_each_op_by_name_with_shapes():
     assert "hfkit::layer_norm_fwd" in events and "hfkit::layer_norm_bwd" in events
     assert events["hfkit::layer_norm_fwd"].input_shapes[0] == [3, 7, 10]
     torch.testing.assert_close(out, torch.nn.functional.layer_norm(x, (10,), w, b))
+
+
+def test_launch_hooks_count_only_when_they_would_call_something() -> None:
+    """The bound launch builds launch metadata only for hooks that would read it: a set hook or a
+    non-empty `HookChain` (torch's profiler adds to the chain), not None or an empty chain."""
+    from hfkit.ops._triton import _arg_key, _hooked
+
+    assert not _hooked(None)
+    assert _hooked(lambda metadata: None)
+    knobs = pytest.importorskip("triton.knobs")
+    chain = knobs.HookChain()
+    assert not _hooked(chain)
+    chain.add(lambda metadata: None)
+    assert _hooked(chain)
+    # Specialization keys: bools and ints apart, ints by Triton's value classes, tensors by dtype.
+    assert _arg_key(True) is True and _arg_key(1) != _arg_key(True)
+    assert _arg_key(32) == _arg_key(48) != _arg_key(33)
+    assert _arg_key(2**40) != _arg_key(2**4)
+    assert _arg_key(torch.zeros(4)) == (torch.float32, True)

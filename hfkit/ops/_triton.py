@@ -138,9 +138,12 @@ if HAS_TRITON:
 def _arg_key(arg: Any) -> Any:
     """What Triton specializes a kernel argument on, or finer: a tensor's dtype and 16-byte alignment;
     an int's value class (0, 1, divisible by 16, 32- or 64-bit); a float's type; constexprs by value."""
+    kind = type(arg)  # exact-type checks first: most arguments are ints (sizes, strides) or tensors
+    if kind is int:
+        return arg in (0, 1), arg % 16 == 0, -(2**31) <= arg < 2**31, arg < 2**63
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
-    if isinstance(arg, bool) or arg is None:
+    if kind is bool or arg is None:
         return arg
     if isinstance(arg, int):
         return arg in (0, 1), arg % 16 == 0, -(2**31) <= arg < 2**31, arg < 2**63
@@ -191,6 +194,12 @@ def bind_arguments(
     return tuple(names), tuple(defaults), options
 
 
+def _hooked(hook: Any) -> bool:
+    """Whether a Triton launch hook would call anything: set, and not an empty `HookChain` (Triton
+    >= 3.4 always installs a chain, empty unless a profiler or user adds to it)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _compiled_launch(compiled: Any) -> Callable[[tuple[int, int, int], int, tuple[Any, ...]], None]:
     # The compiled kernel's own launcher, called as Triton's JIT calls it once its cache found the
     # kernel: grid, stream, function handle, packed metadata, launch metadata and Triton's launch
@@ -199,7 +208,11 @@ def _compiled_launch(compiled: Any) -> Callable[[tuple[int, int, int], int, tupl
 
     def start(grid: tuple[int, int, int], stream: int, args: tuple[Any, ...]) -> None:
         enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
-        metadata = compiled.launch_metadata(grid, stream, *args) if enter is not None else None
+        if not _hooked(enter) and not _hooked(leave):
+            # No hook would read the launch metadata: skip building it (the launcher skips None hooks).
+            run(grid[0], grid[1], grid[2], stream, function, packed, None, None, None, *args)
+            return
+        metadata = compiled.launch_metadata(grid, stream, *args)
         run(grid[0], grid[1], grid[2], stream, function, packed, metadata, enter, leave, *args)
 
     return start
