@@ -9,6 +9,7 @@ under TRITON_INTERPRET=1 (conftest.py); a GPU machine also runs them on CUDA.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -101,6 +102,25 @@ def test_bias_broadcasts_masks_and_unequal_lengths(bias_shape, mask_kind, device
         mask = torch.rand(1, 3, 1, 1, 37, device=device) > 0.3
     for name, actual, expected in run_both(q, k, v, bias, mask):
         assert rel_err(actual, expected) < TOL[torch.float32], name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias_shape", [(2, 3, 2, 19, 37), (1, 1, 2, 19, 37)], ids=str)
+def test_calls_past_the_grid_limit_run_in_row_blocks(bias_shape, device, seed, monkeypatch):
+    """More (batch, row, head) programs than CUDA's grid y limit (MSA column attention at N > 8191)
+    run in row blocks: with the limit lowered to 4, B=2, S=3, H=2 runs as four launches per pass,
+    sliced along B and S (a bias per row sliced too, a broadcast one not), same results."""
+    evo = importlib.import_module("hfkit.ops.evoformer_attention")  # the module, not the op it exports
+    monkeypatch.setattr(evo, "MAX_GRID_Y", 4)
+    q, k, v = qkv(2, 3, 2, 19, 37, 16, torch.float32, device)
+    bias = torch.randn(bias_shape, device=device)
+    mask = (torch.rand(2, 3, 37, device=device) > 0.3).float()
+    assert len(evo._split_rows(q, k, v, bias, mask[:, :, None, None])) == 4
+    for name, actual, expected in run_both(q, k, v, bias, mask):
+        assert rel_err(actual, expected) < TOL[torch.float32], name
+    monkeypatch.setattr(evo, "MAX_GRID_Y", 1)
+    with pytest.raises(ValueError, match="heads"):
+        evoformer_attention(q, k, v, bias, mask)
 
 
 @pytest.mark.parametrize("device", DEVICES)

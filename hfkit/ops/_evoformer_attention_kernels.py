@@ -82,8 +82,9 @@ def _evo_fwd_kernel(
     # tile; o has its own strides (the host lays it out like q), the statistics are [B*S*H, Q].
     pid_m = tl.program_id(0)
     bsh = tl.program_id(1)
-    h = bsh % H
-    s_ = (bsh // H) % S
+    # int64 indices: s_ * sqs passes 2**31 once N > 4096 (q of triangle attention: [1, N, H, N, D]).
+    h = (bsh % H).to(tl.int64)
+    s_ = ((bsh // H) % S).to(tl.int64)
     b = bsh // (H * S)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -183,8 +184,8 @@ def _evo_bwd_kernel(
         r_hi = tl.minimum(r_lo + reps_per_split, (B // nb_b) * (S // nb_s) * (H // nb_h))
         if HAS_BIAS:
             # Along its broadcast dims the bias strides are 0: one tile serves every row walked.
-            b0 = (tile_a // (nb_h * nb_s)).to(tl.int64) * sbb + ((tile_a // nb_h) % nb_s) * sbs
-            b0 += (tile_a % nb_h) * sbh
+            b0 = (tile_a // (nb_h * nb_s)).to(tl.int64) * sbb + ((tile_a // nb_h) % nb_s).to(tl.int64) * sbs
+            b0 += (tile_a % nb_h).to(tl.int64) * sbh
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             btile = _bias_tile(Bias, b0, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN)
@@ -203,14 +204,14 @@ def _evo_bwd_kernel(
             bb = tile_a // (nb_h * nb_s)
             rh = H // nb_h
             rs = S // nb_s
-            h = hb + r % rh
-            s_ = sb + (r // rh) % rs
+            h = (hb + r % rh).to(tl.int64)
+            s_ = (sb + (r // rh) % rs).to(tl.int64)
             b = bb + r // (rh * rs)
             bsh = (b * S + s_) * H + h
         else:
             bsh = tile_a
-            h = bsh % H
-            s_ = (bsh // H) % S
+            h = (bsh % H).to(tl.int64)
+            s_ = ((bsh // H) % S).to(tl.int64)
             b = bsh // (H * S)
         q_base = Q + b.to(tl.int64) * sqb + s_ * sqs + h * sqh
         k_base = K + b.to(tl.int64) * skb + s_ * sks + h * skh

@@ -41,6 +41,9 @@ LOG2E = 1.4426950408889634  # the kernels work in base 2: exp2(x * log2(e)) = ex
 
 # Head dims up to this are padded to a power of two (at least 16, the smallest tl.dot size).
 MAX_HEAD_DIM = 128
+# CUDA's limit on a grid's y dimension: calls with more (batch, row, head) programs than this are
+# launched in row blocks (MSA column attention has N x heads of them: 98,304 at N = 12,288).
+MAX_GRID_Y = 65535
 
 
 class Config(NamedTuple):
@@ -236,8 +239,34 @@ if HAS_TRITON:
     def _even(n_q: int, n_k: int, d: int, cfg: Config) -> bool:
         return n_q % cfg.block_m == 0 and n_k % cfg.block_n == 0 and d == cfg.block_d
 
+    def _split_rows(*tensors: torch.Tensor | None) -> list[tuple[torch.Tensor | None, ...]] | None:
+        """The (B, S) row blocks of one call whose B*S*H programs fit CUDA's grid y limit, as views of
+        `tensors` (the first is q; each tensor laid out [B|1, S|1, ...]; None stays None); None when
+        the call fits as it is. Blocks take one B row at a time, so the float32 statistics ([B, S, H,
+        Q], dense) stay dense in each block; dims of size 1 are broadcast and never sliced."""
+        b, s, h = tensors[0].shape[:3]
+        if b * s * h <= MAX_GRID_Y:
+            return None
+        if h > MAX_GRID_Y:
+            raise ValueError(f"q: expected at most {MAX_GRID_Y} heads, got {h}")
+        step = min(s, MAX_GRID_Y // h)
+
+        def part(t: torch.Tensor | None, i: int, lo: int) -> torch.Tensor | None:
+            if t is None:
+                return None
+            if t.shape[0] > 1:
+                t = t[i : i + 1]
+            return t[:, lo : lo + step] if t.shape[1] > 1 else t
+
+        return [tuple(part(t, i, lo) for t in tensors) for i in range(b) for lo in range(0, s, step)]
+
     def launch_fwd(q, k, v, bias, key_bias, o, mx, lg, cfg: Config) -> None:
         """Run the forward kernel with tiles `cfg` (q, k, v with unit-stride rows; o, mx, lg outputs)."""
+        blocks = _split_rows(q, k, v, bias, key_bias, o, mx, lg)
+        if blocks is not None:
+            for args in blocks:
+                launch_fwd(*args, cfg)
+            return
         b, s, h, n_q, d = q.shape
         n_k = k.shape[3]
         launch(_evo_fwd_kernel, (cdiv(n_q, cfg.block_m), b * s * h),
@@ -255,6 +284,12 @@ if HAS_TRITON:
     def launch_bwd(pass_, q, k, v, bias, key_bias, o, do, mx, lg, delta, dq, dk, dv, db, cfg: Config) -> None:
         """Run one backward pass ('dq', then 'dkdv' and 'dbias') with tiles `cfg`; db: float32
         [splits, nb_b, nb_s, nb_h, Q, K] partial sums (or a dummy when there is no bias gradient)."""
+        args = (q, k, v, bias, key_bias, o, do, mx, lg, delta, dq, dk, dv)
+        blocks = None if pass_ == "dbias" else _split_rows(*args)  # dbias: one program per bias row
+        if blocks is not None:
+            for part in blocks:
+                launch_bwd(pass_, *part, db, cfg)
+            return
         b, s, h, n_q, d = q.shape
         n_k = k.shape[3]
         n_mb, n_nb = cdiv(n_q, cfg.block_m), cdiv(n_k, cfg.block_n)
