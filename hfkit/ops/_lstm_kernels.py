@@ -108,7 +108,7 @@ def lstm_step_fwd_kernel(
 def lstm_step_bwd_kernel(
     DY, DHN, DGNext, W, G, CS, DC, DG,
     t, B, H,
-    LAST: tl.constexpr, DOT: tl.constexpr,
+    LAST: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # Step t going backward: dh_t = dy[t] + dgates_{t+1} @ w_hh (over all 4H rows; dh_n instead of the
@@ -118,6 +118,7 @@ def lstm_step_bwd_kernel(
     # DY: [T, B, H]; DHN: [B, H]; DGNext: DG[t+1] [B, 4H] float32 (unused at the LAST step); W: w_hh
     # [4H, H]; G: [T, B, 4H] activated gates float32; CS: [T+1, B, H] float32; DC: [B, H] float32
     # (dc_n on entry to the last step, dc_{t}*f_{t} on exit of step t); DG: [T, B, 4H] float32.
+    # SPLIT: w_hh is 16-bit (see the product below).
     units = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     u_ok = units < H
@@ -143,7 +144,15 @@ def lstm_step_bwd_kernel(
                 mask=k_ok[:, None] & u_ok[None, :],
                 other=0.0,
             )
-            dh += dot(dg.to(w.dtype), w, DOT)
+            if SPLIT:
+                # 16-bit weights: dgates (float32) as a 16-bit head plus a 16-bit tail, two 16-bit
+                # products (w is exact in its dtype): about float32 accuracy where rounding dgates
+                # to 16 bits at every step would compound over the sequence.
+                head = dg.to(w.dtype)
+                tail = (dg - head.to(tl.float32)).to(w.dtype)
+                dh += dot(head, w, DOT) + dot(tail, w, DOT)
+            else:
+                dh += dot(dg, w, DOT)
     gates = G + (t * B + rows64)[:, None] * (4 * H) + units[None, :]
     i = tl.load(gates, mask=ok, other=0.0)
     f = tl.load(gates + H, mask=ok, other=0.0)

@@ -198,7 +198,7 @@ def _bwd_steps(
         last = t == t_len - 1
         launch(lstm_step_bwd_kernel, tiles.grid,
             dy, dh_n, dg[t + 1] if not last else dg[t], w_hh, gates, cs, dc, dg, t, batch, hidden,
-            LAST=last, DOT=tiles.dot,
+            LAST=last, SPLIT=w_hh.dtype != torch.float32, DOT=tiles.dot,
             BLOCK_B=tiles.block_b, BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K, num_warps=4,
         )  # fmt: skip
 
@@ -232,7 +232,7 @@ class _StepGraphs:
         buffers = make()
         run(buffers)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=torch.cuda.current_stream()):
+        with torch.cuda.graph(graph):  # captured on a side stream of its own
             run(buffers)
         self._entries[key] = entry = (graph, buffers)
         while len(self._entries) > self.capacity:
@@ -380,7 +380,8 @@ if HAS_TRITON:
         dg_x = dg.to(x.dtype).view(t_len * batch, 4 * hidden)
         h_prev = torch.cat([h0.unsqueeze(0), y[:-1]]).view(t_len * batch, hidden)
         dx = (dg_x @ w_ih).view(t_len, batch, n_in)
-        dh0 = dg_x[:batch] @ w_hh
+        # float32: dh0 sums over the whole sequence's recurrence, like dc0 (small: [B, 4H] @ [4H, H]).
+        dh0 = (dg[0] @ w_hh.float()).to(x.dtype)
         dw_ih = dg_x.t() @ x.reshape(t_len * batch, n_in)
         dw_hh = dg_x.t() @ h_prev
         db = dg.view(t_len * batch, 4 * hidden).sum(dim=0)
