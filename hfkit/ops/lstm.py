@@ -220,20 +220,26 @@ class _StepGraphs:
         self._entries: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, Tensor]]] = OrderedDict()
 
     def get(
-        self, key: tuple, make: Callable[[], dict[str, Tensor]], run: Callable[[dict[str, Tensor]], None]
+        self,
+        key: tuple,
+        device: torch.device,
+        make: Callable[[], dict[str, Tensor]],
+        run: Callable[[dict[str, Tensor]], None],
     ) -> tuple[torch.cuda.CUDAGraph, dict[str, Tensor]]:
-        """The graph of `key` and its buffers; on a miss, `make()` allocates the buffers and `run(buffers)`
-        launches the loop once (compiling and binding every kernel outside the capture) and then
-        under the capture. The caller fills the inputs and replays."""
+        """The graph of `key` on `device` and its buffers; on a miss, `make()` allocates the buffers and
+        `run(buffers)` launches the loop once (compiling and binding every kernel outside the
+        capture) and then under the capture. The caller fills the inputs and replays (with `device`
+        current: a graph replays on the current device's stream)."""
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
             return entry
-        buffers = make()
-        run(buffers)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # captured on a side stream of its own
+        with torch.cuda.device(device):
+            buffers = make()
             run(buffers)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # captured on a side stream of its own
+                run(buffers)
         self._entries[key] = entry = (graph, buffers)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
@@ -318,14 +324,15 @@ if HAS_TRITON:
         def run(s: dict[str, Tensor]) -> None:
             _fwd_steps(s["xp"], s["bias"], s["h0"], s["w_hh"], s["cs"], s["y"], s["gates"], tiles)
 
-        graph, s = _GRAPHS.get(_graph_key("fwd", x, w_hh, bias is not None), make, run)
+        graph, s = _GRAPHS.get(_graph_key("fwd", x, w_hh, bias is not None), x.device, make, run)
         project(s["xp"])
         if bias is not None:
             s["bias"].copy_(bias)
         s["h0"].copy_(h0)
         s["w_hh"].copy_(w_hh)
         s["cs"][0].copy_(c0)
-        graph.replay()
+        with torch.cuda.device(x.device):
+            graph.replay()
         y = s["y"].clone()
         cs = s["cs"].clone()
         return y, y[-1].clone(), cs[-1].to(x.dtype, copy=True), cs, s["gates"].clone()
@@ -369,11 +376,12 @@ if HAS_TRITON:
             def run(s: dict[str, Tensor]) -> None:
                 _bwd_steps(s["dy"], s["dh_n"], s["w_hh"], s["gates"], s["cs"], s["dc"], s["dg"], tiles)
 
-            graph, s = _GRAPHS.get(_graph_key("bwd", x, w_hh, False), make, run)
+            graph, s = _GRAPHS.get(_graph_key("bwd", x, w_hh, False), x.device, make, run)
             for name, t in (("dy", dy), ("dh_n", dh_n), ("w_hh", w_hh), ("gates", gates), ("cs", cs)):
                 s[name].copy_(t)
             s["dc"].copy_(dc_n)
-            graph.replay()
+            with torch.cuda.device(x.device):
+                graph.replay()
             # Read below on this stream before any later replay of this graph (same stream: the key).
             dg, dc = s["dg"], s["dc"].clone()
         # The matmuls over every step at once, in x's dtype (float32 accumulation).
