@@ -10,7 +10,11 @@ against float32). On CPU the kernels run under `TRITON_INTERPRET=1` (conftest), 
 from __future__ import annotations
 
 import copy
+import os
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -389,6 +393,36 @@ def test_benchmark_rows_on_cpu():
         assert row.flops == lstm_bench.lstm_flops(row.shape, row.mode == "fwd+bwd")
     with pytest.raises(ValueError, match="shapes"):
         lstm_bench.lstm_cases(shapes=[(2, 5, 12)])
+
+
+# Compiles both step kernels for sm_90 with every constexpr combination the CUDA path launches, through
+# tests/compile_sm90.py's helper (run with TRITON_INTERPRET=0: interpreted kernels cannot be compiled).
+_COMPILE_STEP_KERNELS = """
+import compile_sm90 as c
+from hfkit.ops import _lstm_kernels as k
+tiles = {"BLOCK_B": 16, "BLOCK_H": 16, "BLOCK_K": 64}
+for dt, dot in (("bf16", 0), ("fp16", 0), ("fp32", 3), ("fp32", 4)):
+    fwd = {"XP": dt, "Bias": "fp32", "HPrev": dt, "W": dt, "CS": "fp32", "Y": dt, "G": "fp32"}
+    bwd = {"DY": dt, "DHN": dt, "DGNext": "fp32", "W": dt, "G": "fp32", "CS": "fp32", "DC": "fp32"}
+    bwd["DG"] = "fp32"
+    for flag in (True, False):
+        flags = {"HAS_BIAS": flag, "DOT": dot, **tiles}
+        assert "cubin" in c.compile_sm90(k.lstm_step_fwd_kernel, fwd, flags)
+        flags = {"LAST": flag, "SPLIT": dt != "fp32", "DOT": dot, **tiles}
+        assert "cubin" in c.compile_sm90(k.lstm_step_bwd_kernel, bwd, flags)
+print(len(c.COMPILED))
+"""
+
+
+def test_step_kernels_compile_for_hopper():
+    pytest.importorskip("triton.backends.nvidia", reason="this Triton build has no NVIDIA backend")
+    tests = Path(__file__).parent
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent)]))
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_STEP_KERNELS], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert done.stdout.split()[-1] == "16", done.stdout
 
 
 @pytest.mark.cuda
