@@ -114,6 +114,18 @@ def test_layer_matches_reference(dtype, t_len, batch, n_in, hidden, state, bias)
     check_bf16(actual, expected, truth)
 
 
+def test_layer_float16_matches_reference():
+    """float16 too: within 2e-3 of float64 on the same values, and no worse than the reference in float16."""
+    args = layer_args(9, 3, 7, 33, torch.float16)
+    actual = outputs_and_grads(lstm_layer, args)
+    expected = outputs_and_grads(lstm_reference, args)
+    truth = outputs_and_grads(lstm_reference, {k: v.double() for k, v in args.items()})
+    for name in actual:
+        assert actual[name].dtype == torch.float16, name
+        err, ref_err = rel_err(actual[name], truth[name]), rel_err(expected[name], truth[name])
+        assert err <= max(2e-3, 1.25 * ref_err), (name, err, ref_err)
+
+
 def test_reference_matches_torch_and_float64_runs_it():
     """The reference is the spec: it agrees with one layer of torch.nn.LSTM; float64 and
     `reference_on_cpu()` run it (no kernel), with the same result."""

@@ -238,7 +238,9 @@ class _StepGraphs:
             buffers = make()
             run(buffers)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):  # captured on a side stream of its own
+            # Captured on a side stream of its own. thread_local: the backward captures on autograd's
+            # device thread, and only this thread's CUDA calls can break the capture (it allocates nothing).
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 run(buffers)
         self._entries[key] = entry = (graph, buffers)
         while len(self._entries) > self.capacity:
