@@ -147,6 +147,39 @@ def test_reference_matches_torch_and_float64_runs_it():
     assert torch.equal(y32, lstm_reference(x32, None, None, *weights32)[0])
 
 
+def test_compile_on_cpu_matches_reference():
+    """Under torch.compile on CPU the reference is what Inductor compiles (no interpreted kernels)."""
+    args = layer_args(4, 2, 5, 9, torch.float32)
+    weights = [args[k] for k in ("h0", "c0", "w_ih", "w_hh", "b_ih", "b_hh")]
+    f = torch.compile(lambda x: lstm_layer(x, *weights)[0] * 2, fullgraph=True)
+    assert_close(f(args["x"]), lstm_reference(args["x"], *weights)[0] * 2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="custom-op checks need CUDA (not the interpreter)")
+def test_opcheck_cuda():
+    args = [t.cuda().requires_grad_(True) for t in layer_args(5, 3, 7, 33, torch.float32).values()]
+    torch.library.opcheck(torch.ops.hfkit.lstm_layer_fwd.default, tuple(args))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compile_cuda_fwd_bwd_matches_eager():
+    """torch.compile traces the step kernels (no graph replay inside the trace) forward and backward."""
+    args = {k: v.cuda() for k, v in layer_args(5, 3, 7, 33, torch.bfloat16).items()}
+    dy = torch.randn(5, 3, 33, device="cuda", dtype=torch.bfloat16)
+    names = list(args)
+    leaves = [args[k].requires_grad_(True) for k in names]
+
+    def first(*tensors):
+        return lstm_layer(**dict(zip(names, tensors, strict=True)))[0]
+
+    compiled = torch.autograd.grad(torch.compile(first, fullgraph=True)(*leaves), leaves, dy)
+    eager = torch.autograd.grad(first(*leaves), leaves, dy)
+    for name, c, e in zip(names, compiled, eager, strict=True):
+        assert_close(c, e, msg=name)
+
+
 def make_pair(
     input_size: int, hidden: int, dtype: torch.dtype = torch.float32, **kwargs
 ) -> tuple[nn.LSTM, LSTM]:
