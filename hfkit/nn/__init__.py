@@ -14,6 +14,7 @@ from hfkit.nn.attention import EvoformerAttention
 from hfkit.nn.convert import SwapReport, register_swap, to_hfkit, to_torch
 from hfkit.nn.fused import FusedDropoutColumnwise, FusedDropoutRowwise, FusedSharedDropout
 from hfkit.nn.layer_norm import LayerNorm
+from hfkit.nn.lstm import LSTM
 from hfkit.nn.multihead_attention import MultiheadAttention
 from hfkit.nn.outer_product_mean import OuterProductMean
 from hfkit.nn.transition import MSATransition, PairTransition
@@ -27,6 +28,7 @@ __all__ = [
     "FusedDropoutColumnwise",
     "FusedDropoutRowwise",
     "FusedSharedDropout",
+    "LSTM",
     "LayerNorm",
     "MSATransition",
     "MultiheadAttention",

@@ -9,4 +9,5 @@ NAMES: tuple[str, ...] = (
     "triangle_multiplication",
     "elementwise",
     "multihead_attention",
+    "lstm",
 )

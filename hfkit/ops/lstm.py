@@ -1,0 +1,419 @@
+"""One LSTM layer in one direction: the op behind `hfkit.nn.LSTM`, and its plain-torch reference.
+
+`lstm_layer` takes a time-major input x [T, B, I], the initial state (h0, c0) [B, H] and one layer's
+weights in torch's layout (gates i, f, g, o along the 4H rows) and returns y [T, B, H], h_n and c_n,
+as one layer and direction of `torch.nn.LSTM`. Its forward is the input projection of every step as
+one matmul up front, then one Triton kernel launch per time step for the recurrence (the step's
+h_{t-1} @ w_hh^T, the gate activations and the cell update, cell state always float32). The backward
+is one launch per step from t = T-1 down to 0 (the gate gradients of each step, the carried dh and
+dc), then the weight, input and initial-state gradients as a few matmuls over every step at once.
+
+On CUDA the per-step launches of a call are captured once as a CUDA graph and replayed (see
+`_StepGraphs`), except while the caller is capturing a graph itself, where the launches land in the
+caller's graph. `lstm_reference` is the specification: the plain-torch step loop.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from hfkit.ops._checks import check_float, check_matmul_dtype, check_optional, check_same_device
+from hfkit.ops._triton import (
+    HAS_TRITON,
+    cdiv,
+    dot_mode,
+    hfkit_op,
+    interpreting,
+    launch,
+    next_power_of_2,
+    triton_can_run,
+)
+
+if HAS_TRITON:
+    from torch._library.triton import is_wrap_triton_enabled
+
+    from hfkit.ops._lstm_kernels import lstm_step_bwd_kernel, lstm_step_fwd_kernel
+
+__all__ = ["lstm_layer", "lstm_reference", "uses_triton"]
+
+Tensor = torch.Tensor
+
+# Tiles of the step kernels: BLOCK_H hidden units (x 4 gates) by BLOCK_B batch rows per program, the
+# reduction over BLOCK_K columns at a time. 16 is tl.dot's smallest tile side; a small BLOCK_H gives
+# more programs per step (H = 985: 62 hidden tiles).
+BLOCK_H = 16
+BLOCK_K = 64
+MAX_BLOCK_B = 64
+
+
+def lstm_reference(
+    x: Tensor,
+    h0: Tensor | None,
+    c0: Tensor | None,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None = None,
+    b_hh: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Plain-torch LSTM layer, one direction: the specification `lstm_layer` is tested against.
+
+    Takes the arguments of `lstm_layer` with the same shapes; computes every step in x's dtype as
+    `torch.nn.LSTM` defines it: gates = x_t @ w_ih^T + b_ih + h @ w_hh^T + b_hh split into i, f, g, o;
+    c = sigmoid(f)*c + sigmoid(i)*tanh(g); h = sigmoid(o)*tanh(c). Returns y [T, B, H], h_n, c_n [B, H].
+    """
+    _check_inputs(x, h0, c0, w_ih, w_hh, b_ih, b_hh)
+    t_len, batch, _ = x.shape
+    hidden = w_hh.shape[1]
+    h = h0 if h0 is not None else x.new_zeros(batch, hidden)
+    c = c0 if c0 is not None else x.new_zeros(batch, hidden)
+    outputs = []
+    for t in range(t_len):
+        gates = F.linear(x[t], w_ih, b_ih) + F.linear(h, w_hh, b_hh)
+        i, f, g, o = gates.chunk(4, dim=-1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        outputs.append(h)
+    y = torch.stack(outputs) if outputs else x.new_zeros(0, batch, hidden)
+    return y, h, c
+
+
+def uses_triton(x: Tensor) -> bool:
+    """Whether `lstm_layer` takes the Triton path for x [T, B, I]: on CUDA, and on CPU under
+    `TRITON_INTERPRET=1` (outside `torch.compile` tracing and `reference_on_cpu()`), for float32,
+    bfloat16 and float16, with at least one step and one batch row. float64 and empty inputs run the
+    reference."""
+    return x.shape[0] > 0 and x.shape[1] > 0 and triton_can_run(x)
+
+
+def lstm_layer(
+    x: Tensor,
+    h0: Tensor | None,
+    c0: Tensor | None,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None = None,
+    b_hh: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One LSTM layer in one direction, as one layer of `torch.nn.LSTM`, with a Triton recurrence.
+
+    x: [T, B, I] (time-major) in float32, bfloat16 or float16 (float64 runs the reference); h0, c0:
+    [B, H] or None (zeros); w_ih: [4H, I], w_hh: [4H, H], b_ih, b_hh: [4H] or None, in x's dtype
+    (gates in torch's order i, f, g, o). Any H and B. The cell state and every gate are float32 inside;
+    h is rounded to x's dtype at each step, as it feeds the next step's matmul. Returns y [T, B, H]
+    (every step's h), h_n and c_n [B, H], in x's dtype; differentiable in every tensor argument.
+    Raises ValueError naming the argument on a wrong shape, dtype or device.
+    """
+    _check_inputs(x, h0, c0, w_ih, w_hh, b_ih, b_hh)
+    if not uses_triton(x):
+        return lstm_reference(x, h0, c0, w_ih, w_hh, b_ih, b_hh)
+    batch, hidden = x.shape[1], w_hh.shape[1]
+    # Under autocast (which check_matmul_dtype lets through) the weights run in x's dtype.
+    w_ih, w_hh, b_ih, b_hh = (t.to(x.dtype) if t is not None else None for t in (w_ih, w_hh, b_ih, b_hh))
+    h0 = h0 if h0 is not None else x.new_zeros(batch, hidden)
+    c0 = c0 if c0 is not None else x.new_zeros(batch, hidden)
+    y, h_n, c_n, _, _ = _lstm_fwd(x, h0, c0, w_ih, w_hh, b_ih, b_hh)
+    return y, h_n, c_n
+
+
+def _check_inputs(
+    x: object,
+    h0: Tensor | None,
+    c0: Tensor | None,
+    w_ih: object,
+    w_hh: object,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+) -> None:
+    check_float("x", x, 3)
+    assert isinstance(x, Tensor)
+    check_float("w_hh", w_hh, 2)
+    assert isinstance(w_hh, Tensor)
+    check_same_device("w_hh", w_hh, "x", x)
+    hidden = w_hh.shape[1]
+    if w_hh.shape[0] != 4 * hidden or hidden == 0:
+        raise ValueError(f"w_hh: expected shape [4H, H] with H > 0, got {list(w_hh.shape)}")
+    check_float("w_ih", w_ih, 2)
+    assert isinstance(w_ih, Tensor)
+    check_same_device("w_ih", w_ih, "x", x)
+    if tuple(w_ih.shape) != (4 * hidden, x.shape[2]):
+        raise ValueError(
+            f"w_ih: expected shape {[4 * hidden, x.shape[2]]} ([4H, I] for x of shape {list(x.shape)} "
+            f"and w_hh of shape {list(w_hh.shape)}), got {list(w_ih.shape)}"
+        )
+    for name, t in (("w_ih", w_ih), ("w_hh", w_hh), ("b_ih", b_ih), ("b_hh", b_hh)):
+        check_optional(name, t, (4 * hidden,) if name.startswith("b") else None, "x", x)
+        check_matmul_dtype(name, t, x.dtype, x.device.type)
+    for name, t in (("h0", h0), ("c0", c0)):
+        check_optional(name, t, (x.shape[1], hidden), "x", x)
+        if t is not None and t.dtype != x.dtype:
+            raise ValueError(f"{name}: expected dtype {x.dtype} (x's), got {t.dtype}")
+
+
+class _Tiles(NamedTuple):
+    """Grid and tiles of both step kernels for one (B, H, dtype, device)."""
+
+    grid: tuple[int, int]
+    block_b: int
+    dot: int
+
+
+def _tiles(x: Tensor, w_hh: Tensor) -> _Tiles:
+    batch, hidden = x.shape[1], w_hh.shape[1]
+    block_b = min(MAX_BLOCK_B, max(16, next_power_of_2(batch)))
+    return _Tiles((cdiv(hidden, BLOCK_H), cdiv(batch, block_b)), block_b, dot_mode(w_hh))
+
+
+def _fwd_steps(
+    xp: Tensor,
+    bias: Tensor | None,
+    h0: Tensor,
+    w_hh: Tensor,
+    cs: Tensor,
+    y: Tensor,
+    gates: Tensor,
+    tiles: _Tiles,
+) -> None:
+    """The forward recurrence: one launch per step over the preallocated buffers (see the kernel)."""
+    t_len, batch, hidden = y.shape
+    for t in range(t_len):
+        launch(lstm_step_fwd_kernel, tiles.grid,
+            xp, bias, h0 if t == 0 else y[t - 1], w_hh, cs, y, gates, t, batch, hidden,
+            HAS_BIAS=bias is not None, DOT=tiles.dot,
+            BLOCK_B=tiles.block_b, BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K, num_warps=4,
+        )  # fmt: skip
+
+
+def _bwd_steps(
+    dy: Tensor, dh_n: Tensor, w_hh: Tensor, gates: Tensor, cs: Tensor, dc: Tensor, dg: Tensor, tiles: _Tiles
+) -> None:
+    """The backward recurrence: one launch per step, t = T-1 down to 0 (see the kernel); dc holds dc_n
+    on entry and dc0 on exit."""
+    t_len, batch, hidden = dy.shape
+    for t in range(t_len - 1, -1, -1):
+        last = t == t_len - 1
+        launch(lstm_step_bwd_kernel, tiles.grid,
+            dy, dh_n, dg[t + 1] if not last else dg[t], w_hh, gates, cs, dc, dg, t, batch, hidden,
+            LAST=last, SPLIT=w_hh.dtype != torch.float32, DOT=tiles.dot,
+            BLOCK_B=tiles.block_b, BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K, num_warps=4,
+        )  # fmt: skip
+
+
+class _StepGraphs:
+    """CUDA graphs of the per-step launch loops, by (direction, shape, dtype, device, stream), least
+    recently used first out.
+
+    A loop of T launches from Python costs ~5 µs of host time each (T = 1000: ~5 ms, as long as the
+    whole forward on the GPU), so each loop is captured once and replayed. A graph reads and writes
+    its own static buffers (`buffers`): a call copies its inputs in, replays, and copies out what it
+    keeps. The stream is part of the key, so calls on one entry are ordered by their stream and a
+    replay never overwrites buffers another call still reads. At most `capacity` graphs (and their
+    buffers, about T·B·4H·8 bytes each) are held.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, Tensor]]] = OrderedDict()
+
+    def get(
+        self,
+        key: tuple,
+        device: torch.device,
+        make: Callable[[], dict[str, Tensor]],
+        run: Callable[[dict[str, Tensor]], None],
+    ) -> tuple[torch.cuda.CUDAGraph, dict[str, Tensor]]:
+        """The graph of `key` on `device` and its buffers; on a miss, `make()` allocates the buffers and
+        `run(buffers)` launches the loop once (compiling and binding every kernel outside the
+        capture) and then under the capture. The caller fills the inputs and replays (with `device`
+        current: a graph replays on the current device's stream)."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            return entry
+        with torch.cuda.device(device):
+            buffers = make()
+            run(buffers)
+            graph = torch.cuda.CUDAGraph()
+            # Captured on a side stream of its own. thread_local: the backward captures on autograd's
+            # device thread, and only this thread's CUDA calls can break the capture (it allocates nothing).
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                run(buffers)
+        self._entries[key] = entry = (graph, buffers)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+        return entry
+
+    def clear(self) -> None:
+        """Drop every graph and its buffers."""
+        self._entries.clear()
+
+
+# Forward and backward graphs of the most recent shapes: a model with a few LSTM layer shapes (layers,
+# directions) trains without re-capturing, and the buffers held stay bounded.
+_GRAPHS = _StepGraphs(capacity=8)
+
+
+def _use_graphs(x: Tensor) -> bool:
+    """Whether the step loops replay a CUDA graph: on CUDA with compiled kernels, while nothing traces
+    the call (torch.compile, the custom op's dispatch) and the caller is not capturing a graph itself
+    (then the launches go into the caller's graph)."""
+    return (
+        x.is_cuda
+        and not interpreting()
+        and not is_wrap_triton_enabled()
+        and not torch.cuda.is_current_stream_capturing()
+    )
+
+
+def _graph_key(direction: str, x: Tensor, w_hh: Tensor, has_bias: bool) -> tuple:
+    t_len, batch, _ = x.shape
+    stream = torch.cuda.current_stream(x.device).stream_id
+    return (direction, t_len, batch, w_hh.shape[1], x.dtype, x.device, stream, has_bias)
+
+
+if HAS_TRITON:
+
+    @hfkit_op("lstm_layer_fwd")
+    def _lstm_fwd(
+        x: Tensor,
+        h0: Tensor,
+        c0: Tensor,
+        w_ih: Tensor,
+        w_hh: Tensor,
+        b_ih: Tensor | None,
+        b_hh: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """y, h_n, c_n and, for the backward, every step's cell state cs [T+1, B, H] (cs[0] = c0) and
+        activated gates [T, B, 4H], both float32."""
+        t_len, batch, n_in = x.shape
+        hidden = w_hh.shape[1]
+        w_hh = w_hh.contiguous()
+        tiles = _tiles(x, w_hh)
+        bias = None
+        if b_ih is not None or b_hh is not None:
+            # Added in float32 inside the kernel (a bf16 sum would round the bias twice).
+            bias = sum(b.float() for b in (b_ih, b_hh) if b is not None)
+
+        def project(out: Tensor) -> None:
+            torch.matmul(x.reshape(t_len * batch, n_in), w_ih.t(), out=out.view(t_len * batch, 4 * hidden))
+
+        if not _use_graphs(x):
+            xp = x.new_empty(t_len, batch, 4 * hidden)
+            project(xp)
+            y = x.new_empty(t_len, batch, hidden)
+            cs = torch.empty(t_len + 1, batch, hidden, device=x.device, dtype=torch.float32)
+            cs[0] = c0
+            gates = torch.empty(t_len, batch, 4 * hidden, device=x.device, dtype=torch.float32)
+            _fwd_steps(xp, bias, h0.contiguous(), w_hh, cs, y, gates, tiles)
+            return y, y[-1].clone(), cs[-1].to(x.dtype, copy=True), cs, gates
+
+        def make() -> dict[str, Tensor]:
+            f32 = {"device": x.device, "dtype": torch.float32}
+            return {
+                "xp": x.new_empty(t_len, batch, 4 * hidden),
+                "bias": torch.zeros(4 * hidden, **f32) if bias is not None else None,
+                "h0": x.new_zeros(batch, hidden),
+                "w_hh": torch.zeros_like(w_hh),
+                "cs": torch.zeros(t_len + 1, batch, hidden, **f32),
+                "y": x.new_empty(t_len, batch, hidden),
+                "gates": torch.empty(t_len, batch, 4 * hidden, **f32),
+            }
+
+        def run(s: dict[str, Tensor]) -> None:
+            _fwd_steps(s["xp"], s["bias"], s["h0"], s["w_hh"], s["cs"], s["y"], s["gates"], tiles)
+
+        graph, s = _GRAPHS.get(_graph_key("fwd", x, w_hh, bias is not None), x.device, make, run)
+        project(s["xp"])
+        if bias is not None:
+            s["bias"].copy_(bias)
+        s["h0"].copy_(h0)
+        s["w_hh"].copy_(w_hh)
+        s["cs"][0].copy_(c0)
+        with torch.cuda.device(x.device):
+            graph.replay()
+        y = s["y"].clone()
+        cs = s["cs"].clone()
+        return y, y[-1].clone(), cs[-1].to(x.dtype, copy=True), cs, s["gates"].clone()
+
+    @hfkit_op("lstm_layer_bwd")
+    def _lstm_bwd(
+        dy: Tensor,
+        dh_n: Tensor,
+        dc_n: Tensor,
+        x: Tensor,
+        h0: Tensor,
+        w_ih: Tensor,
+        w_hh: Tensor,
+        y: Tensor,
+        cs: Tensor,
+        gates: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """dx, dh0, dc0, dw_ih, dw_hh and the bias gradient db [4H] (float32; the same for b_ih and b_hh)."""
+        t_len, batch, n_in = x.shape
+        hidden = w_hh.shape[1]
+        w_hh = w_hh.contiguous()
+        tiles = _tiles(x, w_hh)
+        f32 = {"device": x.device, "dtype": torch.float32}
+        if not _use_graphs(x):
+            dg = torch.empty(t_len, batch, 4 * hidden, **f32)
+            dc = dc_n.to(torch.float32, copy=True)  # the kernels update it in place
+            _bwd_steps(dy.contiguous(), dh_n.contiguous(), w_hh, gates, cs, dc, dg, tiles)
+        else:
+
+            def make() -> dict[str, Tensor]:
+                return {
+                    "dy": x.new_zeros(t_len, batch, hidden),
+                    "dh_n": x.new_zeros(batch, hidden),
+                    "w_hh": torch.zeros_like(w_hh),
+                    "gates": torch.zeros(t_len, batch, 4 * hidden, **f32),
+                    "cs": torch.zeros(t_len + 1, batch, hidden, **f32),
+                    "dc": torch.zeros(batch, hidden, **f32),
+                    "dg": torch.empty(t_len, batch, 4 * hidden, **f32),
+                }
+
+            def run(s: dict[str, Tensor]) -> None:
+                _bwd_steps(s["dy"], s["dh_n"], s["w_hh"], s["gates"], s["cs"], s["dc"], s["dg"], tiles)
+
+            graph, s = _GRAPHS.get(_graph_key("bwd", x, w_hh, False), x.device, make, run)
+            for name, t in (("dy", dy), ("dh_n", dh_n), ("w_hh", w_hh), ("gates", gates), ("cs", cs)):
+                s[name].copy_(t)
+            s["dc"].copy_(dc_n)
+            with torch.cuda.device(x.device):
+                graph.replay()
+            # Read below on this stream before any later replay of this graph (same stream: the key).
+            dg, dc = s["dg"], s["dc"].clone()
+        # The matmuls over every step at once, in x's dtype (float32 accumulation).
+        dg_x = dg.to(x.dtype).view(t_len * batch, 4 * hidden)
+        h_prev = torch.cat([h0.unsqueeze(0), y[:-1]]).view(t_len * batch, hidden)
+        dx = (dg_x @ w_ih).view(t_len, batch, n_in)
+        # float32: dh0 sums over the whole sequence's recurrence, like dc0 (small: [B, 4H] @ [4H, H]).
+        dh0 = (dg[0] @ w_hh.float()).to(x.dtype)
+        dw_ih = dg_x.t() @ x.reshape(t_len * batch, n_in)
+        dw_hh = dg_x.t() @ h_prev
+        db = dg.view(t_len * batch, 4 * hidden).sum(dim=0)
+        return dx, dh0, dc.to(x.dtype), dw_ih, dw_hh, db
+
+    def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        x, h0, _c0, w_ih, w_hh, b_ih, b_hh = inputs
+        y, _h_n, _c_n, cs, gates = output
+        ctx.mark_non_differentiable(cs, gates)
+        ctx.save_for_backward(x, h0, w_ih, w_hh, y, cs, gates)
+        ctx.bias_dtypes = (
+            b_ih.dtype if b_ih is not None else None,
+            b_hh.dtype if b_hh is not None else None,
+        )
+
+    def _backward(ctx: Any, dy: Tensor | None, dh_n: Tensor | None, dc_n: Tensor | None, _dcs: Any, _dg: Any):
+        x, h0, w_ih, w_hh, y, cs, gates = ctx.saved_tensors
+        dy = dy if dy is not None else torch.zeros_like(y)
+        dh_n = dh_n if dh_n is not None else torch.zeros_like(h0)
+        dc_n = dc_n if dc_n is not None else torch.zeros_like(h0)
+        dx, dh0, dc0, dw_ih, dw_hh, db = _lstm_bwd(dy, dh_n, dc_n, x, h0, w_ih, w_hh, y, cs, gates)
+        db_ih, db_hh = (db.to(dtype) if dtype is not None else None for dtype in ctx.bias_dtypes)
+        return dx, dh0, dc0, dw_ih, dw_hh, db_ih, db_hh
+
+    _lstm_fwd.autograd(_backward, _setup_context)

@@ -1,0 +1,524 @@
+"""hfkit.ops.lstm_layer and hfkit.nn.LSTM against lstm_reference and torch.nn.LSTM.
+
+The op is checked against its plain-torch reference, and the module against a torch module holding
+the same weights (random biases, so that their gradients are not trivially zero): outputs, h_n, c_n
+and the gradients of the input, h0, c0 and every weight and bias, on odd sizes (hidden 33 and 130,
+sequence lengths 1 and 37), in float32 (to 1e-5) and bfloat16 (no worse than torch's own bfloat16
+against float32). On CPU the kernels run under `TRITON_INTERPRET=1` (conftest), so sizes stay small.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_close
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence
+
+import hfkit.nn as hnn
+from hfkit.bench.cases import lstm as lstm_bench
+from hfkit.bench.ceilings import Ceilings
+from hfkit.bench.runner import run_benchmark
+from hfkit.nn import LSTM, MultiheadAttention, to_hfkit, to_torch
+from hfkit.ops import lstm_layer, lstm_reference, reference_on_cpu
+from hfkit.ops.lstm import uses_triton
+
+pytestmark = pytest.mark.usefixtures("seed")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+# Relative L2 error against a float32 computation on the same bfloat16 inputs and weights: the result
+# must be within this, or no worse than torch's own bfloat16 (1.25x + 2e-3).
+BF16_REL_TOL = 2e-2
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """L2 error of `actual` against `expected` in float64, relative to the norm of `expected` or of an
+    RMS of 1e-2, whichever is larger."""
+    assert torch.isfinite(actual).all(), "non-finite values in the result"
+    floor = 1e-2 * expected.numel() ** 0.5
+    return ((actual.double() - expected.double()).norm() / max(expected.double().norm().item(), floor)).item()
+
+
+def outputs_and_grads(fn, args: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """`fn(**args)` -> (y, h_n, c_n) on fresh leaf copies of the tensor args, then the backward of a
+    fixed random loss over all three; returns the outputs and the gradient of every tensor arg."""
+    leaves = {k: v.detach().clone().requires_grad_(True) if v is not None else None for k, v in args.items()}
+    y, h_n, c_n = fn(**leaves)
+    gen = torch.Generator().manual_seed(1)
+    loss = sum((t.float() * torch.randn(t.shape, generator=gen)).sum() for t in (y, h_n, c_n))
+    loss.backward()
+    result = {"y": y, "h_n": h_n, "c_n": c_n}
+    result.update({f"d{k}": v.grad for k, v in leaves.items() if v is not None})
+    return result
+
+
+def layer_args(t_len, batch, n_in, hidden, dtype, state=True, bias=True) -> dict[str, torch.Tensor | None]:
+    """Random inputs of one layer: x [T, B, I], h0, c0 [B, H] (or None), weights and biases ~ 0.3·N(0, 1)."""
+
+    def r(*shape):
+        return (torch.randn(*shape) * 0.3).to(dtype)
+
+    return {
+        "x": torch.randn(t_len, batch, n_in).to(dtype),
+        "h0": r(batch, hidden) if state else None,
+        "c0": r(batch, hidden) if state else None,
+        "w_ih": r(4 * hidden, n_in),
+        "w_hh": r(4 * hidden, hidden),
+        "b_ih": r(4 * hidden) if bias else None,
+        "b_hh": r(4 * hidden) if bias else None,
+    }
+
+
+def check_bf16(actual: dict, expected: dict, truth: dict) -> None:
+    """bfloat16 results `actual` and `expected` (torch's or the reference's) against the float32
+    `truth` on the same values: hfkit's error within `BF16_REL_TOL`, or no worse than the other's."""
+    assert actual.keys() == expected.keys() == truth.keys()
+    for name in actual:
+        assert actual[name].dtype == expected[name].dtype and actual[name].shape == expected[name].shape, name
+        err, other_err = rel_err(actual[name], truth[name]), rel_err(expected[name], truth[name])
+        assert err <= max(BF16_REL_TOL, 1.25 * other_err + 2e-3), (name, err, other_err)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "t_len,batch,n_in,hidden,state,bias",
+    [
+        (1, 1, 5, 33, True, True),
+        (37, 3, 7, 33, True, True),
+        (6, 3, 4, 33, False, True),
+        (6, 2, 4, 33, True, False),
+        (3, 3, 9, 130, True, True),
+    ],
+)
+def test_layer_matches_reference(dtype, t_len, batch, n_in, hidden, state, bias):
+    args = layer_args(t_len, batch, n_in, hidden, dtype, state, bias)
+    assert uses_triton(args["x"])
+    actual = outputs_and_grads(lstm_layer, args)
+    expected = outputs_and_grads(lstm_reference, args)
+    assert actual.keys() == expected.keys()
+    if dtype == torch.float32:
+        for name in actual:
+            assert_close(actual[name], expected[name], msg=name)
+        return
+    truth = outputs_and_grads(
+        lstm_reference, {k: v.float() if v is not None else None for k, v in args.items()}
+    )
+    check_bf16(actual, expected, truth)
+
+
+def test_layer_takes_any_strides():
+    """Every argument a strided view (every 2nd element of a leaf; x time-major over a batch-first
+    leaf): the same outputs and gradients as the reference on contiguous copies."""
+    args = layer_args(4, 3, 5, 9, torch.float32)
+    bases = {
+        k: torch.stack([v, torch.full_like(v, float("nan"))], dim=-1).requires_grad_(True)
+        for k, v in args.items()
+    }
+    bases["x"] = args["x"].transpose(0, 1).contiguous().requires_grad_(True)
+    views = {k: b[..., 0] for k, b in bases.items()}
+    views["x"] = bases["x"].transpose(0, 1)
+    assert not any(v.is_contiguous() for v in views.values())
+    y, h_n, c_n = lstm_layer(**views)
+    gen = torch.Generator().manual_seed(1)
+    sum((t * torch.randn(t.shape, generator=gen)).sum() for t in (y, h_n, c_n)).backward()
+    actual = {"y": y, "h_n": h_n, "c_n": c_n, "dx": bases["x"].grad.transpose(0, 1)}
+    actual.update({f"d{k}": b.grad[..., 0] for k, b in bases.items() if k != "x"})
+    expected = outputs_and_grads(lstm_reference, args)
+    assert actual.keys() == expected.keys()
+    for name in actual:
+        assert_close(actual[name], expected[name], msg=name)
+
+
+def test_layer_float16_matches_reference():
+    """float16 too: within 2e-3 of float64 on the same values, and no worse than the reference in float16."""
+    args = layer_args(9, 3, 7, 33, torch.float16)
+    actual = outputs_and_grads(lstm_layer, args)
+    expected = outputs_and_grads(lstm_reference, args)
+    truth = outputs_and_grads(lstm_reference, {k: v.double() for k, v in args.items()})
+    for name in actual:
+        assert actual[name].dtype == torch.float16, name
+        err, ref_err = rel_err(actual[name], truth[name]), rel_err(expected[name], truth[name])
+        assert err <= max(2e-3, 1.25 * ref_err), (name, err, ref_err)
+
+
+def test_reference_matches_torch_and_float64_runs_it():
+    """The reference is the spec: it agrees with one layer of torch.nn.LSTM; float64 and
+    `reference_on_cpu()` run it (no kernel), with the same result."""
+    torch_lstm = nn.LSTM(5, 33, dtype=torch.float64)
+    x, h0, c0 = torch.randn(7, 2, 5, dtype=torch.float64), *torch.randn(2, 1, 2, 33, dtype=torch.float64)
+    weights = (torch_lstm.weight_ih_l0, torch_lstm.weight_hh_l0, torch_lstm.bias_ih_l0, torch_lstm.bias_hh_l0)
+    y_ref, (h_ref, c_ref) = torch_lstm(x, (h0, c0))
+    y, h, c = lstm_reference(x, h0[0], c0[0], *weights)
+    assert_close(y, y_ref)
+    assert_close(h, h_ref[0])
+    assert_close(c, c_ref[0])
+    assert not uses_triton(x)
+    y64, _, _ = lstm_layer(x, h0[0], c0[0], *weights)
+    assert torch.equal(y64, y)
+    x32, weights32 = x.float(), [w.float() for w in weights]
+    with reference_on_cpu():
+        assert not uses_triton(x32)
+        y32, _, _ = lstm_layer(x32, None, None, *weights32)
+    assert torch.equal(y32, lstm_reference(x32, None, None, *weights32)[0])
+
+
+def test_compile_on_cpu_matches_reference():
+    """Under torch.compile on CPU the reference is what Inductor compiles (no interpreted kernels)."""
+    args = layer_args(4, 2, 5, 9, torch.float32)
+    weights = [args[k] for k in ("h0", "c0", "w_ih", "w_hh", "b_ih", "b_hh")]
+    f = torch.compile(lambda x: lstm_layer(x, *weights)[0] * 2, fullgraph=True)
+    assert_close(f(args["x"]), lstm_reference(args["x"], *weights)[0] * 2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="custom-op checks need CUDA (not the interpreter)")
+def test_opcheck_cuda():
+    args = [t.cuda().requires_grad_(True) for t in layer_args(5, 3, 7, 33, torch.float32).values()]
+    torch.library.opcheck(torch.ops.hfkit.lstm_layer_fwd.default, tuple(args))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compile_cuda_fwd_bwd_matches_eager():
+    """torch.compile traces the step kernels (no graph replay inside the trace) forward and backward."""
+    args = {k: v.cuda() for k, v in layer_args(5, 3, 7, 33, torch.bfloat16).items()}
+    dy = torch.randn(5, 3, 33, device="cuda", dtype=torch.bfloat16)
+    names = list(args)
+    leaves = [args[k].requires_grad_(True) for k in names]
+
+    def first(*tensors):
+        return lstm_layer(**dict(zip(names, tensors, strict=True)))[0]
+
+    compiled = torch.autograd.grad(torch.compile(first, fullgraph=True)(*leaves), leaves, dy)
+    eager = torch.autograd.grad(first(*leaves), leaves, dy)
+    for name, c, e in zip(names, compiled, eager, strict=True):
+        assert_close(c, e, msg=name)
+
+
+def make_pair(
+    input_size: int, hidden: int, dtype: torch.dtype = torch.float32, **kwargs
+) -> tuple[nn.LSTM, LSTM]:
+    """A torch LSTM with random weights and biases, and an hfkit LSTM with a copy of its state."""
+    torch_lstm = nn.LSTM(input_size, hidden, dtype=dtype, **kwargs)
+    with torch.no_grad():
+        for p in torch_lstm.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    hfkit_lstm = LSTM(input_size, hidden, dtype=dtype, **kwargs)
+    hfkit_lstm.load_state_dict(torch_lstm.state_dict())
+    return torch_lstm, hfkit_lstm
+
+
+def run_module(module: nn.Module, x: torch.Tensor, hx: tuple[torch.Tensor, torch.Tensor] | None):
+    """Forward on fresh leaf copies of x and hx, backward of a fixed random loss over output, h_n and
+    c_n; returns the outputs and the gradients of x, h0, c0 and every parameter."""
+    x = x.detach().clone().requires_grad_(True)
+    state = tuple(t.detach().clone().requires_grad_(True) for t in hx) if hx is not None else None
+    module.zero_grad(set_to_none=True)
+    out, (h_n, c_n) = module(x, state)
+    gen = torch.Generator().manual_seed(1)
+    loss = sum((t.float() * torch.randn(t.shape, generator=gen)).sum() for t in (out, h_n, c_n))
+    loss.backward()
+    result = {"output": out, "h_n": h_n, "c_n": c_n, "dinput": x.grad}
+    if state is not None:
+        result.update({"dh0": state[0].grad, "dc0": state[1].grad})
+    result.update({f"d{name}": p.grad for name, p in module.named_parameters()})
+    assert all(v is not None for v in result.values()), [k for k, v in result.items() if v is None]
+    return result
+
+
+def compare_modules(torch_lstm, hfkit_lstm, x, hx, dtype) -> None:
+    """Output, h_n, c_n and every gradient of the hfkit module against the torch module: float32 to
+    1e-5; bfloat16 both against torch in float32 on the same values (`check_bf16`)."""
+    expected = run_module(torch_lstm, x, hx)
+    actual = run_module(hfkit_lstm, x, hx)
+    assert actual.keys() == expected.keys()
+    if dtype == torch.float32:
+        for name in actual:
+            assert_close(actual[name], expected[name], msg=name)
+        return
+    fp32 = copy.deepcopy(torch_lstm).float()
+    truth = run_module(fp32, x.float(), tuple(t.float() for t in hx) if hx is not None else None)
+    check_bf16(actual, expected, truth)
+
+
+def module_inputs(
+    batch: int | None, t_len: int, n_in: int, hidden: int, dtype, batch_first, layers, dirs, state
+):
+    """x ([T, B, I], [B, T, I] with batch_first, [T, I] unbatched) and hx (or None)."""
+    if batch is None:
+        x = torch.randn(t_len, n_in)
+        state_shape = (layers * dirs, hidden)
+    else:
+        x = torch.randn(batch, t_len, n_in) if batch_first else torch.randn(t_len, batch, n_in)
+        state_shape = (layers * dirs, batch, hidden)
+    hx = (
+        (torch.randn(state_shape).to(dtype) * 0.5, torch.randn(state_shape).to(dtype) * 0.5)
+        if state
+        else None
+    )
+    return x.to(dtype), hx
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "batch,t_len,hidden,kwargs,state",
+    [
+        (3, 37, 33, {}, True),
+        (1, 1, 33, {"batch_first": True}, False),
+        (3, 5, 33, {"num_layers": 2, "bidirectional": True, "batch_first": True}, True),
+        (None, 6, 33, {"num_layers": 2}, True),
+        (None, 6, 33, {"bidirectional": True}, False),
+        (2, 4, 33, {"bias": False, "bidirectional": True}, True),
+        (2, 3, 130, {}, True),
+    ],
+    ids=[
+        "seq37",
+        "seq1-batch_first",
+        "2layers-bidir",
+        "unbatched-2layers",
+        "unbatched-bidir",
+        "nobias",
+        "h130",
+    ],
+)
+def test_module_matches_torch(dtype, batch, t_len, hidden, kwargs, state):
+    n_in = 7
+    torch_lstm, hfkit_lstm = make_pair(n_in, hidden, dtype, **kwargs)
+    layers, dirs = kwargs.get("num_layers", 1), 2 if kwargs.get("bidirectional") else 1
+    x, hx = module_inputs(
+        batch, t_len, n_in, hidden, dtype, kwargs.get("batch_first", False), layers, dirs, state
+    )
+    compare_modules(torch_lstm, hfkit_lstm, x, hx, dtype)
+
+
+def test_dropout_between_layers():
+    """In eval the dropout is off and the module matches torch; in training it drops (exact zeros in the
+    second layer's input change the output), with zero dropout it matches torch in training too."""
+    torch_lstm, hfkit_lstm = make_pair(5, 17, num_layers=2, dropout=0.5)
+    x, hx = module_inputs(2, 4, 5, 17, torch.float32, False, 2, 1, True)
+    torch_lstm.eval()
+    hfkit_lstm.eval()
+    with torch.no_grad():
+        assert_close(hfkit_lstm(x, hx)[0], torch_lstm(x, hx)[0])
+        hfkit_lstm.train()
+        torch.manual_seed(3)
+        dropped = hfkit_lstm(x, hx)[0]
+        torch.manual_seed(3)
+        assert torch.equal(hfkit_lstm(x, hx)[0], dropped)
+        assert not torch.allclose(dropped, torch_lstm(x, hx)[0], atol=1e-3)
+    torch_lstm.dropout = hfkit_lstm.dropout = 0.0
+    torch_lstm.train()
+    compare_modules(torch_lstm, hfkit_lstm, x, hx, torch.float32)
+
+
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
+def test_proj_size_and_packed_sequence_run_torchs_forward():
+    torch_lstm, hfkit_lstm = make_pair(5, 9, proj_size=4)
+    x = torch.randn(6, 2, 5)
+    ref, (h_ref, c_ref) = torch_lstm(x)
+    out, (h, c) = hfkit_lstm(x)
+    assert torch.equal(out, ref) and torch.equal(h, h_ref) and torch.equal(c, c_ref)
+    torch_lstm, hfkit_lstm = make_pair(5, 9)
+    packed = pack_padded_sequence(torch.randn(6, 2, 5), torch.tensor([6, 3]))
+    ref, (h_ref, _) = torch_lstm(packed)
+    out, (h, _) = hfkit_lstm(packed)
+    assert torch.equal(out.data, ref.data) and torch.equal(h, h_ref)
+
+
+def test_state_dict_round_trip():
+    for kwargs in ({}, {"num_layers": 2, "bidirectional": True}, {"bias": False}, {"proj_size": 4}):
+        torch_lstm, hfkit_lstm = make_pair(5, 9, **kwargs)
+        ref = torch_lstm.state_dict()
+        state = hfkit_lstm.state_dict()
+        assert list(state) == list(ref)
+        assert all(torch.equal(state[k], ref[k]) for k in ref)
+        back = nn.LSTM(5, 9, **kwargs)
+        back.load_state_dict(state, strict=True)
+        assert all(torch.equal(back.state_dict()[k], ref[k]) for k in ref)
+    assert "weight_hh_l1_reverse" in LSTM(5, 9, num_layers=2, bidirectional=True).state_dict()
+
+
+class Tagger(nn.Module):
+    """A model holding an LSTM (shared under two names) and a MultiheadAttention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(6, 12, batch_first=True, bidirectional=True)
+        self.attn = nn.MultiheadAttention(24, 3, batch_first=True)
+        self.head = nn.Linear(24, 4)
+        self.same_lstm = self.lstm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.lstm(x)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        return self.head(a + h)
+
+
+def test_to_hfkit_and_back_is_exact():
+    torch.manual_seed(0)
+    model = Tagger()
+    x = torch.randn(2, 5, 6)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    types = {name: type(m) for name, m in model.named_modules()}
+    ref = model(x)
+
+    swapped, report = to_hfkit(model, inplace=False, report=True)
+    assert report.counts() == {"LSTM": 1, "MultiheadAttention": 1}
+    assert type(swapped.lstm) is LSTM and swapped.same_lstm is swapped.lstm
+    assert type(swapped.attn) is MultiheadAttention
+    assert all(torch.equal(swapped.state_dict()[k], v) for k, v in before.items())
+    assert swapped.state_dict().keys() == before.keys()
+    assert_close(swapped(x), ref)
+
+    restored = to_torch(pickle.loads(pickle.dumps(swapped)))
+    assert {name: type(m) for name, m in restored.named_modules()} == types
+    assert restored.same_lstm is restored.lstm
+    assert all(torch.equal(restored.state_dict()[k], v) for k, v in before.items())
+    assert torch.equal(restored(x), ref)
+
+
+def test_swap_is_registered_by_importing_hfkit_nn():
+    assert hnn.LSTM is LSTM
+    swapped = to_hfkit(nn.LSTM(4, 8))
+    assert type(swapped) is LSTM
+    assert type(to_torch(swapped)) is nn.LSTM
+
+
+def call_layer(**overrides):
+    """`lstm_layer` on valid inputs (T=3, B=2, I=5, H=4), with some arguments replaced."""
+    args = layer_args(3, 2, 5, 4, torch.float32)
+    args.update(overrides)
+    return lstm_layer(**args)
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"x": torch.randn(3, 5)}, "x: expected a 3-d tensor"),
+        ({"x": torch.randint(0, 3, (3, 2, 5))}, "x: expected a floating-point"),
+        ({"w_hh": torch.randn(16, 5)}, r"w_hh: expected shape \[4H, H\]"),
+        ({"w_ih": torch.randn(16, 6)}, r"w_ih: expected shape \[16, 5\]"),
+        ({"w_ih": torch.randn(16, 5, dtype=torch.float64)}, "w_ih: expected dtype torch.float32"),
+        ({"b_ih": torch.randn(15)}, r"b_ih: expected shape \[16\]"),
+        ({"b_hh": torch.randn(16, dtype=torch.bfloat16)}, "b_hh: expected dtype torch.float32"),
+        ({"h0": torch.randn(3, 4)}, r"h0: expected shape \[2, 4\]"),
+        ({"c0": torch.randn(2, 4, dtype=torch.float64)}, "c0: expected dtype torch.float32"),
+        ({"h0": torch.randn(2, 4, device="meta")}, "h0: on meta"),
+    ],
+)
+def test_layer_bad_inputs_raise_value_error(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        call_layer(**overrides)
+
+
+@pytest.mark.parametrize(
+    "x,hx,match",
+    [
+        (torch.randn(2, 3, 4, 5), None, "input: expected a 3-d"),
+        (torch.randn(3, 2, 6), None, "input: expected 5 features"),
+        (torch.randn(3, 2, 5), (torch.randn(2, 4), torch.randn(1, 2, 4)), r"hx\[0\] \(h0\): expected a 3-d"),
+        (
+            torch.randn(3, 2, 5),
+            (torch.randn(1, 2, 4), torch.randn(1, 3, 4)),
+            r"hx\[1\] \(c0\): expected shape",
+        ),
+        (
+            torch.randn(3, 5),
+            (torch.randn(2, 4), torch.randn(1, 4)),
+            r"hx\[0\] \(h0\): expected shape \[1, 4\]",
+        ),
+        (torch.randn(3, 2, 5), torch.randn(1, 2, 4), "hx: expected a pair"),
+    ],
+)
+def test_module_bad_inputs_raise_value_error(x, hx, match):
+    with pytest.raises(ValueError, match=match):
+        LSTM(5, 4)(x, hx)
+
+
+def test_benchmark_rows_on_cpu():
+    ceilings = Ceilings(copy_gbps=10.0, matmul_tflops=0.1, device_name="CPU (test)", matmul_dtype="fp32")
+    result = run_benchmark(
+        lstm_bench.BENCHMARK, lstm_bench.lstm_cases("smoke"), "cpu", dtypes=("fp32",),
+        providers=("hfkit", "eager"), progress=False, ceilings=ceilings, warmup=0, reps=1,
+    )  # fmt: skip
+    assert [(r.shape, r.provider, r.mode) for r in result.rows] == [
+        (list(s), p, m)
+        for s in lstm_bench.SMOKE_SHAPES
+        for p in ("hfkit", "eager")
+        for m in ("fwd", "fwd+bwd")
+    ]
+    for row in result.rows:
+        assert row.method != "error", row.extra
+        assert row.extra["check_ok"] and row.extra["max_abs_err_vs_fp32_ref"] < 1e-5
+        assert row.flops == lstm_bench.lstm_flops(row.shape, row.mode == "fwd+bwd")
+    with pytest.raises(ValueError, match="shapes"):
+        lstm_bench.lstm_cases(shapes=[(2, 5, 12)])
+
+
+# Compiles both step kernels for sm_90 with every constexpr combination the CUDA path launches, through
+# tests/compile_sm90.py's helper (run with TRITON_INTERPRET=0: interpreted kernels cannot be compiled).
+_COMPILE_STEP_KERNELS = """
+import compile_sm90 as c
+from hfkit.ops import _lstm_kernels as k
+tiles = {"BLOCK_B": 16, "BLOCK_H": 16, "BLOCK_K": 64}
+for dt, dot in (("bf16", 0), ("fp16", 0), ("fp32", 3), ("fp32", 4)):
+    fwd = {"XP": dt, "Bias": "fp32", "HPrev": dt, "W": dt, "CS": "fp32", "Y": dt, "G": "fp32"}
+    bwd = {"DY": dt, "DHN": dt, "DGNext": "fp32", "W": dt, "G": "fp32", "CS": "fp32", "DC": "fp32"}
+    bwd["DG"] = "fp32"
+    for flag in (True, False):
+        flags = {"HAS_BIAS": flag, "DOT": dot, **tiles}
+        assert "cubin" in c.compile_sm90(k.lstm_step_fwd_kernel, fwd, flags)
+        flags = {"LAST": flag, "SPLIT": dt != "fp32", "DOT": dot, **tiles}
+        assert "cubin" in c.compile_sm90(k.lstm_step_bwd_kernel, bwd, flags)
+print(len(c.COMPILED))
+"""
+
+
+def test_step_kernels_compile_for_hopper():
+    pytest.importorskip("triton.backends.nvidia", reason="this Triton build has no NVIDIA backend")
+    tests = Path(__file__).parent
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent)]))
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_STEP_KERNELS], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert done.stdout.split()[-1] == "16", done.stdout
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_graph_replay_matches_reference_cuda(dtype):
+    """On CUDA the step loops replay captured graphs: calls with new inputs (the same shape, so the
+    same graphs) give the reference's outputs and gradients each time, and so does a call captured
+    in the caller's own graph (the launches go into it)."""
+    for _ in range(3):
+        args = {k: v.cuda() if v is not None else None for k, v in layer_args(37, 3, 7, 130, dtype).items()}
+        actual = outputs_and_grads(lstm_layer, args)
+        truth = outputs_and_grads(
+            lstm_reference, {k: v.double() if v is not None else None for k, v in args.items()}
+        )
+        if dtype == torch.float32:
+            for name in actual:
+                assert rel_err(actual[name], truth[name]) <= 1e-4, name
+        else:
+            check_bf16(actual, outputs_and_grads(lstm_reference, args), truth)
+    args = {k: v.cuda() if v is not None else None for k, v in layer_args(11, 2, 7, 33, dtype).items()}
+    expected = lstm_layer(**args)
+    outer = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(outer):
+        captured = lstm_layer(**args)
+    args["x"].copy_(torch.randn_like(args["x"]))
+    outer.replay()
+    again = lstm_layer(**args)
+    for c, a, e in zip(captured, again, expected, strict=True):
+        assert_close(c, a)
+        assert not torch.allclose(c, e)
