@@ -329,3 +329,31 @@ def test_opcheck_and_compile_cuda():
     want = torch.autograd.grad(loss(q, k, v, bias), (q, k, v, bias))
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offsets_past_2_to_the_31_cuda():
+    """Triangle attention at N = 4100 (q [1, N, 4, N, 32]: 2.15e9 elements, past int32 offsets) and
+    MSA column attention with more rows x heads than the grid's y limit: the last rows, where the
+    offsets are largest, against the reference computed on those rows alone."""
+    free, _ = torch.cuda.mem_get_info()
+    if free < 40 * 2**30:
+        pytest.skip(f"needs 40 GiB of free GPU memory, has {free / 2**30:.0f}")
+    n, h, d = 4100, 4, 32
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(1, n, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3)
+    )
+    bias = torch.randn(1, 1, h, n, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    o = evoformer_attention(q, k, v, bias)
+    rows = slice(n - 3, n)
+    want = evoformer_attention_reference(*(t[:, rows].float() for t in (q, k, v)), bias.float())
+    assert rel_err(o[:, rows], want) < TOL[torch.bfloat16]
+    del q, k, v, bias, o
+    s, heads = 70_000, 1  # column attention over 70,000 columns: B*S*H past 65,535
+    q, k, v = (torch.randn(1, s, heads, 16, d, device="cuda", generator=gen) for _ in range(3))
+    o = evoformer_attention(q, k, v)
+    for part in (slice(0, 2), slice(s - 2, s)):
+        want = evoformer_attention_reference(q[:, part], k[:, part], v[:, part])
+        assert rel_err(o[:, part], want) < TOL[torch.float32]

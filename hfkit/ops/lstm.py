@@ -49,6 +49,7 @@ Tensor = torch.Tensor
 BLOCK_H = 16
 BLOCK_K = 64
 MAX_BLOCK_B = 64
+NUM_WARPS = 4
 
 
 def lstm_reference(
@@ -184,7 +185,7 @@ def _fwd_steps(
         launch(lstm_step_fwd_kernel, tiles.grid,
             xp, bias, h0 if t == 0 else y[t - 1], w_hh, cs, y, gates, t, batch, hidden,
             HAS_BIAS=bias is not None, DOT=tiles.dot,
-            BLOCK_B=tiles.block_b, BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K, num_warps=4,
+            BLOCK_B=tiles.block_b, BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
         )  # fmt: skip
 
 
@@ -199,7 +200,7 @@ def _bwd_steps(
         launch(lstm_step_bwd_kernel, tiles.grid,
             dy, dh_n, dg[t + 1] if not last else dg[t], w_hh, gates, cs, dc, dg, t, batch, hidden,
             LAST=last, SPLIT=w_hh.dtype != torch.float32, DOT=tiles.dot,
-            BLOCK_B=tiles.block_b, BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K, num_warps=4,
+            BLOCK_B=tiles.block_b, BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
         )  # fmt: skip
 
 
