@@ -5,6 +5,12 @@ its file is imported; this package imports them all, so `to_hfkit` sees every re
 `hfkit.nn` is imported (`hfkit.nn.openfold` registers OpenFold's own classes by name). The plain
 classes that the swaps replace (`Attention`, the shared dropouts) are re-exported from `hfkit.model`
 so that each pair can be imported from one place.
+
+`graph_modules(model)` (`hfkit.nn.graphed`) makes every Evoformer block replay its forward and
+backward as CUDA graphs from the user's own training loop (`ungraph_modules` undoes it): use it where
+the host, not the GPU, bounds a block launched from Python, on the static shapes that cropping and
+padding give (each new shape is one more capture). Memory: every block keeps its activations in its
+graph's pool, as training without checkpointing does; a checkpointed stack's blocks run eagerly.
 """
 
 from hfkit.model.dropout import DropoutColumnwise, DropoutRowwise, SharedDropout
@@ -13,6 +19,7 @@ from hfkit.nn import openfold as _openfold  # noqa: F401  (importing it register
 from hfkit.nn.attention import EvoformerAttention
 from hfkit.nn.convert import SwapReport, register_swap, to_hfkit, to_torch
 from hfkit.nn.fused import FusedDropoutColumnwise, FusedDropoutRowwise, FusedSharedDropout
+from hfkit.nn.graphed import GraphedForward, graph_modules, graphed_forwards, ungraph_modules
 from hfkit.nn.layer_norm import LayerNorm
 from hfkit.nn.lstm import LSTM
 from hfkit.nn.multihead_attention import MultiheadAttention
@@ -28,6 +35,7 @@ __all__ = [
     "FusedDropoutColumnwise",
     "FusedDropoutRowwise",
     "FusedSharedDropout",
+    "GraphedForward",
     "LSTM",
     "LayerNorm",
     "MSATransition",
@@ -38,7 +46,10 @@ __all__ = [
     "SwapReport",
     "TriangleMultiplicationIncoming",
     "TriangleMultiplicationOutgoing",
+    "graph_modules",
+    "graphed_forwards",
     "register_swap",
     "to_hfkit",
     "to_torch",
+    "ungraph_modules",
 ]
