@@ -373,6 +373,14 @@ def test_openfold_variants_run_on_cpu(openfold) -> None:
     assert "swap" not in by[("evoformer_block", "openfold")]
     # OpenFold's reentrant checkpointing (blocks_per_ckpt) takes gradients the way its training does.
     assert "backward" in by[("evoformer_stack", "openfold")]
+    # OpenFold's blocks are graphed by class; on the CPU, and in a checkpointed stack, they run eagerly.
+    assert by[("evoformer_block", "openfold_hfkit_graphed")]["graphed_blocks"] == 1
+    assert list(by[("evoformer_block", "openfold_hfkit_graphed")]["graph_fallbacks"]) == [
+        "a tensor argument is not on CUDA"
+    ]
+    stack = by[("evoformer_stack", "openfold_hfkit_graphed")]
+    assert stack["graphed_blocks"] == TINY.no_blocks
+    assert list(stack["graph_fallbacks"]) == ["checkpointing is on (EvoformerStack)"]
 
 
 def test_compile_blocks_routes_openfold_blocks_with_their_keywords(openfold, seed) -> None:
@@ -429,3 +437,44 @@ def test_openfold_variants_without_openfold_become_skipped_rows(monkeypatch) -> 
             assert r.method == "error" and math.isnan(r.p50_ms)
             assert r.extra["error"] == "skipped: no OpenFold here"
             assert r.extra["launch"] == "eager" and r.extra["params_dtype"] == "float32"
+
+
+def test_make_variant_hfkit_graphed_swaps_then_graphs_the_blocks(seed) -> None:
+    from hfkit.nn import GraphedForward, graphed_forwards
+
+    block = make_block(TINY)
+    graphed, notes = make_variant(block, "hfkit_graphed")
+    assert "forward" not in block.__dict__  # the copy was graphed
+    assert isinstance(graphed.__dict__["forward"], GraphedForward) and notes["graphed_blocks"] == 1
+    assert "swapped" in notes["swap"] and type(graphed.msa_att_row.layer_norm_m) is not torch.nn.LayerNorm
+    stack, notes = make_variant(EvoformerStack.from_config(TINY), "hfkit_graphed", inplace=True)
+    assert [f.module for f in graphed_forwards(stack)] == list(stack.blocks)
+    assert notes["graphed_blocks"] == TINY.no_blocks
+
+
+def test_graphed_variant_rows_run_on_cpu_and_say_why_blocks_ran_eagerly() -> None:
+    rows = run_model_benchmark(
+        "cpu",
+        parts=("block", "stack"),
+        variants=("hfkit", "hfkit_graphed"),
+        dtypes=("fp32",),
+        stack_dtypes=("fp32",),
+        modes=("fwd+bwd",),
+        block_launch=("eager",),
+        checkpointing=(True,),
+        **QUICK,
+    )
+    by = {(r.op, r.provider): r for r in rows}
+    assert sorted(by) == sorted(
+        (op, v) for op in ("evoformer_block", "evoformer_stack") for v in ("hfkit", "hfkit_graphed")
+    )
+    for r in rows:
+        assert "error" not in r.extra and r.p50_ms > 0, r.extra
+    block = by[("evoformer_block", "hfkit_graphed")].extra
+    assert block["graphed_blocks"] == 1 and block["graph_captures"] == 0
+    assert list(block["graph_fallbacks"]) == ["a tensor argument is not on CUDA"]  # no CUDA here
+    stack = by[("evoformer_stack", "hfkit_graphed")].extra
+    assert stack["graphed_blocks"] == TINY.no_blocks and stack["graph_captures"] == 0
+    assert list(stack["graph_fallbacks"]) == ["checkpointing is on (EvoformerStack)"]
+    assert stack["swap"] == by[("evoformer_stack", "hfkit")].extra["swap"]
+    assert "graph_fallbacks" not in by[("evoformer_stack", "hfkit")].extra

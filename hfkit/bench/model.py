@@ -1,7 +1,8 @@
 """Model benchmark: one Evoformer block, the 48-block Evoformer stack and a whole AlphaFold training
 step, each for eager PyTorch, `to_hfkit`, `torch.compile` and `torch.compile(to_hfkit)`, the block
-and stack also for OpenFold's own modules (`OPENFOLD_VARIANTS`: as they are, compiled, swapped by
-`to_hfkit`); the swap waterfall (eager, then one more swapped op at a time, then the graphed step,
+and stack also with per-block CUDA graphs over the swap ("hfkit_graphed": `hfkit.nn.graph_modules`)
+and for OpenFold's own modules (`OPENFOLD_VARIANTS`: as they are, compiled, swapped by `to_hfkit`,
+swapped and graphed); the swap waterfall (eager, then one more swapped op at a time, then the graphed step,
 then compile) and a profile of the step.
 
 Parts (`run_model_benchmark(parts=...)`, `hfkit bench model --parts`):
@@ -27,6 +28,13 @@ Parts (`run_model_benchmark(parts=...)`, `hfkit bench model --parts`):
 - `profile`: `torch.profiler` of one step: the top operators and the LayerNorm input-shape census
   with torch's and hfkit's LayerNorm timed on every census shape.
 
+Graphed variants ("hfkit_graphed", "openfold_hfkit_graphed") replay each block's CUDA graphs from
+Python: their "eager" launch rows are what a user's loop gets with `graph_modules`. Under launch
+"graph" the benchmark's own capture is in progress, so their blocks run eagerly inside it (rows equal
+"hfkit"'s); so do the blocks of a checkpointed stack, and under `bf16_autocast` (torch's autocast
+with its weight cache on). Their rows' `graph_fallbacks` count the eager block calls by reason and
+`graph_captures` the captures made (their time is in `first_call_s`).
+
 Precisions: `fp32`; `bf16` (parameters and activations in bfloat16, as OpenFold's bf16 benchmark);
 `bf16_autocast` (fp32 parameters under `torch.autocast(bfloat16)`, how AlphaFold trains). Compiling:
 every `EvoformerBlock` (and `ExtraMSABlock`) gets its forward routed through ONE compiled function
@@ -37,6 +45,7 @@ Failures (out of memory, compile errors) become rows with NaN times and the erro
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import functools
@@ -101,10 +110,17 @@ PARTS = ("block", "stack", "step", "waterfall", "profile")
 LAUNCHES = ("eager", "graph")
 VARIANTS = ("eager", "hfkit", "compile", "compile_hfkit")
 # OpenFold's own block and stack (`hfkit.bench.peers.load_openfold`): as it is, compiled like
-# `compile_blocks`, and swapped by `to_hfkit` (hfkit.nn.openfold's registrations).
-OPENFOLD_VARIANTS = ("openfold", "openfold_compile", "openfold_hfkit")
-MODULE_VARIANTS = VARIANTS + OPENFOLD_VARIANTS  # the block's and the stack's
-_OPENFOLD_AS = {"openfold": "eager", "openfold_compile": "compile", "openfold_hfkit": "hfkit"}
+# `compile_blocks`, swapped by `to_hfkit` (hfkit.nn.openfold's registrations), and swapped with
+# per-block CUDA graphs (`hfkit.nn.graph_modules`).
+OPENFOLD_VARIANTS = ("openfold", "openfold_compile", "openfold_hfkit", "openfold_hfkit_graphed")
+# The block's and the stack's; "hfkit_graphed": `to_hfkit`, then `graph_modules` on the blocks.
+MODULE_VARIANTS = (*VARIANTS, "hfkit_graphed", *OPENFOLD_VARIANTS)
+_OPENFOLD_AS = {
+    "openfold": "eager",
+    "openfold_compile": "compile",
+    "openfold_hfkit": "hfkit",
+    "openfold_hfkit_graphed": "hfkit_graphed",
+}
 MODES = ("fwd", "fwd+bwd")
 BLOCK_SHAPES: tuple[tuple[int, int], ...] = ((128, 256), (256, 384), (128, 512))
 # Tiny (S, N) for CPU runs and tests; odd sizes on purpose.
@@ -237,10 +253,12 @@ def make_variant(
     blocks: tuple[type[nn.Module], ...] = (EvoformerBlock,),
 ) -> tuple[nn.Module, dict[str, Any]]:
     """`module` as `variant`: "eager" (unchanged), "hfkit" (`to_hfkit`, only `ops` when given),
-    "compile" (`compile_blocks` of the `blocks` classes), "compile_hfkit" (both); for an OpenFold
-    module "openfold", "openfold_hfkit" and "openfold_compile" are "eager", "hfkit" and "compile"
-    (with `blocks` OpenFold's block class). A deep copy unless `inplace`. Returns the module and
-    notes for the result row (`swap`: the swap report's summary, `compiled_blocks`)."""
+    "compile" (`compile_blocks` of the `blocks` classes), "compile_hfkit" (both), "hfkit_graphed"
+    (`to_hfkit`, then `hfkit.nn.graph_modules` on the `blocks` classes); for an OpenFold module
+    "openfold", "openfold_hfkit", "openfold_compile" and "openfold_hfkit_graphed" are "eager",
+    "hfkit", "compile" and "hfkit_graphed" (with `blocks` OpenFold's block class). A deep copy unless
+    `inplace`. Returns the module and notes for the result row (`swap`: the swap report's summary,
+    `compiled_blocks`, `graphed_blocks`)."""
     if variant not in MODULE_VARIANTS:
         raise ValueError(f"variant: expected one of {MODULE_VARIANTS}, got {variant!r}")
     from hfkit.nn.convert import to_hfkit
@@ -250,7 +268,7 @@ def make_variant(
     if not inplace:
         module = copy.deepcopy(module)
     notes: dict[str, Any] = {}
-    if variant in ("hfkit", "compile_hfkit"):
+    if variant in ("hfkit", "compile_hfkit", "hfkit_graphed"):
         include = None if ops is None else list(ops)
         module, report = to_hfkit(module, include=include, report=True)
         notes["swap"] = report.summary()
@@ -259,6 +277,10 @@ def make_variant(
     if variant in ("compile", "compile_hfkit"):
         notes["compiled_blocks"] = compile_blocks(module, compile_backend, compile_mode, blocks)
         notes["compile"] = {"backend": compile_backend, "mode": compile_mode, "dynamic": False}
+    if variant == "hfkit_graphed":
+        from hfkit.nn.graphed import graph_modules, graphed_forwards
+
+        notes["graphed_blocks"] = len(graphed_forwards(graph_modules(module, classes=blocks)))
     return module, notes
 
 
@@ -426,7 +448,23 @@ def _module_steps(
     step = _grad_step(forward, inputs[:2], params, mode == "fwd+bwd", run.device, precision, accumulate)
     if accumulate:
         notes["backward"] = "autograd.backward (gradients accumulate in .grad)"
-    return Steps(step, step, 1, lambda: notes)
+    return Steps(step, step, 1, lambda: notes, _graph_notes(module))
+
+
+def _graph_notes(module: nn.Module) -> Callable[[], dict[str, Any]] | None:
+    """For a module with graphed blocks: notes read after timing, the captures made and the eager
+    block calls by reason (e.g. inside the benchmark's own capture, checkpointing)."""
+    from hfkit.nn.graphed import graphed_forwards
+
+    forwards = graphed_forwards(module)
+    if not forwards:
+        return None
+
+    def notes() -> dict[str, Any]:
+        fallbacks = sum((f.fallbacks for f in forwards), collections.Counter())
+        return {"graph_captures": sum(f.captures for f in forwards), "graph_fallbacks": dict(fallbacks)}
+
+    return notes
 
 
 def _openfold_call(of: Any, config: ModelConfig) -> dict[str, Any]:
