@@ -162,6 +162,8 @@ def test_deepcopy_and_pickle_give_fresh_graphed_forwards(seed) -> None:
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     assert [f.module for f in graphed_forwards(loaded)] == list(loaded.blocks)
+    alone = copy.deepcopy(stack.blocks[0])  # without its stack, which is not copied along
+    assert alone.forward.module is alone and alone.forward._stacks() == []
     # The copies still know their stack's checkpointing switch.
     for model in (twin, loaded):
         model(*_inputs(3, 5))

@@ -281,6 +281,11 @@ def make_variant(
         from hfkit.nn.graphed import graph_modules, graphed_forwards
 
         notes["graphed_blocks"] = len(graphed_forwards(graph_modules(module, classes=blocks)))
+        notes["graphed"] = (
+            "per-block CUDA graphs replayed from Python; blocks run eagerly inside the benchmark's own "
+            "capture (launch 'graph': as 'hfkit'), in a checkpointed stack and under autocast with its "
+            "cache on (graph_fallbacks counts them)"
+        )
     return module, notes
 
 

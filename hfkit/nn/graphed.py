@@ -250,8 +250,9 @@ class GraphedForward:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GraphedForward:
         # A copy of the module gets a GraphedForward of its own with no graphs (CUDA graphs cannot be
-        # copied); the module and its stacks come from `memo` when the whole model is being copied.
-        owners = [copy.deepcopy(o, memo) for o in self._stacks()]
+        # copied). Its stacks are those copied along with it (in `memo` when a whole model is being
+        # copied): copying a block alone does not copy the stack around it.
+        owners = [memo[id(o)] for o in self._stacks() if id(o) in memo]
         return GraphedForward(copy.deepcopy(self.module, memo), owners, self.max_signatures)
 
     def __reduce__(self) -> tuple[Any, ...]:
