@@ -113,6 +113,17 @@ def test_graph_modules_takes_a_block_itself_extra_msa_blocks_and_classes_by_name
         graph_modules(_stack(), classes=(int,))
 
 
+def test_graphed_forward_arguments_and_signature() -> None:
+    import inspect
+
+    block = graph_modules(_block())
+    assert inspect.signature(block.forward) == inspect.signature(EvoformerBlock.forward.__get__(block))
+    with pytest.raises(TypeError, match="module"):
+        GraphedForward(lambda x: x)
+    with pytest.raises(ValueError, match="max_signatures"):
+        GraphedForward(block, max_signatures=0)
+
+
 def test_graph_modules_refuses_a_module_with_another_instance_forward() -> None:
     block = _block()
     block.forward = lambda *args: None
@@ -320,6 +331,7 @@ def test_signatures_capture_once_each_and_the_oldest_is_dropped(fake_capture, se
         block(*_inputs(s, n))
     # (3, 5) and (4, 6) captured, (3, 5) replayed, (2, 7) evicts (4, 6), which is captured again.
     assert forward.captures == 4 and len(forward.signatures) == 2
+    dropped = list(forward._graphs.values())[0].bound
     assert [key[2][0][1] for key in forward.signatures] == [(1, 2, 7, TINY.c_m), (1, 4, 6, TINY.c_m)]
     with torch.no_grad():  # grad mode is part of the signature
         block(*_inputs(4, 6, grad=False))
@@ -328,6 +340,10 @@ def test_signatures_capture_once_each_and_the_oldest_is_dropped(fake_capture, se
     block(*_inputs(2, 7), chunk_size=None)
     block(*_inputs(2, 7), chunk_size=4)
     assert forward.captures == 7 and not forward.fallbacks
+    assert "forward" not in dropped.__dict__  # an evicted graph lets go of its replay
+    kept = [graph.bound for graph in forward._graphs.values()]
+    ungraph_modules(block)
+    assert forward.signatures == () and all("forward" not in b.__dict__ for b in kept)
 
 
 def test_mode_changes_run_eagerly_and_moved_parameters_recapture(fake_capture, seed) -> None:

@@ -10,13 +10,14 @@ class, parameters, buffers, names and `state_dict` stay as they are and `nn.Modu
 its hooks) calls it. For each call signature (shape, dtype, device and requires_grad of every tensor
 argument, the value of every other argument, grad mode, training mode, CUDA autocast) it captures
 the class's forward and its backward once with `torch.cuda.make_graphed_callables`, then replays
-them: one autograd node whose forward replays the forward graph (only that under `torch.no_grad()`)
-and whose backward replays the backward graph. `ungraph_modules` takes the graphs away again.
+them: one autograd node whose forward replays the forward graph and whose backward replays the
+backward graph. Under `torch.no_grad()` (a signature of its own) only a forward graph is captured
+and replayed. `ungraph_modules` takes the graphs away again.
 
 The contract of a graphed module:
 
-- Static shapes (cropping and padding give them): every new signature is one more capture (warm-up
-  runs and two captures: about ten eager calls' time) and one more memory pool; at most
+- Static shapes (cropping and padding give them): every new signature is one more capture (three
+  warm-up runs and the captures: a few eager calls' time) and one more memory pool; at most
   `max_signatures` per module are kept (least recently used dropped).
 - Memory: each graph keeps its module's activations in its own pool between calls, as training
   without checkpointing does. A module run under activation checkpointing runs eagerly (below).
