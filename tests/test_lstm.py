@@ -53,7 +53,7 @@ def outputs_and_grads(fn, args: dict[str, torch.Tensor | None]) -> dict[str, tor
     leaves = {k: v.detach().clone().requires_grad_(True) if v is not None else None for k, v in args.items()}
     y, h_n, c_n = fn(**leaves)
     gen = torch.Generator().manual_seed(1)
-    loss = sum((t.float() * torch.randn(t.shape, generator=gen)).sum() for t in (y, h_n, c_n))
+    loss = sum((t.float() * torch.randn(t.shape, generator=gen).to(t.device)).sum() for t in (y, h_n, c_n))
     loss.backward()
     result = {"y": y, "h_n": h_n, "c_n": c_n}
     result.update({f"d{k}": v.grad for k, v in leaves.items() if v is not None})
@@ -370,7 +370,7 @@ def test_to_hfkit_and_back_is_exact():
     types = {name: type(m) for name, m in model.named_modules()}
     ref = model(x)
 
-    swapped, report = to_hfkit(model, inplace=False, report=True)
+    swapped, report = to_hfkit(model, inplace=False, report=True, include={"LSTM", "MultiheadAttention"})
     assert report.counts() == {"LSTM": 1, "MultiheadAttention": 1}
     assert type(swapped.lstm) is LSTM and swapped.same_lstm is swapped.lstm
     assert type(swapped.attn) is MultiheadAttention
@@ -386,8 +386,14 @@ def test_to_hfkit_and_back_is_exact():
 
 
 def test_swap_is_registered_by_importing_hfkit_nn():
+    """The LSTM swap is opt-in (slower than cuDNN on the H200): `include` names it, else the swap
+    report lists it as skipped with the reason."""
     assert hnn.LSTM is LSTM
-    swapped = to_hfkit(nn.LSTM(4, 8))
+    kept, report = to_hfkit(nn.LSTM(4, 8), report=True)
+    assert (
+        type(kept) is nn.LSTM and "opt-in" in report.skipped[0].reason and "cuDNN" in report.skipped[0].reason
+    )
+    swapped = to_hfkit(nn.LSTM(4, 8), include={"LSTM"})
     assert type(swapped) is LSTM
     assert type(to_torch(swapped)) is nn.LSTM
 

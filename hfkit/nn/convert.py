@@ -76,6 +76,7 @@ class _Swap:
     hfkit_cls: type[nn.Module]
     to_hfkit: Builder
     to_torch: Builder
+    opt_in: str = ""  # why the op is swapped only when `include` names it ("": swapped by default)
 
 
 _BY_TORCH: dict[type[nn.Module], _Swap] = {}
@@ -90,20 +91,23 @@ def register_swap(
     name: str | None = None,
     to_hfkit: Builder = rebuild_as,
     to_torch: Builder = rebuild_as,
+    opt_in: str = "",
 ) -> None:
     """Register `hfkit_cls` as the replacement that `to_hfkit` puts in place of modules of `torch_cls`.
 
     `name` is the op name used by `include`/`exclude` and in reports (default: `torch_cls.__name__`).
     `to_hfkit(module, hfkit_cls)` and `to_torch(module, torch_cls)` build the replacement in each
     direction; the default, `rebuild_as`, shares all state and suits an hfkit class that subclasses
-    the torch class. Registering the same pair again is a no-op; a conflicting registration of
-    `torch_cls` or of `name` raises ValueError.
+    the torch class. `opt_in`, when given, says why the op is swapped only where `to_hfkit`'s
+    `include` names it (e.g. measured slower than torch's own at common sizes); the swap report lists
+    it as skipped with that reason otherwise. Registering the same pair again is a no-op; a
+    conflicting registration of `torch_cls` or of `name` raises ValueError.
     """
     for arg, cls in (("torch_cls", torch_cls), ("hfkit_cls", hfkit_cls)):
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise TypeError(f"register_swap: {arg} must be an nn.Module subclass, got {cls!r}")
     name = name or torch_cls.__name__
-    entry = _Swap(name, torch_cls, hfkit_cls, to_hfkit, to_torch)
+    entry = _Swap(name, torch_cls, hfkit_cls, to_hfkit, to_torch, opt_in)
     old = _BY_TORCH.get(torch_cls)
     if old is not None:
         if (old.hfkit_cls, old.name) == (hfkit_cls, name):
@@ -409,16 +413,16 @@ def to_hfkit(
     """Replace every module whose type is exactly a registered torch class by its hfkit module.
 
     `include` / `exclude` are sets of registered op names (e.g. `{"LayerNorm"}`; unknown names raise
-    ValueError): only ops in `include` (default: all) and not in `exclude` are swapped; modules left
-    out by them are listed as skipped. Subclasses of a registered class are never swapped (their
-    forward may differ) and are listed as skipped. Classes registered by qualified name
-    (`register_foreign_swap`, e.g. OpenFold's) are swapped when their parameter layout checks out,
-    and listed as skipped with the reason otherwise. Replacements share the original Parameters,
-    buffers, child modules, hooks and `training` flag, so `state_dict()` is unchanged; a module shared
-    under several names stays one shared module. With `inplace=False` the model is deep-copied first
-    and left untouched. Returns the model (a new object when the root itself was swapped), or
-    `(model, SwapReport)` with `report=True`. Undo with `to_torch`. References to swapped modules
-    held outside the module tree (e.g. in a plain Python list) still point at the old modules.
+    ValueError): only ops in `include` (default: all but the opt-in ones, see `register_swap`) and not in
+    `exclude` are swapped; modules left out by them are listed as skipped. Subclasses of a registered
+    class are never swapped (their forward may differ) and are listed as skipped. Classes registered by
+    qualified name (`register_foreign_swap`, e.g. OpenFold's) are swapped when their parameter layout
+    checks out, and listed as skipped with the reason otherwise. Replacements share the original
+    Parameters, buffers, child modules, hooks and `training` flag, so `state_dict()` is unchanged; a
+    module shared under several names stays one shared module. With `inplace=False` the model is
+    deep-copied first and left untouched. Returns the model (a new object when the root itself was
+    swapped), or `(model, SwapReport)` with `report=True`. Undo with `to_torch`. References to swapped
+    modules held outside the module tree (e.g. in a plain Python list) still point at the old modules.
     """
     _check_model("to_hfkit", model)
     include_set = _check_ops("include", include)
@@ -433,6 +437,8 @@ def to_hfkit(
         if entry is not None:
             if include_set is not None and entry.name not in include_set:
                 return entry, None, "not in include"
+            if include_set is None and entry.opt_in:
+                return entry, None, f"opt-in (include={{{entry.name!r}}}): {entry.opt_in}"
             if exclude_set is not None and entry.name in exclude_set:
                 return entry, None, "in exclude"
             if foreign is not None:

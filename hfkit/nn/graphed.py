@@ -24,8 +24,8 @@ The contract of a graphed module:
 - Outputs are the graph's static buffers, overwritten by the next replay of the same signature:
   clone an output to hold it across two calls of the same module. The same holds for the input
   gradients `torch.autograd.grad` returns. Gradients accumulated into `.grad` (of parameters and of
-  leaf inputs) are protected: a `.grad` that is still a static buffer is copied before the backward
-  graph overwrites it, so `.grad` accumulates as in eager mode.
+  leaf inputs) are protected: hooks copy the gradients the backward graph returns before autograd
+  stores them, so `.grad` never is a static buffer and accumulates as in eager mode.
 - A module runs at most once between a forward and the backward of that forward (a second replay
   overwrites the activations the first one's backward reads).
 - Dropout draws fresh masks at every replay: the capture registers the default CUDA generator, and
@@ -51,18 +51,16 @@ from __future__ import annotations
 
 import collections
 import copy
-import functools
 import gc
 import math
 import warnings
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from hfkit.model.evoformer import EvoformerBlock
 
@@ -160,10 +158,6 @@ class _Graph:
     """One signature's graphs: `bound.forward` (set by make_graphed_callables) replays them."""
 
     bound: _BoundForward
-    # Storage of the gradients the backward graph returns (recorded at its first replay): a `.grad`
-    # that still is one of them is copied before the next replay overwrites it.
-    grad_ptrs: frozenset[int] | None = None
-    leaves: list[weakref.ref] = field(default_factory=list)  # leaf inputs whose .grad may be one
 
     def release(self) -> None:
         # make_graphed_callables' instance forward closes over `bound`: break that cycle so the
@@ -202,6 +196,8 @@ class GraphedForward:
         self._graphs: collections.OrderedDict[tuple, _Graph | None] = collections.OrderedDict()
         self._mode: tuple[bool, ...] | None = None  # training flags of the submodules when captured
         self._params: tuple[tuple[int, bool], ...] | None = None  # (data_ptr, requires_grad) then
+        self._hooks: list[Any] = []  # the parameters' gradient-copy hooks (`_guard_grads`)
+        self._hooked_leaves: dict[int, weakref.ref] = {}  # leaf inputs hooked, by id (tensors hash by id)
         self.captures = 0
         self.fallbacks: collections.Counter[str] = collections.Counter()
         self.__wrapped__ = type(module).forward.__get__(module)  # inspect.signature follows it
@@ -228,7 +224,7 @@ class GraphedForward:
             if graph is not None:
                 outputs = graph.bound.forward(*tensors)
                 if torch.is_grad_enabled():
-                    self._guard_grads(graph, outputs, tensors)
+                    self._guard_grads(tensors)
                 return outputs
             reason = "its capture failed"
         self.fallbacks[reason] += 1
@@ -245,6 +241,9 @@ class GraphedForward:
         graphs = [g for g in self._graphs.values() if g is not None]
         self._graphs.clear()
         self._mode = self._params = self._submodules = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         for graph in graphs:
             graph.release()
         return bool(graphs)
@@ -353,34 +352,28 @@ class GraphedForward:
             gc.collect()
         return graph
 
-    def _guard_grads(self, graph: _Graph, outputs: Any, tensors: list[torch.Tensor]) -> None:
-        """Hook the call's autograd node: before its backward replays, copy every `.grad` that is
-        still one of the graph's static gradient buffers (accumulation would read the overwritten
-        buffer); at its first backward, record those buffers."""
-        nodes = (o.grad_fn for o in tree_leaves(outputs) if isinstance(o, torch.Tensor))
-        node = next((n for n in nodes if n is not None), None)
-        if node is None:
-            return
+    def _guard_grads(self, tensors: list[torch.Tensor]) -> None:
+        """Hook the module's parameters (once) and the call's leaf inputs (once each) so that the
+        gradients the backward graph returns reach `.grad` as copies: the graph returns its static
+        buffers, which autograd would otherwise adopt as `.grad` (the next replay would overwrite
+        them, and accumulation would read the overwritten values). A hook runs on the stream of the
+        node that made the gradient, so the copy is ordered before any later replay."""
+        if not self._hooks:
+            self._hooks = [p.register_hook(_fresh) for p in self._parameters() if p.requires_grad]
         for tensor in tensors:
-            if tensor.requires_grad and tensor.is_leaf and not any(r() is tensor for r in graph.leaves):
-                graph.leaves.append(weakref.ref(tensor))
-        node.register_prehook(functools.partial(self._copy_static_grads, graph))
-        if graph.grad_ptrs is None:
-            node.register_hook(functools.partial(_record_grad_ptrs, graph))
-
-    def _copy_static_grads(self, graph: _Graph, grad_outputs: Any) -> None:
-        if graph.grad_ptrs is None:
-            return
-        graph.leaves = [r for r in graph.leaves if r() is not None]
-        holders = [*self._parameters(), *(r() for r in graph.leaves)]
-        for tensor in holders:
-            grad = tensor.grad if tensor is not None else None
-            if grad is not None and grad.data_ptr() in graph.grad_ptrs:
-                tensor.grad = grad.clone()
+            if not (tensor.requires_grad and tensor.is_leaf):
+                continue
+            seen = self._hooked_leaves.get(id(tensor))
+            if seen is not None and seen() is tensor:
+                continue
+            tensor.register_hook(_fresh)
+            if len(self._hooked_leaves) >= 64:  # forget leaves that are gone
+                self._hooked_leaves = {k: r for k, r in self._hooked_leaves.items() if r() is not None}
+            self._hooked_leaves[id(tensor)] = weakref.ref(tensor)
 
 
-def _record_grad_ptrs(graph: _Graph, grad_inputs: Any, grad_outputs: Any) -> None:
-    graph.grad_ptrs = frozenset(g.data_ptr() for g in grad_inputs if g is not None and g.data_ptr() != 0)
+def _fresh(grad: torch.Tensor) -> torch.Tensor:
+    return grad.clone()
 
 
 def _matches(module: nn.Module, classes: tuple[type[nn.Module] | str, ...]) -> bool:
