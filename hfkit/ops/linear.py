@@ -114,7 +114,7 @@ if HAS_TRITON:
     def _matmul_kernel(
         A, B, C, Bias,
         M, N, K, k_per_split,
-        stride_am, stride_ak, stride_bk, stride_bn, stride_cs, stride_cm, stride_cn,
+        stride_am, stride_ak, stride_bk, stride_bn, stride_cs, stride_cm, stride_cn, stride_bias,
         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):  # fmt: skip
@@ -156,7 +156,8 @@ if HAS_TRITON:
             a_ptrs += step_a
             b_ptrs += step_b
         if HAS_BIAS:
-            acc += tl.load(Bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            bias = tl.load(Bias + rn.to(tl.int64) * stride_bias, mask=rn < N, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
         c_ptrs = (
             C
             + split.to(tl.int64) * stride_cs
@@ -209,6 +210,7 @@ def _matmul(
         a, b, target, kernel_bias,
         m, n, k, k_per_split,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), stride_cs, stride_cm, stride_cn,
+        kernel_bias.stride(0) if kernel_bias is not None else 0,
         HAS_BIAS=kernel_bias is not None, EVEN_K=k % config.block_k == 0, DOT=dot_mode(a),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
