@@ -40,12 +40,16 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def check_against_float64(x, weight, bias, dy=None) -> None:
     """linear's output and gradients (x, weight, bias) within REL_TOL of F.linear's in float64, on the
-    same values; the kernel path is what ran."""
+    same values; the kernel path is what ran, on the arguments' own strides (detached leaves keep them,
+    where a clone of a sliced view would be contiguous)."""
     assert uses_triton(x, weight, bias)
     n = weight.shape[0]
     if dy is None:
         dy = torch.randn(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
-    out, grads = output_and_grads(linear, [x, weight, bias], dy)
+    leaves = [t.detach().requires_grad_(True) for t in (x, weight, bias) if t is not None]
+    assert [t.stride() for t in leaves] == [t.stride() for t in (x, weight, bias) if t is not None]
+    out = linear(*leaves, *([None] if bias is None else []))
+    grads = torch.autograd.grad(out, leaves, dy)
     f64 = lambda t: t.double() if t is not None else None  # noqa: E731
     ref, ref_grads = output_and_grads(F.linear, [f64(x), f64(weight), f64(bias)], dy.double())
     assert out.shape == ref.shape == (*x.shape[:-1], n) and out.dtype == x.dtype
