@@ -229,3 +229,20 @@ def test_tf32_precision_on_cuda_is_f_linear(precision, seed):
     finally:
         torch.set_float32_matmul_precision(before)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_linear_is_f_linear_without_graph_breaks(device, seed):
+    x, weight, bias = (torch.randn(s, device=device) for s in [(37, 33), (17, 33), (17,)])
+    compiled = torch.compile(linear, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x, weight, bias), F.linear(x, weight, bias), rtol=0, atol=0)
+
+
+@needs_cuda
+def test_opcheck_cuda(seed):
+    x = torch.randn(2, 37, 65, device="cuda", requires_grad=True)
+    weight = torch.randn(96, 65, device="cuda", requires_grad=True)
+    bias = torch.randn(96, device="cuda", requires_grad=True)
+    torch.library.opcheck(torch.ops.hfkit.linear_fwd.default, (x, weight, bias))
+    torch.library.opcheck(torch.ops.hfkit.linear_fwd.default, (x, weight, None))
+    torch.library.opcheck(torch.ops.hfkit.linear_mm.default, (x[0].detach(), weight.detach().t()))

@@ -10,8 +10,8 @@ A and B, so the forward (y = x Wᵀ, with the bias added in its epilogue) and bo
 The kernel runs on float32 CUDA tensors while torch's float32 matmul precision is "highest", and on
 float32 CPU tensors under `TRITON_INTERPRET=1` (IEEE products there). Everything else calls `F.linear`:
 bfloat16 and float16 (cuBLAS on the tensor cores already), precision "high"/"medium" (torch then uses
-TF32 itself), float64, CPU without the interpreter, autocast, and shapes or dtypes `F.linear` would
-refuse (its own errors).
+TF32 itself), float64, CPU without the interpreter, autocast, `torch.compile` tracing, and shapes or
+dtypes `F.linear` would refuse (its own errors).
 """
 
 from __future__ import annotations
@@ -81,7 +81,10 @@ def uses_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """Whether `linear(x, weight, bias)` runs the GEMM kernel: float32 x, weight and bias of the shapes
     [*, K], [N, K] and [N] with K, N and the rows of x nonzero, on one device where a kernel runs
     (`triton_can_run`) with full-precision products (`dot_mode` 3 on CUDA, 1 under the interpreter),
-    autocast off."""
+    autocast off, and not while torch.compile traces (Inductor compiles `F.linear` at torch's precision;
+    the precision setting `dot_mode` reads is no value dynamo can trace)."""
+    if torch.compiler.is_compiling():
+        return False
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or dot_mode(x) not in (1, 3):
         return False
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1] or x.numel() == 0:
