@@ -91,6 +91,14 @@ def test_3d_and_strided_views_match_float64(device, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_expanded_upstream_gradient_matches_float64(device, seed):
+    # A sum's gradient reaches linear's backward as an expanded tensor (all strides 0).
+    x, weight, bias = (torch.randn(s, device=device) for s in [(3, 37, 33), (17, 33), (17,)])
+    dy = torch.ones((), device=device).expand(3, 37, 17)
+    check_against_float64(x, weight, bias, dy)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("split_k", [1, 2, 3])
 def test_matmul_split_k_and_strides(device, split_k, seed):
     # a [M, K] transposed (column-major, as dyᵀ in the weight gradient), b a row slice, out strided.
