@@ -9,6 +9,8 @@ gradients of the inputs and of every parameter, on odd sizes (embed 33 with 3 he
 from __future__ import annotations
 
 import copy
+import importlib
+import os
 import pickle
 
 import pytest
@@ -21,9 +23,15 @@ from hfkit.bench.cases import multihead_attention as mha_bench
 from hfkit.bench.ceilings import Ceilings
 from hfkit.bench.runner import run_benchmark
 from hfkit.nn import MultiheadAttention, to_hfkit, to_torch
+from hfkit.ops import linear as hfkit_linear
 from hfkit.ops import multihead_attention, multihead_attention_reference
+from hfkit.ops._triton import HAS_TRITON
+from hfkit.ops.linear import uses_triton as uses_linear_kernel
 
 pytestmark = pytest.mark.usefixtures("seed")
+
+# The op's module (`hfkit.ops.multihead_attention` the attribute is the function).
+mha_op_module = importlib.import_module("hfkit.ops.multihead_attention")
 
 DTYPES = [torch.float32, torch.bfloat16]
 EMBED, HEADS = 33, 3
@@ -543,3 +551,58 @@ def test_benchmark_rows_on_cpu():
         assert row.flops == mha_bench.mha_flops(row.shape, row.mode == "fwd+bwd")
     with pytest.raises(ValueError, match="shapes"):
         mha_bench.multihead_attention_cases(shapes=[(2, 5, 12, 5)])
+
+
+# --- the projections through hfkit.ops.linear ---------------------------------------------------------
+
+
+def float64_error(hfkit_mha: MultiheadAttention, torch_mha: nn.MultiheadAttention, q, k, v, **kwargs) -> dict:
+    """{name: max abs error / max abs of the float64 result} of the hfkit module's output and every
+    gradient, against the torch module run in float64 on the same values."""
+    exact_mha = copy.deepcopy(torch_mha).double()
+    out, _, grads = run(hfkit_mha, q, k, v, **kwargs)
+    exact, _, exact_grads = run(exact_mha, q.double(), k.double(), v.double(), **kwargs)
+    pairs = [("output", out, exact)] + [(f"d{n}", grads[n], exact_grads[n]) for n in grads]
+    return {n: ((a.double() - e).abs().max() / e.abs().max()).item() for n, a, e in pairs}
+
+
+@pytest.mark.skipif(
+    not (HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="linear's kernel on CPU needs TRITON_INTERPRET=1",
+)
+@pytest.mark.parametrize("self_attention", [True, False])
+def test_projections_through_linears_kernel_match_float64(self_attention, monkeypatch):
+    # On CPU the op's projections are F.linear (torch's own sums, compared elementwise above); here they
+    # take hfkit.ops.linear, whose kernel runs under the interpreter, and every result is checked against
+    # float64 (the kernel sums in its own order, as torch's float32 does in another).
+    calls = []
+
+    def counting_linear(x, weight, bias):
+        calls.append(uses_linear_kernel(x, weight, bias))
+        return hfkit_linear(x, weight, bias)
+
+    monkeypatch.setattr(mha_op_module, "_linear", counting_linear)
+    torch_mha, hfkit_mha = make_pair(batch_first=True)
+    q, k, v = inputs(2, 37, 37 if self_attention else 5, torch.float32, True)
+    if self_attention:
+        k = v = q
+    errors = float64_error(hfkit_mha, torch_mha, q, k, v, self_attention=self_attention, need_weights=False)
+    assert calls == [True] * (2 if self_attention else 4)
+    assert max(errors.values()) <= 1e-5, errors
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("shape", [(4, 64, 128, 8), (3, 37, 99, 3)], ids=str)
+def test_float32_projections_on_cuda_run_linears_kernel(shape):
+    # On CUDA in float32 at precision "highest" the projections are linear's tf32x3 GEMMs (seen as
+    # hfkit::linear_fwd while the profiler records), accurate to float32 rounding against float64.
+    b, seq, e, h = shape
+    torch_mha, hfkit_mha = make_pair(e, h, batch_first=True)
+    torch_mha, hfkit_mha = torch_mha.cuda(), hfkit_mha.cuda()
+    q = torch.randn(b, seq, e, device="cuda")
+    with torch.profiler.profile() as prof:
+        hfkit_mha(q, q, q, need_weights=False)[0].sum().backward()
+    names = {event.name for event in prof.events()}
+    assert "hfkit::linear_fwd" in names and "hfkit::linear_mm" in names
+    errors = float64_error(hfkit_mha, torch_mha, q, q, q, self_attention=True, need_weights=False)
+    assert max(errors.values()) <= 1e-5, errors

@@ -11,6 +11,7 @@ from hfkit.ops.elementwise import (
 from hfkit.ops.evoformer_attention import evoformer_attention, evoformer_attention_reference
 from hfkit.ops.gated_linear import gated_linear, gated_linear_reference
 from hfkit.ops.layer_norm import layer_norm, layer_norm_reference
+from hfkit.ops.linear import linear, linear_reference
 from hfkit.ops.lstm import lstm_layer, lstm_reference
 from hfkit.ops.multihead_attention import multihead_attention, multihead_attention_reference
 from hfkit.ops.outer_product_linear import outer_product_linear, outer_product_linear_reference
@@ -27,6 +28,8 @@ __all__ = [
     "gated_linear_reference",
     "layer_norm",
     "layer_norm_reference",
+    "linear",
+    "linear_reference",
     "lstm_layer",
     "lstm_reference",
     "multihead_attention",

@@ -11,7 +11,10 @@ activations before the projections), projects q, k and v with one matmul when `q
 and the weights are packed (k and v with one when `key is value`), takes the heads as strided views of
 the projection, and runs the attention through `torch.nn.functional.scaled_dot_product_attention`
 (flash or memory-efficient kernels on CUDA, a fused kernel on CPU). SDPA does not return the
-attention probabilities, so with `need_weights=True` it computes them explicitly, as torch does.
+attention probabilities, so with `need_weights=True` it computes them explicitly, as torch does. On
+CUDA the projections run through `hfkit.ops.linear` (float32 products on the tensor cores at full
+precision, where torch's run off them; `F.linear` itself in the other dtypes); on CPU they are
+`F.linear`, so that the op stays plain torch there, matching torch's module to float32 rounding.
 `multihead_attention_reference` is the specification: separate projections and an explicit softmax.
 """
 
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from hfkit.ops._checks import check_float, check_matmul_dtype, check_same_device, describe
+from hfkit.ops.linear import linear
 
 __all__ = ["multihead_attention", "multihead_attention_reference"]
 
@@ -191,7 +195,7 @@ def multihead_attention(
         )
     # Back to the input's layout: [B, L, E] or [L, B, E] (a free view where SDPA wrote [B, L, H, D]).
     out = attn.permute((0, 2, 1, 3) if batch_first else (2, 0, 1, 3)).reshape(*query.shape[:2], e)
-    out = F.linear(out, out_proj_weight, out_proj_bias)
+    out = _linear(out, out_proj_weight, out_proj_bias)
     return (out if p.batched else out[:, 0]), weights
 
 
@@ -218,22 +222,29 @@ def _project(
     if in_proj_weight is None:
         b_q, b_k, b_v = in_proj_bias.chunk(3) if in_proj_bias is not None else (None, None, None)
         return (
-            F.linear(query, q_proj_weight, b_q),
-            F.linear(key, k_proj_weight, b_k),
-            F.linear(value, v_proj_weight, b_v),
+            _linear(query, q_proj_weight, b_q),
+            _linear(key, k_proj_weight, b_k),
+            _linear(value, v_proj_weight, b_v),
         )
     if self_attention:
-        q, k, v = F.linear(query, in_proj_weight, in_proj_bias).split(e, dim=-1)
+        q, k, v = _linear(query, in_proj_weight, in_proj_bias).split(e, dim=-1)
         return q, k, v
     w_q, w_kv = in_proj_weight[:e], in_proj_weight[e:]
     b_q, b_kv = (in_proj_bias[:e], in_proj_bias[e:]) if in_proj_bias is not None else (None, None)
-    q = F.linear(query, w_q, b_q)
+    q = _linear(query, w_q, b_q)
     if shared_kv:
-        k, v = F.linear(key, w_kv, b_kv).split(e, dim=-1)
+        k, v = _linear(key, w_kv, b_kv).split(e, dim=-1)
         return q, k, v
     w_k, w_v = w_kv.chunk(2)
     b_k, b_v = b_kv.chunk(2) if b_kv is not None else (None, None)
-    return q, F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)
+    return q, _linear(key, w_k, b_k), _linear(value, w_v, b_v)
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """A projection x [*, K] -> [*, N]: `hfkit.ops.linear` on CUDA, `F.linear` on CPU (where linear's
+    kernel runs only under Triton's interpreter, slower than torch and summing in another order, while
+    the tests compare against torch's module elementwise)."""
+    return linear(x, weight, bias) if x.is_cuda else F.linear(x, weight, bias)
 
 
 def _append_along(t: Tensor, row: Tensor, seq_dim: int) -> Tensor:
