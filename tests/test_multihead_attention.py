@@ -87,9 +87,9 @@ def run(module: nn.Module, query, key, value, self_attention: bool = False, **kw
         leaves = {"query": q, "key": k, "value": v}
     module.zero_grad(set_to_none=True)
     out, weights = module(q, k, v, **kwargs)
-    loss = (out.float() * torch.randn(out.shape, generator=gen)).sum()
+    loss = (out.float() * torch.randn(out.shape, generator=gen).to(out.device)).sum()
     if weights is not None:
-        loss = loss + (weights.float() * torch.randn(weights.shape, generator=gen)).sum()
+        loss = loss + (weights.float() * torch.randn(weights.shape, generator=gen).to(weights.device)).sum()
     loss.backward()
     grads = {name: t.grad for name, t in leaves.items()}
     grads.update({name: p.grad for name, p in module.named_parameters()})
