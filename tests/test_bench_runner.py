@@ -148,3 +148,23 @@ def test_committed_results_name_the_eager_baseline_eager_and_cite_commands_as_ty
     names = {p.name for p, _ in docs if p.parent.name == "h200"}
     assert {"layer_norm.json", "evoformer_attention.json"} <= names
     assert not {"layernorm.json", "attention.json"} & names
+
+
+@pytest.mark.parametrize("unmeasured", [False, True])
+def test_after_notes_can_void_the_peak(monkeypatch, unmeasured):
+    """A provider whose memory is allocated before the measured window (graphs captured in the first
+    call) says so in its after-notes: the row's peak is then None, not the misleading 0."""
+    from hfkit.bench import runner
+    from hfkit.bench.results import ENV_KEYS, environment_info
+
+    monkeypatch.setattr(runner, "peak_memory", lambda fn, device: (123, fn()))
+    after = {"peak_unmeasured": "pools allocated at capture"} if unmeasured else {}
+    x = torch.ones(4)
+    env = {k: v for k, v in environment_info("cpu").items() if k in ENV_KEYS}
+    row = runner.measure_case(
+        env=env, ceilings=CEILINGS, device=torch.device("cpu"), op="toy", provider="eager", mode="fwd",
+        shape=[4], dtype="fp32", nbytes=0, flops=None, warmup=0, reps=2, extra={}, graph=False,
+        build=lambda: runner.Steps(lambda: x * 2, lambda: x * 2, 1, lambda: {}, lambda: dict(after)),
+    )  # fmt: skip
+    assert row.peak_mem_bytes == (None if unmeasured else 123)
+    assert row.extra.get("peak_unmeasured") == after.get("peak_unmeasured")

@@ -280,6 +280,8 @@ def measure_case(
         timing, note = time_step(steps.step, device, steps.calls, warmup, reps, graph)
         if steps.after is not None:
             extra.update(steps.after())
+        if extra.get("peak_unmeasured"):  # the after-notes say why this peak means nothing
+            peak = None
     except Exception as err:  # noqa: BLE001 - one failing provider (e.g. out of memory) must not end the run
         error = _short(err)
     if error is not None:
