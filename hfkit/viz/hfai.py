@@ -1,6 +1,6 @@
 """hfai.nn's published LSTM and MultiheadAttention times (A100) beside hfkit's committed H200 results.
 
-The source is the hfai.nn article (`/work/shared/seeds/001_574da3aca49e9154.txt`, in Chinese). For each
+The source is the hfai.nn article (the seed `seeds/001_574da3aca49e9154.txt`, in Chinese). For each
 configuration it times torch's module and hfai's over "10 consecutive rounds" and reports, in ms per
 round, `forward`, `backward` (the backward pass alone) and `all`, which is their sum (to the article's
 rounding); for MultiheadAttention also `inference`. Its benchmark section names neither the GPU nor the
