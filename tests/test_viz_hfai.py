@@ -16,6 +16,7 @@ from hfkit.viz.hfai import HFAI_PUBLISHED, hfai_comparison, hfai_figure, hfai_no
 
 H200 = results_dir() / "h200"
 SEED = Path("/work/shared/seeds/001_574da3aca49e9154.txt")
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "00_quickstart.ipynb"
 
 # The article's numbers, as printed (ms per round): (op, shape) -> torch / hfai (forward, backward, all)
 # and, for MultiheadAttention, inference.
@@ -93,19 +94,21 @@ def test_comparison_rows_and_columns():
     assert lstm["a100_hfai_speedup_fwd_bwd"] == pytest.approx(125.38 / 14.07)
 
 
-@pytest.mark.skipif(
-    not (H200 / "multihead_attention.json").is_file(), reason="no committed H200 MultiheadAttention results"
-)
-def test_comparison_matches_the_committed_json():
-    doc = json.loads((H200 / "multihead_attention.json").read_text())
+@pytest.mark.parametrize("op", ["multihead_attention", "lstm"])
+def test_comparison_matches_the_committed_json(op):
+    path = H200 / f"{op}.json"
+    if not path.is_file():
+        pytest.skip(f"no committed H200 results {path.name}")
+    doc = json.loads(path.read_text())
     frame = hfai_comparison()
     p50 = {
         (r["provider"], "x".join(map(str, r["shape"])), r["dtype"], r["mode"]): r["p50_ms"]
         for r in doc["rows"]
         if r.get("method") != "error"
     }
+    rows = frame[frame["op"] == op].to_dict("records")
     checked = 0
-    for row in frame[frame["op"] == "multihead_attention"].to_dict("records"):
+    for row in rows:
         for mode, suffix in (("fwd", "fwd"), ("fwd+bwd", "fwd_bwd")):
             for provider in ("eager", "compile", "hfkit"):
                 key = (provider, row["shape"], row["dtype"], mode)
@@ -118,7 +121,22 @@ def test_comparison_matches_the_committed_json():
             assert row[f"h200_hfkit_speedup_{suffix}"] == pytest.approx(eager / hfkit)
         assert row["h200_gpu"] == doc["meta"]["gpu"]
         assert doc["meta"]["commit"].startswith(row["h200_commit"])
-    assert checked == 4 * 2 * 3
+    assert rows and checked == len(rows) * 2 * 3
+
+
+def test_notebook_quotes_the_committed_lstm_numbers():
+    path = H200 / "lstm.json"
+    if not path.is_file():
+        pytest.skip("no committed H200 results lstm.json")
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    (section,) = ["".join(c["source"]) for c in cells if "".join(c["source"]).startswith("## 5 · hfai.nn")]
+    rows = [r for r in json.loads(path.read_text())["rows"] if r.get("method") != "error"]
+    quoted = 0
+    for row in rows:
+        if row["shape"] == list(LSTM_BENCH_SHAPE) and row["provider"] in ("eager", "hfkit"):
+            assert f"{row['p50_ms']:.1f} ms" in section, (row["provider"], row["dtype"], row["mode"])
+            quoted += 1
+    assert quoted == 8
 
 
 def test_missing_results_give_nans(tmp_path):
