@@ -133,8 +133,9 @@ def hfai_comparison(results_dir: str | Path | None = None) -> pd.DataFrame:
     `results_dir` is the folder holding `multihead_attention.json` and `lstm.json` (default:
     `data/results/h200/`); a missing file or row gives NaN, not an error. Columns: `op`, `config`,
     `shape` ('BxLxExH' / 'BxTxIxH'), `dtype`; the article's `a100_{torch,hfai}_{fwd,fwd_bwd}_ms`
-    (`fwd_bwd` is its `all`, forward + backward; filled on the `fp32` rows only, the dtype the article
-    ran) and `a100_hfai_speedup_{fwd,fwd_bwd}` (torch / hfai); our
+    (`fwd_bwd` is its `all`, forward + backward; filled on the `fp32` rows only: the
+    article names no dtype, torch's default is float32) and `a100_hfai_speedup_{fwd,fwd_bwd}`
+    (torch / hfai); our
     `h200_{eager,compile,hfkit}_{fwd,fwd_bwd}_ms` (p50 of the committed rows) and
     `h200_hfkit_speedup_{fwd,fwd_bwd}` (eager / hfkit); `h200_gpu` and `h200_commit` (where the
     rows came from, "" when none).
