@@ -5,6 +5,7 @@
 """
 
 from hfkit.viz.figures import LayerNormExplorer, layernorm_explorer, pct_copy_bars, speedup_bars, time_bars
+from hfkit.viz.hfai import HFAI_PUBLISHED, hfai_comparison, hfai_figure, hfai_notes
 from hfkit.viz.kernels import (
     KernelExplorer,
     goal_sentences,
@@ -25,6 +26,7 @@ from hfkit.viz.model import (
 from hfkit.viz.notebook import NotebookResults, NotebookSettings, plotly_js_path, setup_notebook
 
 __all__ = [
+    "HFAI_PUBLISHED",
     "KernelExplorer",
     "LayerNormExplorer",
     "NotebookResults",
@@ -32,6 +34,9 @@ __all__ = [
     "ProfileExplorer",
     "census_figure",
     "goal_sentences",
+    "hfai_comparison",
+    "hfai_figure",
+    "hfai_notes",
     "kernel_explorer",
     "kernel_memory_figure",
     "kernel_rate_figure",
