@@ -464,6 +464,10 @@ def test_benchmark_rows_on_cpu():
     for row in result.rows:
         assert row.method != "error", row.extra
         assert row.extra["check_ok"] and row.extra["max_abs_err_vs_fp32_ref"] < 1e-5
+        # The hfkit rows ran hfkit's module (the LSTM swap is opt-in: the case names it), eager torch's.
+        assert row.extra["runs"] == (
+            "hfkit.nn.lstm.LSTM" if row.provider == "hfkit" else "torch.nn.modules.rnn.LSTM"
+        )
         assert row.flops == lstm_bench.lstm_flops(row.shape, row.mode == "fwd+bwd")
     with pytest.raises(ValueError, match="shapes"):
         lstm_bench.lstm_cases(shapes=[(2, 5, 12)])

@@ -548,6 +548,12 @@ def test_benchmark_rows_on_cpu():
     for row in result.rows:
         assert row.method != "error", row.extra
         assert row.extra["check_ok"] and row.extra["max_abs_err_vs_fp32_ref"] < 1e-5
+        # The hfkit rows ran hfkit's module (the LSTM swap is opt-in: the case names it), eager torch's.
+        assert row.extra["runs"] == (
+            "hfkit.nn.multihead_attention.MultiheadAttention"
+            if row.provider == "hfkit"
+            else "torch.nn.modules.activation.MultiheadAttention"
+        )
         assert row.flops == mha_bench.mha_flops(row.shape, row.mode == "fwd+bwd")
     with pytest.raises(ValueError, match="shapes"):
         mha_bench.multihead_attention_cases(shapes=[(2, 5, 12, 5)])

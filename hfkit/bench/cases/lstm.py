@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hfkit.bench.cases._module import Wrap, module_provider, module_steps
 from hfkit.bench.runner import (
     DTYPES,
     Option,
@@ -45,9 +46,6 @@ SMOKE_SHAPES: tuple[tuple[int, int, int, int], ...] = ((2, 5, 7, 33), (3, 1, 5, 
 CHECK_TOL = {"bf16": 5e-2, "fp16": 1e-2, "fp32": 1e-3}
 _CHECK_BATCHES = 4
 
-# What a provider is: it takes a torch module holding the case's weights and returns the callable to time.
-Wrap = Callable[[nn.LSTM], Callable[..., Any]]
-
 
 def lstm_cases(profile: str = "full", shapes: Sequence[Sequence[int]] | None = None) -> list[ShapeCase]:
     """Cases [B, T, I, H]: `shapes` when given, else `FULL_SHAPES` ("full") or tiny odd ones ("smoke")."""
@@ -72,14 +70,7 @@ def lstm_flops(shape: Sequence[int], backward: bool) -> int:
 
 
 def _provider(name: str, case: ShapeCase, device: torch.device) -> Wrap:
-    if name == "hfkit":
-        from hfkit.nn import to_hfkit
-
-        return lambda module: to_hfkit(module)
-    if name == "eager":
-        return lambda module: module
-    torch._dynamo.reset()  # a fresh cache per case, so no shape-generic kernels (see layer_norm.py)
-    return lambda module: torch.compile(module, dynamic=False)
+    return module_provider(name, "LSTM")
 
 
 def _prepare(case: ShapeCase, dtype_name: str, device: torch.device) -> Prepared:
@@ -101,16 +92,8 @@ def _build(case: ShapeCase, wrap: Wrap, prepared: Prepared, mode: str, dtype_nam
     x, dy, state = prepared.inputs["x"], prepared.inputs["dy"], prepared.inputs["state"]
     module = nn.LSTM(i, h, batch_first=True, device=x.device, dtype=dtype)
     module.load_state_dict(state)
-    f = wrap(module)  # shares module's parameters (hfkit swaps in place, compile wraps)
-    params = list(module.parameters())
-    leaf = x.detach().requires_grad_(backward)
 
-    def step() -> None:
-        y = f(leaf)[0]
-        if backward:
-            torch.autograd.grad(y, [leaf, *params], dy)
-
-    def check() -> dict[str, Any]:
+    def check(f: Callable[..., Any]) -> dict[str, Any]:
         from hfkit.ops import lstm_reference
 
         r = min(_CHECK_BATCHES, x.shape[0])
@@ -124,7 +107,7 @@ def _build(case: ShapeCase, wrap: Wrap, prepared: Prepared, mode: str, dtype_nam
         err = max_abs_err(y, ref.transpose(0, 1))
         return {"max_abs_err_vs_fp32_ref": err, "check_batches": r, "check_ok": err <= CHECK_TOL[dtype_name]}
 
-    return Steps(step, step, 1, check)
+    return module_steps(module, wrap, x, dy, backward, lambda f, t: f(t)[0], check)
 
 
 def _cost(case: ShapeCase, dtype_name: str, mode: str) -> tuple[int, int]:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hfkit.bench.cases._module import Wrap, module_provider, module_steps
 from hfkit.bench.runner import (
     DTYPES,
     Option,
@@ -36,9 +37,6 @@ SMOKE_SHAPES: tuple[tuple[int, int, int, int], ...] = ((2, 5, 12, 3), (3, 7, 33,
 # Max abs error of the output (values of order 1) against the float32 reference on the same weights.
 CHECK_TOL = {"bf16": 5e-2, "fp16": 1e-2, "fp32": 1e-3}
 _CHECK_BATCHES = 4
-
-# What a provider is: it takes a torch module holding the case's weights and returns the callable to time.
-Wrap = Callable[[nn.MultiheadAttention], Callable[..., Any]]
 
 
 def multihead_attention_cases(
@@ -67,14 +65,7 @@ def mha_flops(shape: Sequence[int], backward: bool) -> int:
 
 
 def _provider(name: str, case: ShapeCase, device: torch.device) -> Wrap:
-    if name == "hfkit":
-        from hfkit.nn import to_hfkit
-
-        return lambda module: to_hfkit(module)
-    if name == "eager":
-        return lambda module: module
-    torch._dynamo.reset()  # a fresh cache per case, so no shape-generic kernels (see layer_norm.py)
-    return lambda module: torch.compile(module, dynamic=False)
+    return module_provider(name, "MultiheadAttention")
 
 
 def _prepare(case: ShapeCase, dtype_name: str, device: torch.device) -> Prepared:
@@ -97,16 +88,8 @@ def _build(case: ShapeCase, wrap: Wrap, prepared: Prepared, mode: str, dtype_nam
     x, dy, state = prepared.inputs["x"], prepared.inputs["dy"], prepared.inputs["state"]
     module = nn.MultiheadAttention(e, h, batch_first=True, device=x.device, dtype=dtype)
     module.load_state_dict(state)
-    f = wrap(module)  # shares module's parameters (hfkit swaps in place, compile wraps)
-    params = list(module.parameters())
-    leaf = x.detach().requires_grad_(backward)
 
-    def step() -> None:
-        y = f(leaf, leaf, leaf, need_weights=False)[0]
-        if backward:
-            torch.autograd.grad(y, [leaf, *params], dy)
-
-    def check() -> dict[str, Any]:
+    def check(f: Callable[..., Any]) -> dict[str, Any]:
         from hfkit.ops import multihead_attention_reference
 
         r = min(_CHECK_BATCHES, x.shape[0])
@@ -121,7 +104,7 @@ def _build(case: ShapeCase, wrap: Wrap, prepared: Prepared, mode: str, dtype_nam
         err = max_abs_err(y, ref)
         return {"max_abs_err_vs_fp32_ref": err, "check_batches": r, "check_ok": err <= CHECK_TOL[dtype_name]}
 
-    return Steps(step, step, 1, check)
+    return module_steps(module, wrap, x, dy, backward, lambda f, t: f(t, t, t, need_weights=False)[0], check)
 
 
 def _cost(case: ShapeCase, dtype_name: str, mode: str) -> tuple[int, int]:
