@@ -662,11 +662,16 @@ class StepLaunchExplorer(RunPanel):
         return [pd.DataFrame(self.history).round(3), self.figure()]
 
 
+# OpenFold's variants beside hfkit's checkpointed stack (graph_modules' blocks run eagerly there).
+STACK_OPENFOLD_VARIANTS = ("openfold", "openfold_compile", "openfold_hfkit")
+
+
 def openfold_stack_here(device: torch.device | str | None, full: bool) -> pd.DataFrame | None:
     """OpenFold's own `EvoformerStack` beside hfkit's, measured now with `run_model_benchmark`
     (part "stack": forward+backward, bf16, per-block checkpointing, launched from Python and as a
-    CUDA graph; hfkit's eager, hfkit and compile_hfkit variants and OpenFold's `OPENFOLD_VARIANTS`:
-    as it is, compiled, swapped by `to_hfkit`), `af2_initial` with `full`, else the `tiny` preset.
+    CUDA graph; hfkit's eager, hfkit and compile_hfkit variants and OpenFold's `STACK_OPENFOLD_VARIANTS`:
+    as it is, compiled, swapped by `to_hfkit`; not the graphed ones, whose blocks run eagerly in a
+    checkpointed stack), `af2_initial` with `full`, else the `tiny` preset.
     Needs a CUDA device and OpenFold's source (`hfkit.bench.peers.load_openfold`); otherwise prints
     why it is skipped and returns None. Returns the rows as a frame (for
     `model_time_bars(frame, "evoformer_stack")`)."""
@@ -686,7 +691,7 @@ def openfold_stack_here(device: torch.device | str | None, full: bool) -> pd.Dat
         device,
         parts=("stack",),
         quick=not full,
-        variants=("eager", "hfkit", "compile_hfkit", *bench_model.OPENFOLD_VARIANTS),
+        variants=("eager", "hfkit", "compile_hfkit", *STACK_OPENFOLD_VARIANTS),
         stack_dtypes=("bf16",),
         checkpointing=(True,),
         stack_launch=("eager", "graph"),
