@@ -210,8 +210,13 @@ def test_bound_comparison_of_a_run(worker_rows):
     assert list(table["path"]) == ["small"] * 3
     largest = next(r for r in rows if r["provider"] == "hfreduce" and r["shape"] == [65536])
     assert measured_stage_rates(frame).as_dict() == largest["extra"]["stage_rates"]
-    # Committed results from before the stage rates: an empty table, no rates.
-    old = allreduce_frame(
-        load_comms_results(Path(__file__).resolve().parents[1] / "data" / "results" / "cpu")
-    )
+    # Results from before the stage rates (rows without them): an empty table, no rates.
+    bound_keys = ("stage_rates", "bound_ms", "bound_fraction", "path")
+    old_rows = [{**r, "extra": {k: v for k, v in r["extra"].items() if k not in bound_keys}} for r in rows]
+    old = allreduce_frame(rows_to_frame(old_rows))
     assert bound_comparison(old).empty and measured_stage_rates(old) is None
+    # The committed CPU results carry them: hfreduce's sizes, each with a positive bound.
+    committed = bound_comparison(
+        allreduce_frame(load_comms_results(Path(__file__).resolve().parents[1] / "data" / "results" / "cpu"))
+    )
+    assert not committed.empty and (committed["bound_ms"] > 0).all()
