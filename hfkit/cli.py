@@ -13,6 +13,10 @@ import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pandas is imported where a command needs it: `hfkit --help` starts without it
+    import pandas as pd
 
 __all__ = ["main"]
 
@@ -87,8 +91,15 @@ def _results_path(args: argparse.Namespace, folder: str, file_name: str) -> Path
     return out
 
 
-def _print_rows(rows: Sequence, ceilings: object | None, path: Path, kernels: bool) -> None:
+def _print_table(frame: pd.DataFrame, index: bool = False) -> None:
+    """Print a results table whole: every row and column, up to 250 characters wide."""
     import pandas as pd
+
+    with pd.option_context("display.max_rows", None, "display.width", 250, "display.max_columns", None):
+        print(frame.to_string(index=index))
+
+
+def _print_rows(rows: Sequence, ceilings: object | None, path: Path, kernels: bool) -> None:
 
     from hfkit.bench import best_peer_table, summary_table
 
@@ -97,11 +108,10 @@ def _print_rows(rows: Sequence, ceilings: object | None, path: Path, kernels: bo
             f"\n{ceilings.device_name}: copy {ceilings.copy_gbps:,.1f} GB/s, "
             f"matmul {ceilings.matmul_tflops:,.3f} TFLOP/s ({ceilings.matmul_dtype})"
         )
-    with pd.option_context("display.max_rows", None, "display.width", 250, "display.max_columns", None):
-        print(summary_table(rows).to_string(index=False))
-        if kernels:
-            print("\nhfkit against the fastest other provider:")
-            print(best_peer_table(rows).to_string(index=False))
+    _print_table(summary_table(rows))
+    if kernels:
+        print("\nhfkit against the fastest other provider:")
+        _print_table(best_peer_table(rows))
     print(f"\nwrote {len(rows)} rows to {path}")
 
 
@@ -167,7 +177,6 @@ def _cmd_bench_op(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_data(args: argparse.Namespace) -> int:
-    import pandas as pd
 
     from hfkit.bench import ResultFile, environment_info, rows_to_frame
     from hfkit.bench.data_cost import data_cost_table, run_data_cost_benchmark
@@ -187,14 +196,12 @@ def _cmd_bench_data(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     path = ResultFile(out, environment_info("cpu", args.command)).save(rows)
-    with pd.option_context("display.max_rows", None, "display.width", 200):
-        print(data_cost_table(rows_to_frame(rows)).to_string())
+    _print_table(data_cost_table(rows_to_frame(rows)), index=True)
     print(f"\nwrote {len(rows)} rows to {path} (rows with dtype 'synthetic' come from synthetic inputs)")
     return 0
 
 
 def _cmd_bench_comms(args: argparse.Namespace) -> int:
-    import pandas as pd
 
     from hfkit.bench import gpu_slug, rows_to_frame
     from hfkit.bench.ceilings import device_name
@@ -222,8 +229,7 @@ def _cmd_bench_comms(args: argparse.Namespace) -> int:
         return 1
     frame = rows_to_frame(rows)
     frame["busbw_gbps"] = [e.get("busbw_gbps") for e in frame["extra"]]
-    with pd.option_context("display.max_rows", None, "display.width", 200):
-        print(frame[["op", "provider", "mode", "shape_str", "p50_ms", "busbw_gbps"]].to_string(index=False))
+    _print_table(frame[["op", "provider", "mode", "shape_str", "p50_ms", "busbw_gbps"]])
     print(f"\nwrote {len(rows)} rows to {out} (allreduce) and {ddp_path(out)} (DDP steps)")
     return 0
 
@@ -358,10 +364,7 @@ def _cmd_bench_model(args: argparse.Namespace) -> int:
         command=args.command,
         progress=not args.no_progress,
     )
-    import pandas as pd
-
-    with pd.option_context("display.max_rows", None, "display.width", 250, "display.max_columns", None):
-        print(summary_table(rows).to_string(index=False))
+    _print_table(summary_table(rows))
     failed = sum(r.method == "error" for r in rows)
     print(f"\nwrote {len(rows)} rows ({failed} failed or skipped: see 'error') to {out}")
     return 0 if len(rows) > failed else 1
@@ -581,7 +584,6 @@ def _add_longseq_bench(bench_sub: argparse._SubParsersAction) -> None:
         return text if text == "auto" else int(text)
 
     def run(args: argparse.Namespace) -> int:
-        import pandas as pd
 
         from hfkit.bench import gpu_slug, resolve_device
         from hfkit.bench.ceilings import device_name
@@ -612,8 +614,7 @@ def _add_longseq_bench(bench_sub: argparse._SubParsersAction) -> None:
         except ValueError as err:
             print(f"hfkit bench longseq: {err}", file=sys.stderr)
             return 2
-        with pd.option_context("display.max_rows", None, "display.width", 250, "display.max_columns", None):
-            print(summary_table(rows).to_string(index=False))
+        _print_table(summary_table(rows))
         failed = sum(r.method == "error" for r in rows)
         print(
             f"\nwrote {len(rows)} rows to {out} ({failed} failed: see 'error'; "
@@ -670,7 +671,6 @@ def _add_dap_bench(bench_sub: argparse._SubParsersAction) -> None:
     from hfkit.bench.runner import DTYPES, MODES
 
     def run(args: argparse.Namespace) -> int:
-        import pandas as pd
 
         from hfkit.bench import gpu_slug, resolve_device
         from hfkit.bench.ceilings import device_name
@@ -698,8 +698,7 @@ def _add_dap_bench(bench_sub: argparse._SubParsersAction) -> None:
         except (ValueError, RuntimeError) as err:
             print(f"hfkit bench dap: {err}", file=sys.stderr)
             return 2 if isinstance(err, ValueError) else 1
-        with pd.option_context("display.max_rows", None, "display.width", 250, "display.max_columns", None):
-            print(summary_table(rows).to_string(index=False))
+        _print_table(summary_table(rows))
         failed = sum(r.method == "error" for r in rows)
         print(f"\nwrote {len(rows)} rows to {out} ({failed} failed: see 'error')")
         return 0 if len(rows) > failed else 1

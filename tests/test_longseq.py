@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from hfkit.bench.runner import randomize_parameters
 from hfkit.model import EvoformerStack, ExtraMSAStack, ModelConfig
 from hfkit.model.inference import (
     DEFAULT_CHUNK_SIZE,
@@ -27,17 +28,7 @@ REL_TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 def _randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Every parameter random (AlphaFold's zero "final" and gating inits would hide most paths)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            r = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)
-            if p.dim() == 2:
-                p.copy_(r * p.shape[1] ** -0.5)
-            elif "layer_norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.1 * r)
-            else:
-                p.copy_(0.1 * r)
-    return module.eval()
+    return randomize_parameters(module, seed).eval()
 
 
 def _stack(blocks: int = 1, mask_trans: bool = True, dtype=torch.float64, seed: int = 0) -> EvoformerStack:

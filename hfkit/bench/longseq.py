@@ -56,7 +56,15 @@ from hfkit.bench.results import (
     make_row,
     row_key,
 )
-from hfkit.bench.runner import DTYPES, Steps, free_memory, max_abs_err, measure_case, pick_profile
+from hfkit.bench.runner import (
+    DTYPES,
+    Steps,
+    free_memory,
+    max_abs_err,
+    measure_case,
+    pick_profile,
+    randomize_parameters,
+)
 from hfkit.bench.timing import Timing
 from hfkit.model import EvoformerStack, ModelConfig
 from hfkit.model.inference import lean_forward, resolve_chunk_sizes
@@ -148,29 +156,12 @@ def largest_fitting_n(fits: Callable[[int], bool], start: int, limit: int, resol
     return lo or None
 
 
-def _randomize(module: nn.Module, seed: int = 0) -> nn.Module:
-    """Every parameter random (seeded): AlphaFold's zero "final" and gating inits would make most of
-    the check trivially equal. Weights N(0, 1/fan_in), LayerNorm scales 1 + N(0, 0.1²), biases
-    N(0, 0.1²)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            r = torch.randn(p.shape, generator=gen)
-            if p.dim() == 2:
-                p.copy_(r * p.shape[1] ** -0.5)
-            elif "layer_norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.1 * r)
-            else:
-                p.copy_(0.1 * r)
-    return module
-
-
 def _hfkit_module(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """`module` randomized, on `device` in `dtype`, in eval mode, with hfkit's fused modules swapped in."""
     import hfkit.nn  # noqa: F401 - registers every swap
     from hfkit.nn.convert import to_hfkit
 
-    module = _randomize(module).to(device, dtype).eval()
+    module = randomize_parameters(module).to(device, dtype).eval()
     return to_hfkit(module)
 
 
@@ -310,7 +301,7 @@ def _openfold_block(run: _Run, config: ModelConfig) -> tuple[nn.Module | None, s
     of, reason = load_openfold()
     if of is None:
         return None, reason
-    module = _randomize(openfold_evoformer_block(of, config)).to(run.device, run.torch_dtype).eval()
+    module = randomize_parameters(openfold_evoformer_block(of, config)).to(run.device, run.torch_dtype).eval()
     return module, None
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
 from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
 from hfkit.bench.results import ResultRow, check_choice, make_row, row_environment
@@ -45,6 +46,7 @@ __all__ = [
     "measure_case",
     "op_benchmark",
     "pick_profile",
+    "randomize_parameters",
     "run_benchmark",
     "run_settings",
 ]
@@ -213,6 +215,23 @@ def max_abs_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     if actual.numel() == 0:
         return 0.0
     return float((actual.detach().float() - expected.detach().float()).abs().max())
+
+
+def randomize_parameters(module: nn.Module, seed: int = 0) -> nn.Module:
+    """Every parameter of `module` random (seeded; drawn on the CPU, so the same on every device), in
+    place; returns it. AlphaFold's zero "final" and gating inits would make most of a check trivially
+    equal. Matrices N(0, 1/fan_in), LayerNorm scales 1 + N(0, 0.1²), everything else N(0, 0.1²)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            r = torch.randn(p.shape, generator=gen)
+            if p.dim() == 2:
+                p.copy_(r * p.shape[1] ** -0.5)
+            elif "layer_norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * r)
+            else:
+                p.copy_(0.1 * r)
+    return module
 
 
 def _short(err: BaseException) -> str:

@@ -32,7 +32,16 @@ from torch import nn
 
 from hfkit.bench.peers import load_cuequivariance
 from hfkit.bench.results import check_choice
-from hfkit.bench.runner import Option, Prepared, Skip, Steps, max_abs_err, op_benchmark, pick_profile
+from hfkit.bench.runner import (
+    Option,
+    Prepared,
+    Skip,
+    Steps,
+    max_abs_err,
+    op_benchmark,
+    pick_profile,
+    randomize_parameters,
+)
 from hfkit.bench.timing import rotating
 
 __all__ = [
@@ -112,18 +121,7 @@ def make_trimul_module(case: TrimulCase, device: torch.device | str, seed: int =
     )
 
     cls = TriangleMultiplicationOutgoing if case.direction == "outgoing" else TriangleMultiplicationIncoming
-    module = cls(case.c_z, case.c_hidden).to(device)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            r = torch.randn(p.shape, generator=gen)
-            if p.dim() == 2:
-                p.copy_(r * p.shape[1] ** -0.5)
-            elif name.startswith("layer_norm") and name.endswith("weight"):
-                p.copy_(1.0 + 0.1 * r)
-            else:
-                p.copy_(0.1 * r)
-    return module
+    return randomize_parameters(cls(case.c_z, case.c_hidden), seed).to(device)
 
 
 def cueq_trimul(
