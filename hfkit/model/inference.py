@@ -353,15 +353,21 @@ def _lean_block_(
     _transition_(core.pair_transition, z, pair_transition_mask, c["pair_transition"])
 
 
-def _msa_row_attention_(att, m: torch.Tensor, z: torch.Tensor, mask: torch.Tensor, chunk: int) -> None:
-    """m += MSARowAttentionWithPairBias(m, z): the pair bias [*, H, N, N] once, then MSA rows."""
+def _chunked_bias(layer_norm, linear, z: torch.Tensor, no_heads: int, chunk: int) -> torch.Tensor:
+    """linear(layer_norm(z)) of z [*, N, N, c_z] as an attention bias [*, 1, H, N, N] (H = `no_heads`),
+    made `chunk` rows at a time: the normalised [*, N, N, c_z] copy is never whole."""
     n = z.shape[-2]
-    bias = z.new_empty((*z.shape[:-3], att.mha.no_heads, n, n))
+    bias = z.new_empty((*z.shape[:-3], no_heads, n, n))
     for start, size in _spans(n, chunk):
-        rows = att.linear_z(att.layer_norm_z(z.narrow(-3, start, size)))  # [*, size, N, H]
+        rows = linear(layer_norm(z.narrow(-3, start, size)))  # [*, size, N, H]
         bias.narrow(-2, start, size).copy_(rows.movedim(-1, -3))
         del rows
-    pair_bias = bias.unsqueeze(-4)  # [*, 1, H, N, N]: shared by all MSA rows
+    return bias.unsqueeze(-4)
+
+
+def _msa_row_attention_(att, m: torch.Tensor, z: torch.Tensor, mask: torch.Tensor, chunk: int) -> None:
+    """m += MSARowAttentionWithPairBias(m, z): the pair bias [*, H, N, N] once, then MSA rows."""
+    pair_bias = _chunked_bias(att.layer_norm_z, att.linear_z, z, att.mha.no_heads, chunk)  # all MSA rows
     for start, size in _spans(m.shape[-3], chunk):
         rows = m.narrow(-3, start, size)
         x = att.layer_norm_m(rows)
@@ -464,12 +470,7 @@ def _triangle_attention_(att: TriangleAttention, z: torch.Tensor, mask: torch.Te
     zv = z if att.starting else z.transpose(-2, -3)
     mask_v = mask if att.starting else mask.transpose(-1, -2)
     n = z.shape[-2]
-    bias = z.new_empty((*z.shape[:-3], att.mha.no_heads, n, n))
-    for start, size in _spans(n, chunk):
-        rows = att.linear(att.layer_norm(zv.narrow(-3, start, size)))  # [*, size, N, H]
-        bias.narrow(-2, start, size).copy_(rows.movedim(-1, -3))
-        del rows
-    triangle_bias = bias.unsqueeze(-4)  # [*, 1, H, N, N]: shared by all rows
+    triangle_bias = _chunked_bias(att.layer_norm, att.linear, zv, att.mha.no_heads, chunk)  # all rows
     for start, size in _spans(n, chunk):
         rows = zv.narrow(-3, start, size)
         x = att.layer_norm(rows)
