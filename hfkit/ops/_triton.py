@@ -138,18 +138,13 @@ if HAS_TRITON:
 def _arg_key(arg: Any) -> Any:
     """What Triton specializes a kernel argument on, or finer: a tensor's dtype and 16-byte alignment;
     an int's value class (0, 1, divisible by 16, 32- or 64-bit); a float's type; constexprs by value."""
-    kind = type(arg)  # exact-type checks first: most arguments are ints (sizes, strides) or tensors
-    if kind is int:
-        return arg in (0, 1), arg % 16 == 0, -(2**31) <= arg < 2**31, arg < 2**63
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    if kind is bool or arg is None:
-        return arg
-    if isinstance(arg, int):
-        return arg in (0, 1), arg % 16 == 0, -(2**31) <= arg < 2**31, arg < 2**63
-    if isinstance(arg, float):
-        return float
-    return arg
+    kind = type(arg)
+    if kind is not int:  # most arguments are plain ints (sizes, strides): straight to their key
+        if isinstance(arg, torch.Tensor):
+            return arg.dtype, arg.data_ptr() % 16 == 0
+        if kind is bool or arg is None or not isinstance(arg, int):
+            return float if isinstance(arg, float) else arg
+    return arg in (0, 1), arg % 16 == 0, -(2**31) <= arg < 2**31, arg < 2**63
 
 
 class BoundLaunch(NamedTuple):
