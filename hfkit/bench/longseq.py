@@ -328,6 +328,7 @@ def _bench_blocks(
                     notes["offload_msa"] = offload_msa
                 key = dict(op="longseq_block", provider=provider, mode="fwd", shape=[s, n], dtype=run.dtype)
                 flops = evoformer_block_flops(s, n, config)
+                module, check_against = block, reference
                 if provider == "openfold_chunked":
                     if theirs is None:
                         notes["error"] = f"skipped: {why_not}"
@@ -337,12 +338,10 @@ def _bench_blocks(
                     notes["inference"] = "OpenFold's EvoformerBlock, its own weights: " + ", ".join(
                         f"{k}={v}" for k, v in OPENFOLD_INFERENCE.items()
                     )
-                    ours = theirs
-                    ref = lambda: None  # noqa: E731 - other weights than hfkit's: no error check
-                else:
-                    ours, ref = block, reference
+                    # Other weights than hfkit's block: no error check against its forward.
+                    module, check_against = theirs, lambda: None
                 build = functools.partial(
-                    _block_steps, run, ours, provider, chunk, (s, n), config, ref, offload_msa
+                    _block_steps, run, module, provider, chunk, (s, n), config, check_against, offload_msa
                 )
                 with run.cpu_path():
                     row = measure_case(
