@@ -124,6 +124,22 @@ def test_calls_past_the_grid_limit_run_in_row_blocks(bias_shape, device, seed, m
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("group_rows", [1, 2, 4], ids=str)
+def test_rows_grouped_under_a_shared_bias(group_rows, device, seed, monkeypatch):
+    """With a pair bias shared along S, the forward runs rows side by side in groups (its program
+    order); B*S = 2*5 = 10 rows in groups of 2 and 4 (a ragged last group of 2), same results."""
+    evo = importlib.import_module("hfkit.ops.evoformer_attention")
+    monkeypatch.setattr(evo, "GROUP_ROWS", group_rows)
+    q, k, v = qkv(2, 5, 3, 19, 37, 16, torch.float32, device)
+    bias = torch.randn(2, 1, 3, 19, 37, device=device)
+    assert evo._group_rows(10, bias) == group_rows
+    assert evo._group_rows(10, torch.randn(2, 5, 3, 19, 37)) == 1  # a bias per row: row after row
+    mask = (torch.rand(2, 5, 37, device=device) > 0.3).float()
+    for name, actual, expected in run_both(q, k, v, bias, mask):
+        assert rel_err(actual, expected) < TOL[torch.float32], name
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_strided_inputs_and_fully_masked_rows(device, seed):
     # q, k, v as OpenFold's projections give them: [B, S, N, H, D] viewed as [B, S, H, N, D].
     q, k, v = (t.transpose(2, 3) for t in qkv(1, 2, 21, 3, 3, 32, torch.float32, device))

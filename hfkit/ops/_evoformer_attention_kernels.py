@@ -71,7 +71,7 @@ def _logits(
 @triton.jit
 def _evo_fwd_kernel(
     Q, K, V, Bias, KeyBias, O, Mx, Lg,
-    S, H, n_q, n_k, d, qk_scale,
+    S, H, n_q, n_k, d, qk_scale, group_rows,
     sqb, sqs, sqh, sqn, skb, sks, skh, skn, svb, svs, svh, svn, sob, sos, soh, son,
     sbb, sbs, sbh, sbq, sbk, skb_b, skb_s, skb_k,
     HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
@@ -80,8 +80,19 @@ def _evo_fwd_kernel(
     # Grid (query blocks, B*S*H). Traffic: q and o once; k, v (and the bias rows) once per query
     # block. Registers hold the q tile, the [BLOCK_M, BLOCK_D] float32 accumulator and one logits
     # tile; o has its own strides (the host lays it out like q), the statistics are [B*S*H, Q].
-    pid_m = tl.program_id(0)
-    bsh = tl.program_id(1)
+    # Program order: the GPU starts programs in launch order, so programs that run at the same time
+    # are neighbours in (row r = b*S + s, query block, head) order below, rows fastest in groups of
+    # `group_rows`. A bias shared by every row (triangle attention's [H, N, N] is 128 MB at N = 4096,
+    # more than L2) is then read from memory about once per group instead of once per row.
+    n_mb = tl.num_programs(0)
+    pid = tl.program_id(1) * n_mb + tl.program_id(0)
+    per_group = group_rows * n_mb * H
+    g = pid // per_group
+    local = pid - g * per_group
+    rows_here = tl.minimum(group_rows, tl.num_programs(1) // H - g * group_rows)
+    rest = local // rows_here
+    pid_m = rest % n_mb
+    bsh = (g * group_rows + local % rows_here) * H + rest // n_mb
     # int64 indices: s_ * sqs passes 2**31 once N > 4096 (q of triangle attention: [1, N, H, N, D]).
     h = (bsh % H).to(tl.int64)
     s_ = ((bsh // H) % S).to(tl.int64)

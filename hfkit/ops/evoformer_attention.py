@@ -41,6 +41,8 @@ LOG2E = 1.4426950408889634  # the kernels work in base 2: exp2(x * log2(e)) = ex
 
 # Head dims up to this are padded to a power of two (at least 16, the smallest tl.dot size).
 MAX_HEAD_DIM = 128
+# Rows the forward kernel runs side by side when they share one bias (see `_group_rows`).
+GROUP_ROWS = 16
 # CUDA's limit on a grid's y dimension: calls with more (batch, row, head) programs than this are
 # launched in row blocks (MSA column attention has N x heads of them: 98,304 at N = 12,288).
 MAX_GRID_Y = 65535
@@ -260,6 +262,13 @@ if HAS_TRITON:
 
         return [tuple(part(t, i, lo) for t in tensors) for i in range(b) for lo in range(0, s, step)]
 
+    def _group_rows(rows: int, bias: torch.Tensor | None) -> int:
+        """Rows (b, s) the forward kernel runs side by side per query block and head (see its program
+        order): GROUP_ROWS when the bias is shared along S (a pair bias), else 1 (row after row)."""
+        if bias is None or bias.shape[1] > 1:
+            return 1
+        return max(1, min(rows, GROUP_ROWS))
+
     def launch_fwd(q, k, v, bias, key_bias, o, mx, lg, cfg: Config) -> None:
         """Run the forward kernel with tiles `cfg` (q, k, v with unit-stride rows; o, mx, lg outputs)."""
         blocks = _split_rows(q, k, v, bias, key_bias, o, mx, lg)
@@ -271,7 +280,7 @@ if HAS_TRITON:
         n_k = k.shape[3]
         launch(_evo_fwd_kernel, (cdiv(n_q, cfg.block_m), b * s * h),
             q, k, v, bias, key_bias, o, mx, lg,
-            s, h, n_q, n_k, d, LOG2E / math.sqrt(d),
+            s, h, n_q, n_k, d, LOG2E / math.sqrt(d), _group_rows(b * s, bias),
             *_qkv_strides(q), *_qkv_strides(k), *_qkv_strides(v), *_qkv_strides(o),
             *_bias_strides(bias), *_key_bias_strides(key_bias),
             HAS_BIAS=bias is not None, HAS_KEY_BIAS=key_bias is not None, DOT=dot_mode(q),
