@@ -343,6 +343,23 @@ def test_split_over_threads_covers_the_range_once() -> None:
     assert seen == [(0, m)]
 
 
+def test_sum_pool_workers_run_torch_ops_on_one_thread() -> None:
+    """Each sum worker's torch ops run on its own core (no OpenMP team per worker), and the caller's
+    intra-op thread count is left as it was."""
+    before = torch.get_num_threads()
+    openmp = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+    pool = hfreduce.sum_pool(2)
+    try:
+        counts = [pool.submit(torch.get_num_threads).result() for _ in range(4)]
+    finally:
+        pool.shutdown()
+    assert torch.get_num_threads() == before
+    if openmp:
+        assert counts == [1] * 4
+    with pytest.raises(ValueError, match="threads: expected >= 1, got 0"):
+        hfreduce.sum_pool(0)
+
+
 def _cuda_streams(rank: int) -> list[tuple[str, float]]:
     """CUDA tensors through both paths, fp32 and bf16, with a producer on another stream (ready_event):
     errors against gloo's fp32 sum and the float32 sum rounded once; and whether two copy streams ran."""

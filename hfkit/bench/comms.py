@@ -38,7 +38,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -52,7 +51,7 @@ from torch import nn
 from hfkit.bench.results import ENV_KEYS, ResultFile, ResultRow, environment_info, make_row
 from hfkit.bench.timing import Timing
 from hfkit.parallel.cost_model import StageRates, hfreduce_bound
-from hfkit.parallel.hfreduce import HostReduce, default_threads, split_over_threads
+from hfkit.parallel.hfreduce import HostReduce, default_threads, split_over_threads, sum_pool
 
 __all__ = [
     "AF2_PARAMS",
@@ -248,7 +247,7 @@ def _host_seconds(nbytes: int, stream_bytes: int, threads: int, reps: int, ctrl:
             split_over_threads(lambda i, j, lo=lo: out[i:j].copy_(big[lo + i : lo + j]), m, threads, pool)
             split_over_threads(lambda i, j, lo=lo: big[lo + i : lo + j].copy_(out[i:j]), m, threads, pool)
 
-    pool = ThreadPoolExecutor(threads - 1) if threads > 1 else None
+    pool = sum_pool(threads) if threads > 1 else None
     try:
         summed = _median_seconds(lambda: split_over_threads(add_part, n, threads, pool), reps, cpu, ctrl,
                                  False, _calls_for(nbytes))  # fmt: skip

@@ -81,23 +81,39 @@ def default_threads(local_world_size: int) -> int:
     return max(1, cores // max(1, local_world_size))
 
 
+def _one_intra_op_thread() -> None:
+    # A sum worker's torch ops run on this thread alone. Under ATen's OpenMP backend the thread count is
+    # per thread, and each worker would otherwise open an OpenMP team as large as the machine: with 8
+    # workers per rank and two ranks on 16 cores, 256 threads (a 64 MB sum ran 3-4x slower on the
+    # H200 host). Elsewhere (ATen's native pool, shared by all threads) the setting is process-wide:
+    # left alone.
+    if "parallel backend: OpenMP" in torch.__config__.parallel_info():
+        torch.set_num_threads(1)
+
+
+def sum_pool(threads: int) -> ThreadPoolExecutor:
+    """A pool of `threads` workers for `split_over_threads`, each running its torch ops on one core."""
+    if threads < 1:
+        raise ValueError(f"threads: expected >= 1, got {threads}")
+    return ThreadPoolExecutor(threads, thread_name_prefix="hfreduce-sum", initializer=_one_intra_op_thread)
+
+
 def split_over_threads(
     fn: Callable[[int, int], object], m: int, threads: int, pool: ThreadPoolExecutor | None
 ) -> None:
     """Run `fn(a, b)` over [0, m) cut into up to `threads` contiguous parts of at least `_MIN_PART`
-    elements: the first on this thread, the rest on `pool` (torch ops release the GIL, so the parts
-    run on separate cores). Small ranges, or no pool, run inline in one call."""
+    elements, each on a worker of `pool` (a `sum_pool`: torch ops release the GIL, so the parts run on
+    separate cores, one core each) while this thread waits. Small ranges, or no pool, run here in one
+    call."""
     parts = max(1, min(threads, m // _MIN_PART)) if pool is not None else 1
     if parts == 1:
         fn(0, m)
         return
+    assert pool is not None
     bounds = [m * i // parts for i in range(parts + 1)]
-    futures = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, parts)]
-    try:
-        fn(bounds[0], bounds[1])
-    finally:
-        for f in futures:
-            f.result()
+    futures = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(parts)]
+    for f in futures:
+        f.result()
 
 
 def node_size(world_size: int, local_world_size: int | None = None) -> int:
@@ -188,7 +204,7 @@ class HostReduce:
         self._closed = False
         self._failure: str | None = None  # why an all-reduce failed; set once, then every call refuses
         self._copy_streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
-        self._pool: ThreadPoolExecutor | None = None  # threads - 1 workers beside the calling thread
+        self._pool: ThreadPoolExecutor | None = None  # `threads` sum workers (`sum_pool`)
         self._acc = torch.empty(0, dtype=torch.float32)  # bf16/fp16 accumulator
         self._private = torch.empty(0, dtype=torch.uint8)  # the small path's result for CUDA tensors
         self._turn = 0  # chunks (small messages count one) passed: their slot parity alternates
@@ -574,7 +590,7 @@ class HostReduce:
     def _parallel(self, fn: Callable[[int, int], object], m: int) -> None:
         """`split_over_threads` on this HostReduce's threads (the pool is made on first use)."""
         if self._pool is None and self.threads > 1 and m >= 2 * _MIN_PART:
-            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="hfreduce-sum")
+            self._pool = sum_pool(self.threads)
         split_over_threads(fn, m, self.threads, self._pool)
 
     def _sum_slots(self, inputs: torch.Tensor, out: torch.Tensor) -> None:
