@@ -285,8 +285,8 @@ def _threads_and_fp32_accumulation(rank: int, local_world_size: int | None) -> l
                 assert x.dtype == dtype
                 scale = max(1.0, float(ref.float().abs().max())) if dtype == torch.float32 else 1.0
                 errors.append((f"{dtype} {n=}", float((x.float() - ref.float()).abs().max()) / scale))
-        # The 1000003-element calls summed slices of >= 2 parts of _MIN_PART: the pool ran.
-        errors.append(("pool used", 0.0 if hr._pool is not None else 1.0))
+        # The sums ran on the host worker.
+        errors.append(("host worker used", 0.0 if hr._worker is not None else 1.0))
     return errors
 
 
@@ -322,42 +322,29 @@ def test_hfreduce_rejects_bad_threads_and_small_kb() -> None:
 
 def test_default_threads_share_the_cores() -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert hfreduce.default_threads(1) == cores
+    assert hfreduce.default_threads(1) == max(1, cores // 2)
     assert hfreduce.default_threads(10**6) == 1
 
 
-def test_split_over_threads_covers_the_range_once() -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
-    m = 5 * hfreduce._MIN_PART + 3
-    hits = torch.zeros(m, dtype=torch.int64)
-
-    def mark(a: int, b: int) -> None:
-        hits[a:b] += 1
-
-    with ThreadPoolExecutor(3) as pool:
-        hfreduce.split_over_threads(mark, m, 4, pool)
-    assert bool((hits == 1).all())
-    seen: list[tuple[int, int]] = []
-    hfreduce.split_over_threads(lambda a, b: seen.append((a, b)), m, 4, None)  # no pool: one call
-    assert seen == [(0, m)]
-
-
-def test_sum_pool_workers_run_torch_ops_on_one_thread() -> None:
-    """Each sum worker's torch ops run on its own core (no OpenMP team per worker), and the caller's
-    intra-op thread count is left as it was."""
+def test_host_worker_runs_torch_ops_on_its_own_threads() -> None:
+    """The host worker's torch ops use the intra-op thread count it was made with (OpenMP keeps it per
+    thread), run_on waits for the call, and the caller's own count is left as it was."""
     before = torch.get_num_threads()
     openmp = "parallel backend: OpenMP" in torch.__config__.parallel_info()
-    pool = hfreduce.sum_pool(2)
+    worker = hfreduce.host_worker(1)
+    seen: list[int] = []
     try:
-        counts = [pool.submit(torch.get_num_threads).result() for _ in range(4)]
+        hfreduce.run_on(worker, lambda: seen.append(torch.get_num_threads()))
+        assert len(seen) == 1  # run_on returned after the call ran
     finally:
-        pool.shutdown()
+        worker.shutdown()
     assert torch.get_num_threads() == before
     if openmp:
-        assert counts == [1] * 4
+        assert seen == [1]
+    hfreduce.run_on(None, lambda: seen.append(0))  # no worker: runs here
+    assert seen[-1] == 0
     with pytest.raises(ValueError, match="threads: expected >= 1, got 0"):
-        hfreduce.sum_pool(0)
+        hfreduce.host_worker(0)
 
 
 def _cuda_streams(rank: int) -> list[tuple[str, float]]:

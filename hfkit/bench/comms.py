@@ -51,7 +51,7 @@ from torch import nn
 from hfkit.bench.results import ENV_KEYS, ResultFile, ResultRow, environment_info, make_row
 from hfkit.bench.timing import Timing
 from hfkit.parallel.cost_model import StageRates, hfreduce_bound
-from hfkit.parallel.hfreduce import HostReduce, default_threads, split_over_threads, sum_pool
+from hfkit.parallel.hfreduce import HostReduce, default_threads, host_worker, run_on
 
 __all__ = [
     "AF2_PARAMS",
@@ -230,31 +230,27 @@ def _calls_for(nbytes: int) -> int:
 
 def _host_seconds(nbytes: int, stream_bytes: int, threads: int, reps: int, ctrl: Any) -> tuple[float, float]:
     """Seconds of a 2-input add of `nbytes` of fp32, and of copying `stream_bytes` into and out of an
-    `nbytes` buffer chunk by chunk (as hfreduce copies a CPU tensor to its slot and back), on `threads`
-    threads as HostReduce splits them (`split_over_threads`), every rank at once (the slowest rank's
-    median)."""
+    `nbytes` buffer chunk by chunk (as hfreduce copies a CPU tensor to its slot and back), on a host
+    worker with `threads` intra-op threads as HostReduce runs them (`host_worker`), every rank at once
+    (the slowest rank's median)."""
     n = max(1, nbytes // 4)
     a, b, out = (torch.ones(n) for _ in range(3))
     big = torch.ones(max(n, stream_bytes // 4))
     cpu = torch.device("cpu")
-
-    def add_part(i: int, j: int) -> None:
-        torch.add(a[i:j], b[i:j], out=out[i:j])
+    worker = host_worker(threads)
 
     def copy_chunks() -> None:
         for lo in range(0, big.numel(), n):
             m = min(n, big.numel() - lo)
-            split_over_threads(lambda i, j, lo=lo: out[i:j].copy_(big[lo + i : lo + j]), m, threads, pool)
-            split_over_threads(lambda i, j, lo=lo: big[lo + i : lo + j].copy_(out[i:j]), m, threads, pool)
+            run_on(worker, lambda lo=lo, m=m: out[:m].copy_(big[lo : lo + m]))
+            run_on(worker, lambda lo=lo, m=m: big[lo : lo + m].copy_(out[:m]))
 
-    pool = sum_pool(threads) if threads > 1 else None
     try:
-        summed = _median_seconds(lambda: split_over_threads(add_part, n, threads, pool), reps, cpu, ctrl,
+        summed = _median_seconds(lambda: run_on(worker, lambda: torch.add(a, b, out=out)), reps, cpu, ctrl,
                                  False, _calls_for(nbytes))  # fmt: skip
         copied = _median_seconds(copy_chunks, reps, cpu, ctrl, False, _calls_for(big.numel() * 4))
     finally:
-        if pool is not None:
-            pool.shutdown()
+        worker.shutdown()
     return summed, copied
 
 

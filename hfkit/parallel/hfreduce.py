@@ -6,16 +6,16 @@ slice of the chunk over all L local slots (a reduce-scatter on the CPU); the nod
 across nodes over gloo; every rank copies the summed chunk host→device. One PCIe crossing each way and
 no GPU kernels. The pipeline: device→host and host→device copies run on two CUDA streams (both copy
 engines), so chunk k+1's download and chunk k-1's upload overlap the host sum of chunk k; slots and
-results are double-buffered. The host sum is torch adds on the preallocated slots, one pass per slot,
-spread over the rank's share of the cores by worker threads (torch ops release the GIL). On the 2-core
-CPU machine a 64 MiB fp32 add (counting read, read, write) ran at 11-12 GB/s on one thread, 21-22 GB/s
-on two pool threads and 21-23 GB/s on torch's two intra-op threads (interleaved runs, medians): the
-same within noise, and `torch.set_num_threads` is a process-wide setting that would also change the
-training's own ops, so the pool is used; bf16/fp16 are summed in a float32
+results are double-buffered. The host sum is torch adds on the preallocated slots, one pass per slot, run
+by one host worker thread per rank whose torch ops use `threads` intra-op (OpenMP) threads: one op per
+pass over the whole slice. A pool of Python threads each adding a part ran 3x slower on the H200 host (2
+ranks, 16 cores): every worker opened an OpenMP team of its own, and the parts were too small for the
+hand-offs. The thread count is the worker's own (OpenMP keeps it per thread), so the training's ops
+keep theirs. bf16/fp16 are summed in a float32
 accumulator (also across nodes) and rounded once. The node's ranks meet once per chunk; on x86 that is
 a barrier of counters in the shared segment (a few microseconds), elsewhere a gloo barrier (~0.1 ms),
 since the counters rely on x86's store ordering. CPU tensors skip the device copies: their data is
-copied to and from the shared slots by the same threads. Messages of at most `small_kb` on one node
+copied to and from the shared slots by the same worker. Messages of at most `small_kb` on one node
 take a path with one barrier instead of two: each rank sums all L slots into its own tensor.
 
 Under faults: a rank that gives up (timeout, failed peer, `close()`) marks itself in the shared segment, so
@@ -50,9 +50,6 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 # 1.27/0.66/0.78/1.36 ms for the two-barrier pipeline; the limit stays at 256 KB because each rank sums
 # all L slots of the message there, L times the host traffic of its 1/L slice in the pipeline.
 DEFAULT_SMALL_KB = 256.0
-# The host sum and CPU copies split a range over threads only in parts of at least this many elements:
-# below, a thread hand-off (~10-20 µs) costs more than the part's work.
-_MIN_PART = 1 << 16
 # Chunk sizes are rounded down to this many bytes so that every dtype's view of a slot is aligned.
 _ALIGN = 64
 # Each local rank's 64-byte cache line at the start of the segment holds its barrier counter (int64 0)
@@ -75,45 +72,38 @@ def _env_int(name: str) -> int | None:
 
 
 def default_threads(local_world_size: int) -> int:
-    """Host-sum threads per rank: the cores this process may run on, shared evenly by the node's
-    `local_world_size` ranks (at least 1)."""
+    """Intra-op threads of each rank's host worker: half the cores this process may run on, shared
+    evenly by the node's `local_world_size` ranks (at least 1). Half: an OpenMP team spins between its
+    parallel regions, and teams as large as a rank's whole share competed with the ranks' main threads
+    and the CUDA driver (2 ranks on the H200 host's 16 cores, 64 MB: 6.3 ms with 4 threads a rank,
+    7.7 ms with 8)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, local_world_size))
+    return max(1, cores // (2 * max(1, local_world_size)))
 
 
-def _one_intra_op_thread() -> None:
-    # A sum worker's torch ops run on this thread alone. Under ATen's OpenMP backend the thread count is
-    # per thread, and each worker would otherwise open an OpenMP team as large as the machine: with 8
-    # workers per rank and two ranks on 16 cores, 256 threads (a 64 MB sum ran 3-4x slower on the
-    # H200 host). Elsewhere (ATen's native pool, shared by all threads) the setting is process-wide:
-    # left alone.
+def _set_intra_op_threads(threads: int) -> None:
+    # Under ATen's OpenMP backend the count is the calling thread's own; under its native pool it is
+    # process-wide, so there the worker keeps the process's setting.
     if "parallel backend: OpenMP" in torch.__config__.parallel_info():
-        torch.set_num_threads(1)
+        torch.set_num_threads(threads)
 
 
-def sum_pool(threads: int) -> ThreadPoolExecutor:
-    """A pool of `threads` workers for `split_over_threads`, each running its torch ops on one core."""
+def host_worker(threads: int) -> ThreadPoolExecutor:
+    """One thread for hfreduce's host sums and copies, its torch ops on `threads` intra-op threads
+    (run a call there with `run_on`)."""
     if threads < 1:
         raise ValueError(f"threads: expected >= 1, got {threads}")
-    return ThreadPoolExecutor(threads, thread_name_prefix="hfreduce-sum", initializer=_one_intra_op_thread)
+    return ThreadPoolExecutor(
+        1, thread_name_prefix="hfreduce-host", initializer=_set_intra_op_threads, initargs=(threads,)
+    )
 
 
-def split_over_threads(
-    fn: Callable[[int, int], object], m: int, threads: int, pool: ThreadPoolExecutor | None
-) -> None:
-    """Run `fn(a, b)` over [0, m) cut into up to `threads` contiguous parts of at least `_MIN_PART`
-    elements, each on a worker of `pool` (a `sum_pool`: torch ops release the GIL, so the parts run on
-    separate cores, one core each) while this thread waits. Small ranges, or no pool, run here in one
-    call."""
-    parts = max(1, min(threads, m // _MIN_PART)) if pool is not None else 1
-    if parts == 1:
-        fn(0, m)
-        return
-    assert pool is not None
-    bounds = [m * i // parts for i in range(parts + 1)]
-    futures = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(parts)]
-    for f in futures:
-        f.result()
+def run_on(worker: ThreadPoolExecutor | None, fn: Callable[[], object]) -> None:
+    """Run `fn()` on `worker` (a `host_worker`) and wait for it; here when `worker` is None."""
+    if worker is None:
+        fn()
+    else:
+        worker.submit(fn).result()
 
 
 def node_size(world_size: int, local_world_size: int | None = None) -> int:
@@ -204,7 +194,7 @@ class HostReduce:
         self._closed = False
         self._failure: str | None = None  # why an all-reduce failed; set once, then every call refuses
         self._copy_streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
-        self._pool: ThreadPoolExecutor | None = None  # `threads` sum workers (`sum_pool`)
+        self._worker: ThreadPoolExecutor | None = None  # the host worker (`host_worker`), made on first use
         self._acc = torch.empty(0, dtype=torch.float32)  # bf16/fp16 accumulator
         self._private = torch.empty(0, dtype=torch.uint8)  # the small path's result for CUDA tensors
         self._turn = 0  # chunks (small messages count one) passed: their slot parity alternates
@@ -337,9 +327,9 @@ class HostReduce:
             self._pinned = False
         self._segment = self._buf = torch.empty(0, dtype=torch.uint8)
         self._flags = self._flags[:0].copy()  # drops the view that kept the mapping alive
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
+        if self._worker is not None:
+            self._worker.shutdown(wait=False)
+            self._worker = None
 
     def __enter__(self) -> HostReduce:
         return self
@@ -528,7 +518,7 @@ class HostReduce:
                 with torch.cuda.stream(d2h):
                     dst.copy_(flat[lo:hi], non_blocking=True)
             else:
-                self._parallel(lambda a, b: dst[a:b].copy_(flat[lo + a : lo + b]), hi - lo)
+                self._on_worker(lambda: dst.copy_(flat[lo:hi]))
 
         def read(k: int) -> None:  # summed chunk k → my tensor (host→device on its stream)
             lo, hi = span(k)
@@ -537,7 +527,7 @@ class HostReduce:
                 with torch.cuda.stream(h2d):
                     flat[lo:hi].copy_(src, non_blocking=True)
             else:
-                self._parallel(lambda a, b: flat[lo + a : lo + b].copy_(src[a:b]), hi - lo)
+                self._on_worker(lambda: flat[lo:hi].copy_(src))
 
         def reduce(k: int) -> None:  # my slice of chunk k: sum over local slots, then across nodes
             lo, hi = span(k)
@@ -587,40 +577,39 @@ class HostReduce:
             self._acc = torch.empty(m, dtype=torch.float32)
         return self._acc[:m]
 
-    def _parallel(self, fn: Callable[[int, int], object], m: int) -> None:
-        """`split_over_threads` on this HostReduce's threads (the pool is made on first use)."""
-        if self._pool is None and self.threads > 1 and m >= 2 * _MIN_PART:
-            self._pool = sum_pool(self.threads)
-        split_over_threads(fn, m, self.threads, self._pool)
+    def _on_worker(self, fn: Callable[[], object]) -> None:
+        """`fn()` on this HostReduce's host worker (made on first use)."""
+        if self._worker is None:
+            self._worker = host_worker(self.threads)
+        run_on(self._worker, fn)
 
     def _sum_slots(self, inputs: torch.Tensor, out: torch.Tensor) -> None:
         """out = the sum of `inputs` [L, m] over its first axis, then across nodes (rail group);
         bf16/fp16 accumulate in a float32 scratch (also across nodes) and are rounded once into `out`.
-        Adds, one pass per slot, spread over the threads (faster on the CPU than torch.sum over the
-        slot axis)."""
-        L, m = inputs.shape
+        Adds, one pass per slot, on the host worker (faster on the CPU than torch.sum over the slot
+        axis)."""
+        L = inputs.shape[0]
         widen = out.dtype in (torch.bfloat16, torch.float16)
-        acc = self._accumulator(m) if widen else out
+        acc = self._accumulator(inputs.shape[1]) if widen else out
         cross = self._rail_group is not None
 
-        def local(a: int, b: int) -> None:
-            part, src = acc[a:b], inputs[:, a:b]
+        def local() -> None:
             if L == 1 or widen:
-                part.copy_(src[0])
+                acc.copy_(inputs[0])
                 rest = range(1, L)
             else:
-                torch.add(src[0], src[1], out=part)
+                torch.add(inputs[0], inputs[1], out=acc)
                 rest = range(2, L)
             for i in rest:
-                part.add_(src[i])
+                acc.add_(inputs[i])
             if widen and not cross:
-                out[a:b].copy_(part)
+                out.copy_(acc)
 
-        self._parallel(local, m)
+        self._on_worker(local)
         if cross:
             self._cross_node(acc)
             if widen:
-                self._parallel(lambda a, b: out[a:b].copy_(acc[a:b]), m)
+                self._on_worker(lambda: out.copy_(acc))
 
 
 # ---------------------------------------------------------------- one-call all-reduce
