@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from hfkit.parallel.hfreduce import HostReduce, node_size
+from hfkit.parallel.hfreduce import DEFAULT_CHUNK_MB, HostReduce, node_size
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 BACKENDS = ("nccl", "gloo", "hfreduce")
@@ -180,7 +180,7 @@ class DistributedDataParallel(nn.Module):
         timeout: timedelta = DEFAULT_TIMEOUT,
         compress: str | None = None,
         process_group: dist.ProcessGroup | None = None,
-        chunk_mb: float = 4.0,
+        chunk_mb: float = DEFAULT_CHUNK_MB,
         local_world_size: int | None = None,
     ) -> None:
         super().__init__()

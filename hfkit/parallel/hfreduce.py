@@ -45,6 +45,10 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+# Pipeline chunk. Fewer, larger chunks pay the per-chunk barrier, stream waits and launches less often;
+# larger ones fill the pipeline longer. An H200 shared by 2 ranks: 64 MB took 7.9/4.7/4.6/6.3 ms and
+# 1 GB 106/67/56/60 ms with 4/8/16/32 MB chunks; by 4 ranks, 1 GB took 178/122/104/123 ms.
+DEFAULT_CHUNK_MB = 16.0
 # Messages up to this size on one node take the one-barrier small path. On the 2-core CPU machine (2
 # ranks, interleaved medians) it took 0.63/0.33/0.42/0.92 ms at 4 KB/64 KB/256 KB/1 MB against
 # 1.27/0.66/0.78/1.36 ms for the two-barrier pipeline; the limit stays at 256 KB because each rank sums
@@ -136,18 +140,17 @@ class HostReduce:
     reduced. After a failure (a barrier timeout, a peer that gave up, a failed cross-node all-reduce)
     every later `allreduce_` raises RuntimeError: the ranks no longer agree on the chunk sequence.
 
-    Tuning: `chunk_mb` (default 4 MiB: at H200's measured ~55 GB/s per copy direction a chunk's copy takes
-    ~76 µs, long beside the ~5 µs counter barrier and the copy launches, while a 64 MB message still fills
-    the pipeline in 1/16 of its time; `hfkit.parallel.cost_model.best_chunk_bytes` picks one from the
-    stage rates `hfkit bench comms` measures and a per-chunk cost); `threads`, the host-sum threads
-    (default `default_threads`: this process's cores over the node's ranks); `small_kb`, the largest
-    message (capped at one chunk) that takes the one-barrier small path on one node.
+    Tuning: `chunk_mb` (default `DEFAULT_CHUNK_MB`; `hfkit.parallel.cost_model.best_chunk_bytes` picks
+    one from the stage rates `hfkit bench comms` measures and a per-chunk cost); `threads`, the host
+    worker's intra-op threads (default `default_threads`: half this process's cores over the node's
+    ranks); `small_kb`, the largest message (capped at one chunk) that takes the one-barrier small path
+    on one node.
     """
 
     def __init__(
         self,
         process_group: dist.ProcessGroup | None = None,
-        chunk_mb: float = 4.0,
+        chunk_mb: float = DEFAULT_CHUNK_MB,
         local_world_size: int | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
         threads: int | None = None,
@@ -621,7 +624,7 @@ def allreduce(
     tensor: torch.Tensor,
     backend: str = "gloo",
     group: dist.ProcessGroup | None = None,
-    chunk_mb: float = 4.0,
+    chunk_mb: float = DEFAULT_CHUNK_MB,
     local_world_size: int | None = None,
 ) -> torch.Tensor:
     """Sum `tensor` over `group` in place with backend "nccl" | "gloo" (dist.all_reduce on that group,
