@@ -18,7 +18,15 @@ import torch.nn.functional as F  # noqa: N812
 from conftest import output_and_grads
 
 from hfkit.ops import linear, linear_reference, reference_on_cpu
-from hfkit.ops.linear import CONFIGS, _matmul, _split_k, default_config, uses_triton
+from hfkit.ops.linear import (
+    CONFIGS,
+    CUDA_CONFIG,
+    SMALL_OUTPUT_CONFIG,
+    _matmul,
+    _split_k,
+    default_config,
+    uses_triton,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -222,7 +230,9 @@ def test_weight_gradient_over_many_rows_on_cuda_splits_k(seed):
     # [512, 512] over 65536 rows: 16 output tiles, split over K to fill the SMs.
     x = torch.randn(65536, 512, device="cuda")
     weight = torch.randn(512, 512, device="cuda") / 512**0.5
-    assert _split_k(512, 512, 65536, default_config(x.device), x.device) > 1
+    assert _split_k(512, 512, 65536, default_config(x.device, 512, 512), x.device) > 1
+    assert default_config(x.device, 512, 512) == SMALL_OUTPUT_CONFIG  # 16 output tiles
+    assert default_config(x.device, 65536, 512) == CUDA_CONFIG
     check_against_float64(x, weight, torch.randn(512, device="cuda"))
 
 
