@@ -15,6 +15,7 @@ from hfkit.model.inference import (
     LEAN_OPS,
     BlockWidths,
     choose_chunk_size,
+    holds_attention_logits,
     lean_forward,
     lean_working_set_bytes,
     resolve_chunk_sizes,
@@ -215,6 +216,38 @@ def test_auto_chunk_choice_from_free_memory() -> None:
     assert set(choose_chunk_size(AF2_WIDTHS, s, n, 2, 2**60).values()) == {128, 4096}
     with pytest.raises(torch.OutOfMemoryError, match="chunk 1"):
         choose_chunk_size(AF2_WIDTHS, s, n, 2, 2**20)
+
+
+def test_working_set_without_logits() -> None:
+    """logits=False drops exactly the attention logits and their softmax (2 c H L²); the other ops and
+    the held pair biases stay. With fused attention, 'auto' at N = 4096 on 40 GiB runs the triangle
+    attention in one chunk, where counting logits cut it to a few rows."""
+    n, s, c = 4096, 128, 32
+    with_logits = lean_working_set_bytes(AF2_WIDTHS, s, n, c, 2)
+    without = lean_working_set_bytes(AF2_WIDTHS, s, n, c, 2, logits=False)
+    assert with_logits["triangle_attention"] - without["triangle_attention"] == 2 * (2 * c * 4 * n * n)
+    assert with_logits["msa_row_attention"] - without["msa_row_attention"] == 2 * (2 * c * 8 * n * n)
+    assert with_logits["msa_column_attention"] - without["msa_column_attention"] == 2 * (2 * c * 8 * s * s)
+    for op in ("msa_transition", "outer_product_mean", "triangle_multiplication", "pair_transition"):
+        assert with_logits[op] == without[op], op
+    free = 40 * 2**30
+    counted = choose_chunk_size(AF2_WIDTHS, s, n, 2, free)
+    fused = choose_chunk_size(AF2_WIDTHS, s, n, 2, free, logits=False)
+    assert all(fused[op] >= counted[op] for op in LEAN_OPS)
+    assert fused["triangle_attention"] == n > counted["triangle_attention"]
+
+
+def test_holds_attention_logits() -> None:
+    """A plain block's attention holds its logits; hfkit's fused attention does not where its kernels
+    run (here the interpreter on CPU), and does where they do not (float64 runs the reference)."""
+    from hfkit.nn import to_hfkit
+
+    block = _stack().blocks[0]
+    m, z, _, _ = _inputs(TINY.c_m, dtype=torch.float32)
+    assert holds_attention_logits(block, m, z)
+    fused = to_hfkit(_stack(dtype=torch.float32).blocks[0])
+    assert not holds_attention_logits(fused, m, z)
+    assert holds_attention_logits(fused, m.double(), z.double())
 
 
 def test_resolve_chunk_sizes() -> None:

@@ -123,7 +123,13 @@ class BlockWidths:
 
 
 def lean_working_set_bytes(
-    widths: BlockWidths, n_seq: int, n_res: int, chunk_size: int, itemsize: int, batch: int = 1
+    widths: BlockWidths,
+    n_seq: int,
+    n_res: int,
+    chunk_size: int,
+    itemsize: int,
+    batch: int = 1,
+    logits: bool = True,
 ) -> dict[str, int]:
     """Estimated peak bytes each op of `lean_forward` allocates beyond m [B, S, N, C_m] and
     z [B, N, N, C_z] with chunks of `chunk_size`: the tensor the op stores whole plus the temporaries
@@ -141,8 +147,9 @@ def lean_working_set_bytes(
         triangle_attention      H_z N² + c N (2 C_z + 5 H_z d_z) + 2 c H_z N²
         pair_transition         c N C_z (2 + 2 n)
 
-    The attention terms count plain-torch logits; the fused attention never holds them, so there the
-    estimate is an upper bound. Returns {op: bytes} in the order above (`LEAN_OPS`).
+    `logits`: the attention terms count plain-torch logits and their softmax (2 c H L² for c rows of
+    L keys); without, they are left out, as hfkit's fused attention never holds them. Returns
+    {op: bytes} in the order above (`LEAN_OPS`).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
@@ -150,13 +157,14 @@ def lean_working_set_bytes(
     r, k = min(chunk_size, s), min(chunk_size, n)
     qkvgo_m = 5 * w.heads_msa * w.c_hidden_msa
     qkvgo_z = 5 * w.heads_pair * w.c_hidden_pair
+    held = 2 * logits  # logits and their softmax, per attention row
     elements = (
-        w.heads_msa * n * n + r * n * (2 * w.c_m + qkvgo_m) + 2 * r * w.heads_msa * n * n,
-        k * s * (2 * w.c_m + qkvgo_m) + 2 * k * w.heads_msa * s * s,
+        w.heads_msa * n * n + r * n * (2 * w.c_m + qkvgo_m) + held * r * w.heads_msa * n * n,
+        k * s * (2 * w.c_m + qkvgo_m) + held * k * w.heads_msa * s * s,
         r * n * w.c_m * (2 + 2 * w.transition_n),
         2 * s * n * w.c_hidden_opm + k * n * (w.c_hidden_opm**2 + 2 * w.c_z),
         w.c_hidden_mul * n * n + k * n * (4 * w.c_z + 6 * w.c_hidden_mul),
-        w.heads_pair * n * n + k * n * (2 * w.c_z + qkvgo_z) + 2 * k * w.heads_pair * n * n,
+        w.heads_pair * n * n + k * n * (2 * w.c_z + qkvgo_z) + held * k * w.heads_pair * n * n,
         k * n * w.c_z * (2 + 2 * w.transition_n),
     )
     return {op: int(e * itemsize * batch) for op, e in zip(LEAN_OPS, elements, strict=True)}
@@ -170,23 +178,26 @@ def choose_chunk_size(
     free_bytes: int,
     batch: int = 1,
     fraction: float = AUTO_MEMORY_FRACTION,
+    logits: bool = True,
 ) -> dict[str, int]:
     """Per op of `LEAN_OPS`, the largest power of two c (from 1 up to the first power of two >= the
-    op's chunked axis, S or N: one chunk) whose `lean_working_set_bytes` fits in `fraction *
-    free_bytes`. Raises `torch.OutOfMemoryError` naming the op when not even c = 1 fits."""
+    op's chunked axis, S or N: one chunk) whose `lean_working_set_bytes` (with `logits`) fits in
+    `fraction * free_bytes`. Raises `torch.OutOfMemoryError` naming the op when not even c = 1 fits."""
     if free_bytes < 0:
         raise ValueError(f"free_bytes: expected >= 0, got {free_bytes}")
     budget = fraction * free_bytes
+
+    def sizes(chunk: int) -> dict[str, int]:
+        return lean_working_set_bytes(widths, n_seq, n_res, chunk, itemsize, batch, logits)
+
     chosen: dict[str, int] = {}
     for op in LEAN_OPS:
         axis = n_seq if op in _MSA_ROW_OPS else n_res
         chunk = 1 << max(0, math.ceil(math.log2(max(axis, 1))))
-        while (
-            chunk >= 1 and lean_working_set_bytes(widths, n_seq, n_res, chunk, itemsize, batch)[op] > budget
-        ):
+        while chunk >= 1 and sizes(chunk)[op] > budget:
             chunk //= 2
         if chunk < 1:
-            need = lean_working_set_bytes(widths, n_seq, n_res, 1, itemsize, batch)[op]
+            need = sizes(1)[op]
             raise torch.OutOfMemoryError(
                 f"chunk_size='auto': expected a chunk of {op} to fit in {fraction:.0%} of "
                 f"{free_bytes / 2**30:.2f} GiB free, but even chunk 1 needs an estimated "
@@ -260,6 +271,19 @@ def lean_forward(
     return z if isinstance(module, ExtraMSAStack) else (m, z)
 
 
+def holds_attention_logits(block: EvoformerBlock, m: torch.Tensor, z: torch.Tensor) -> bool:
+    """Whether any attention of `block` (MSA row and column, both triangle attentions) holds its
+    logits on inputs like m (MSA) and z (pair): `Attention.holds_logits` of each."""
+    core = block.core
+    msa_col = block.msa_att_col
+    column = [] if isinstance(msa_col, MSAColumnGlobalAttention) else [msa_col._msa_att.mha]
+    return (
+        block.msa_att_row.mha.holds_logits(m)
+        or any(a.holds_logits(m) for a in column)
+        or any(a.mha.holds_logits(z) for a in (core.tri_att_start, core.tri_att_end))
+    )
+
+
 def resolve_chunk_sizes(
     module: EvoformerBlock | EvoformerStack | ExtraMSAStack,
     m: torch.Tensor,
@@ -268,7 +292,9 @@ def resolve_chunk_sizes(
 ) -> dict[str, int]:
     """The chunk of each op of `LEAN_OPS` that `lean_forward(module, m, z, ..., chunk_size)` uses: an
     int for every op; None: each op's whole axis (S or N) in one chunk; "auto": `choose_chunk_size`
-    from `free_device_memory(z.device)` (off CUDA: `DEFAULT_CHUNK_SIZE` for every op)."""
+    from `free_device_memory(z.device)`, counting attention logits only where the block's attention
+    holds them (`Attention.holds_logits`: not hfkit's fused attention on a GPU) (off CUDA:
+    `DEFAULT_CHUNK_SIZE` for every op)."""
     n_seq, n_res = m.shape[-3], m.shape[-2]
     if chunk_size is None:
         return {op: max(n_seq if op in _MSA_ROW_OPS else n_res, 1) for op in LEAN_OPS}
@@ -278,7 +304,9 @@ def resolve_chunk_sizes(
             return dict.fromkeys(LEAN_OPS, DEFAULT_CHUNK_SIZE)
         block = module if isinstance(module, EvoformerBlock) else module.blocks[0]
         batch = math.prod(z.shape[:-3])
-        return choose_chunk_size(BlockWidths.from_block(block), n_seq, n_res, z.element_size(), free, batch)
+        logits = holds_attention_logits(block, m, z)
+        widths = BlockWidths.from_block(block)
+        return choose_chunk_size(widths, n_seq, n_res, z.element_size(), free, batch, logits=logits)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive int, None or 'auto', got {chunk_size!r}")
     return dict.fromkeys(LEAN_OPS, chunk_size)

@@ -199,6 +199,11 @@ class Attention(nn.Module):
             o = o * g
         return self.linear_o(o.flatten(-2))
 
+    def holds_logits(self, x: torch.Tensor) -> bool:
+        """Whether a call on inputs like x (its device and dtype) holds the [*, H, Q, K] logits in
+        memory: always here (plain torch); a fused subclass may not."""
+        return True
+
     def _attend_reference(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, biases: list[torch.Tensor]
     ) -> torch.Tensor:

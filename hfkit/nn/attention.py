@@ -16,7 +16,7 @@ from torch import nn
 
 from hfkit.model.primitives import Attention
 from hfkit.nn.convert import register_swap
-from hfkit.ops.evoformer_attention import evoformer_attention
+from hfkit.ops.evoformer_attention import evoformer_attention, uses_triton
 from hfkit.ops.gated_linear import gated_linear
 
 __all__ = [
@@ -47,6 +47,12 @@ class EvoformerAttention(Attention):
             q, k, v = self._project(q_x, kv_x)
             return self._wrap_up(self._attend_reference(q, k, v, biases), q_x)
         return fused_gated_attention(self, q_x, kv_x, mapped)
+
+    def holds_logits(self, x: torch.Tensor) -> bool:
+        """Whether a call on inputs like x holds the logits: only where the op runs its reference
+        (`hfkit.ops.evoformer_attention.uses_triton` false for x's device and dtype), or where its
+        biases do not map (see the class docstring; the lean path's always do)."""
+        return not uses_triton(x.new_empty((1, self.c_hidden)))
 
     def _wrap_up(self, o: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
         """`Attention._wrap_up` as `hfkit.ops.gated_linear` (see `gated_output`)."""
