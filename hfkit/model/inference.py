@@ -15,14 +15,16 @@ their references). What each op keeps while it runs, with c the chunk size:
 - Triangle multiplication: the update of row i needs the whole of one projection, so that one is
   stored once in the compute dtype, channel-first [*, C_h, N, N] (b for "outgoing", a for "incoming");
   the other projection, the output gate and the update are computed for c output rows (outgoing) or
-  columns (incoming) at a time from rows (columns) of z that no earlier chunk has updated.
+  columns (incoming) at a time from rows (columns) of z that no earlier chunk has updated. A chunk of
+  the whole axis runs the module itself (hfkit's fused kernels where they are swapped in).
 - Triangle attention: the triangle bias [*, H, N, N], then c rows (starting node) or columns (ending
   node) at a time.
 
 With `offload_msa`, the MSA representation is copied to pinned host memory once the outer product mean
 has read it and its device memory is released while the pair ops run; it is copied back before the
 next block's MSA ops (and before returning). `chunk_size="auto"` picks, per op, the largest power of two
-whose estimate `lean_working_set_bytes` fits in free device memory (`choose_chunk_size`): the
+whose estimate `lean_working_set_bytes` fits in free device memory (`choose_chunk_size`), counting
+the attention logits only where the attention holds them (not hfkit's fused attention on a GPU): the
 attention's chunks may then be small while the triangle updates keep large, efficient matmuls.
 """
 
@@ -464,12 +466,17 @@ def _triangle_multiplication_(
     output rows i. Incoming, x_ij = sum_k a_ki b_kj: the same on the transposed view of z (output
     columns j: b from columns j, a stored whole); each chunk reads only rows (columns) of z that no
     earlier chunk has updated, besides the stored projection."""
+    n = z.shape[-2]
+    if chunk >= n:
+        # One chunk: the module itself, whose update (hfkit's fused kernels where swapped in) holds
+        # less than the chunked path's whole stored projection and rows.
+        z.add_(tri(z, mask=mask))
+        return
     zv = z if tri.outgoing else z.transpose(-2, -3)  # zv[p, q]: p is the output axis that is chunked
     mask_v = (mask if tri.outgoing else mask.transpose(-1, -2)).to(z.dtype)[..., None]
     # The projection contracted against every chunk: b for outgoing, a for incoming, computed from
     # the rows of zv (contiguous rows of z for outgoing; columns, a strided view, for incoming).
     lin_p, lin_g = (tri.linear_b_p, tri.linear_b_g) if tri.outgoing else (tri.linear_a_p, tri.linear_a_g)
-    n = z.shape[-2]
     stored = z.new_empty((*z.shape[:-3], lin_p.out_features, n, n))  # [*, C_h, N(p), N(k)]
     for start, size in _spans(n, chunk):
         zn = tri.layer_norm_in(zv.narrow(-3, start, size))
