@@ -310,7 +310,15 @@ def test_run_comms_here_picks_the_profile_sizes(monkeypatch):
 
 
 def test_committed_comms_calibration_and_h200_fits(tmp_path):
-    from hfkit.viz.comms import calibration_table, committed_comms, fit_committed_h200, model_fit_figure
+    from hfkit.bench.results import results_dir
+    from hfkit.parallel.cost_model import bound_comparison
+    from hfkit.viz.comms import (
+        allreduce_frame,
+        calibration_table,
+        committed_comms,
+        fit_committed_h200,
+        model_fit_figure,
+    )
 
     assert committed_comms(tmp_path) == {} and fit_committed_h200(tmp_path) == []
     assert list(calibration_table({}).columns) == [
@@ -322,6 +330,10 @@ def test_committed_comms_calibration_and_h200_fits(tmp_path):
         "rel_rms",
     ]
     sources = committed_comms()
+    for ranks in (2, 4):  # the hfreduce runs on one shared H200, with their bounds (notebook 02)
+        if (results_dir() / "h200" / f"comms_shared{ranks}.json").exists():
+            frame = sources[f"one H200 shared by {ranks} ranks"]
+            assert not bound_comparison(allreduce_frame(frame)).empty
     if "CPU, committed" not in sources:
         pytest.skip("no committed CPU comms results")
     table = calibration_table(sources)

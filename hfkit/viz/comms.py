@@ -298,14 +298,19 @@ def run_comms_here(smoke: bool, gpu_count: int) -> pd.DataFrame:
 
 def committed_comms(root: str | Path | None = None) -> dict[str, pd.DataFrame]:
     """The committed comms results under `root` (default `results_dir()`), by label: "CPU, committed"
-    for `cpu/`, "<folder>, reference" for each `h200x*/`. Empty when none are committed."""
+    for `cpu/`, "one H200 shared by <n> ranks" for each `h200/comms_shared<n>.json` (the allreduce rows
+    of ranks sharing one GPU), "<folder>, reference" for each `h200x*/`. Empty when none are committed."""
     from hfkit.bench.comms import load_comms_results
-    from hfkit.bench.results import results_dir
+    from hfkit.bench.results import load_results, results_dir
 
     root = Path(root or results_dir())
     sources = {}
     if (root / "cpu" / "comms.json").exists():
         sources["CPU, committed"] = load_comms_results(root / "cpu")
+    for path in sorted(root.glob("h200/comms_shared*.json")):
+        ranks = path.name.removeprefix("comms_shared").removesuffix(".json")
+        if ranks.isdigit():  # not the DDP rows' comms_shared<n>.ddp.json
+            sources[f"one H200 shared by {ranks} ranks"] = load_results(path)
     for path in sorted(root.glob("h200x*/comms.json")):
         sources[f"{path.parent.name}, reference"] = load_comms_results(path.parent)
     return sources
