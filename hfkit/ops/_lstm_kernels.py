@@ -172,3 +172,190 @@ def lstm_step_bwd_kernel(
     tl.store(dgates + H, d_f, mask=ok)
     tl.store(dgates + 2 * H, d_g, mask=ok)
     tl.store(dgates + 3 * H, d_o, mask=ok)
+
+
+@triton.jit
+def _grid_barrier(Counter, target):
+    # Every program of the grid waits here until `target` arrivals were counted (step s of a launch:
+    # (s+1) * programs). The CTA barrier orders this program's stores of the step before thread 0's
+    # release-increment (gpu scope, cumulative), the acquiring spin and the second CTA barrier order
+    # the next step's loads after every program's stores. Safe only while every program is resident
+    # (grid <= SM count, one CTA per SM). Scalar atomics run on one thread of the program.
+    tl.debug_barrier()
+    count = tl.atomic_add(Counter, 1, sem="acq_rel", scope="gpu") + 1
+    while count < target:
+        count = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _split_gates(acc, BLOCK_U: tl.constexpr, BLOCK_B: tl.constexpr):
+    # acc [4*BLOCK_U, BLOCK_B] with row u*4 + q holding gate q of unit u -> the four [BLOCK_U, BLOCK_B]
+    # gates i, f, g, o: [U, 4, B] -> [U, B, 4] -> [U, B, 2, 2] (q = 2a + b); split b: q in {0, 2} and
+    # {1, 3}; split a: i, g and f, o.
+    by_gate = tl.permute(tl.reshape(acc, [BLOCK_U, 4, BLOCK_B]), 0, 2, 1)
+    even, odd = tl.split(tl.reshape(by_gate, [BLOCK_U, BLOCK_B, 2, 2]))
+    i, g = tl.split(even)
+    f, o = tl.split(odd)
+    return i, f, g, o
+
+
+# do_not_specialize: the first step and the step count take every value; one compiled kernel serves them.
+@triton.jit(do_not_specialize=["t_first", "n_steps"])
+def lstm_seq_fwd_kernel(
+    XP, Bias, H0, W, CS, Y, G, Counter,
+    t_first, n_steps, B, H,
+    HAS_BIAS: tl.constexpr, PERSISTENT: tl.constexpr, RESIDENT: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # Steps t_first .. t_first + n_steps - 1 of the forward recurrence over a grid of (unit tiles, batch
+    # tiles): a program owns BLOCK_U hidden units (4*BLOCK_U rows of w_hh) for BLOCK_B batch rows. Its
+    # w_hh slice is [4*BLOCK_U, H] with row u*4 + q = gate q of unit u, so one product gives all four
+    # gates: gates^T = slice @ h_{t-1}^T. RESIDENT (BLOCK_K >= H): the slice is loaded once and stays
+    # on chip (the compiler keeps it in shared memory, as the dot's operand) for every step, one dot a
+    # step; otherwise it is read from L2 at every step, BLOCK_K columns at a time. c stays in float32
+    # registers from step to step (read from CS[t_first] on entry). PERSISTENT: the programs meet at
+    # the grid barrier after each step (h_t = Y[t] is read by every program, through L2: .cg);
+    # otherwise a launch runs one step and the launches order the steps. Traffic per step: h_{t-1}
+    # once per program (from L2), xp[t], c, h_t and the gates once each; w_hh once per launch
+    # (RESIDENT) or once per step over the grid.
+    # XP: [T, B, 4H] (input projection without bias); Bias: [4H] float32; H0: [B, H]; W: w_hh [4H, H];
+    # CS: [T+1, B, H] float32 with CS[0] = c0; Y: [T, B, H]; G: [T, B, 4H] float32 (activated gates);
+    # Counter: int32, zero on entry to a PERSISTENT launch.
+    rows_w = tl.arange(0, 4 * BLOCK_U)
+    unit_of_row = tl.program_id(0) * BLOCK_U + rows_w // 4
+    gate_col = (rows_w % 4) * H + unit_of_row  # row of w_hh, column of xp and bias
+    row_ok = unit_of_row < H
+    w_rows = W + gate_col.to(tl.int64)[:, None] * H
+    ks = tl.arange(0, BLOCK_K)
+    if RESIDENT:
+        w = tl.load(w_rows + ks[None, :], mask=row_ok[:, None] & (ks < H)[None, :], other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(Bias + gate_col, mask=row_ok, other=0.0)
+    units = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
+    rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rows64 = rows.to(tl.int64)
+    u_ok = units < H
+    b_ok = rows < B
+    ok = u_ok[:, None] & b_ok[None, :]  # [BLOCK_U, BLOCK_B]
+    xp_ok = row_ok[:, None] & b_ok[None, :]  # [4*BLOCK_U, BLOCK_B]
+    # Everything below is transposed (units along dim 0): [t, rows, units] of a [*, B, H] tensor is at
+    # (t*B + rows)*H + units (64-bit: T*B*4H may pass 2^31).
+    c = tl.load(CS + (t_first * B + rows64)[None, :] * H + units[:, None], mask=ok, other=0.0)
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    for t in range(t_first, t_first + n_steps):
+        # h_{t-1}: Y[t-1], or H0 at t = 0 (one load a tile: a single trip through shared memory into the dot).
+        h_rows = tl.where(t > 0, Y + ((t - 1) * B + rows64)[None, :] * H, H0 + rows64[None, :] * H)
+        if RESIDENT:
+            h_ok = (ks < H)[:, None] & b_ok[None, :]
+            h = tl.load(h_rows + ks[:, None], mask=h_ok, other=0.0, cache_modifier=".cg")
+            acc = dot(w, h.to(w.dtype), DOT)
+        else:
+            acc = tl.zeros([4 * BLOCK_U, BLOCK_B], dtype=tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                k_ok = k0 + ks < H
+                w_k = tl.load(w_rows + k0 + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                h_ok = k_ok[:, None] & b_ok[None, :]
+                h = tl.load(h_rows + k0 + ks[:, None], mask=h_ok, other=0.0, cache_modifier=".cg")
+                acc += dot(w_k, h.to(w_k.dtype), DOT)
+        xp = tl.load(XP + (t * B + rows64)[None, :] * (4 * H) + gate_col[:, None], mask=xp_ok, other=0.0)
+        acc += xp.to(tl.float32)
+        if HAS_BIAS:
+            acc += bias[:, None]
+        a_i, a_f, a_g, a_o = _split_gates(acc, BLOCK_U, BLOCK_B)
+        i = tl.sigmoid(a_i)
+        f = tl.sigmoid(a_f)
+        g = _tanh(a_g)
+        o = tl.sigmoid(a_o)
+        c = f * c + i * g
+        h = o * _tanh(c)
+        at_t = (t * B + rows64)[None, :] * H + units[:, None]
+        tl.store(CS + at_t + B * H, c, mask=ok)
+        tl.store(Y + at_t, h.to(Y.dtype.element_ty), mask=ok)
+        gates = G + (t * B + rows64)[None, :] * (4 * H) + units[:, None]
+        tl.store(gates, i, mask=ok)
+        tl.store(gates + H, f, mask=ok)
+        tl.store(gates + 2 * H, g, mask=ok)
+        tl.store(gates + 3 * H, o, mask=ok)
+        if PERSISTENT:
+            _grid_barrier(Counter, (t - t_first + 1) * programs)
+
+
+# do_not_specialize: the first step and the step count take every value; one compiled kernel serves them.
+@triton.jit(do_not_specialize=["t_first", "n_steps"])
+def lstm_seq_bwd_kernel(
+    DY, DHN, W, G, CS, DC, DG, Counter,
+    t_first, n_steps, T, B, H,
+    PERSISTENT: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # Steps t_first, t_first - 1, .., t_first - n_steps + 1 of the backward recurrence over a grid of
+    # (unit tiles, batch tiles): a program owns BLOCK_U units j for BLOCK_B batch rows. dh_t = dy[t] +
+    # dgates_{t+1} @ w_hh[:, j] (the product over all 4H rows, BLOCK_K at a time; dh_n instead at
+    # t = T-1), dc_t = dc carried + dh_t*o*(1 - tanh(c_t)^2); the gate gradients (before activation)
+    # -> DG[t]. dc*f is carried in float32 registers (read from DC on entry, written back on exit).
+    # PERSISTENT: the grid barrier after each step (dgates_t is read by every program, through L2:
+    # .cg); otherwise one step a launch. Traffic per step: the [4H, BLOCK_U] column slice of w_hh (from
+    # L2; all of w_hh over the grid) and dgates_{t+1} once per program, dy[t], the gates, c once each.
+    # DY: [T, B, H]; DHN: [B, H]; W: w_hh [4H, H]; G: [T, B, 4H] activated gates float32; CS: [T+1, B,
+    # H] float32; DC: [B, H] float32 (dc carried into step t_first; dc_t*f_t of the last step run on
+    # exit); DG: [T, B, 4H] float32; Counter: int32, zero on entry to a PERSISTENT launch.
+    # SPLIT: w_hh is 16-bit (see the product below).
+    units = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
+    rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    u_ok = units < H
+    b_ok = rows < B
+    ok = b_ok[:, None] & u_ok[None, :]
+    rows64 = rows.to(tl.int64)
+    state = rows64[:, None] * H + units[None, :]
+    dc = tl.load(DC + state, mask=ok, other=0.0)
+    dh_n = tl.load(DHN + state, mask=ok, other=0.0).to(tl.float32)
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    for s in range(n_steps):
+        t = t_first - s
+        at_t = (t * B + rows64)[:, None] * H + units[None, :]
+        dh = tl.load(DY + at_t, mask=ok, other=0.0).to(tl.float32)
+        dh += tl.where(t == T - 1, dh_n, 0.0)
+        # dgates_{t+1}: none at the last step (a row bound of 0 masks the loads off: the product is 0).
+        next_ok = (rows < tl.where(t < T - 1, B, 0))[:, None]
+        dg_next = DG + ((t + 1) * B + rows64)[:, None] * (4 * H)
+        for k0 in range(0, 4 * H, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < 4 * H
+            dg = tl.load(dg_next + ks[None, :], mask=next_ok & k_ok[None, :], other=0.0, cache_modifier=".cg")
+            w = tl.load(
+                W + ks.to(tl.int64)[:, None] * H + units[None, :],
+                mask=k_ok[:, None] & u_ok[None, :],
+                other=0.0,
+            )
+            if SPLIT:
+                # 16-bit weights: dgates (float32) as a 16-bit head plus a 16-bit tail, two 16-bit
+                # products (w is exact in its dtype): about float32 accuracy where rounding dgates
+                # to 16 bits at every step would compound over the sequence.
+                head = dg.to(w.dtype)
+                tail = (dg - head.to(tl.float32)).to(w.dtype)
+                dh += dot(head, w, DOT) + dot(tail, w, DOT)
+            else:
+                dh += dot(dg, w, DOT)
+        gates = G + (t * B + rows64)[:, None] * (4 * H) + units[None, :]
+        i = tl.load(gates, mask=ok, other=0.0)
+        f = tl.load(gates + H, mask=ok, other=0.0)
+        g = tl.load(gates + 2 * H, mask=ok, other=0.0)
+        o = tl.load(gates + 3 * H, mask=ok, other=0.0)
+        c = tl.load(CS + at_t + B * H, mask=ok, other=0.0)
+        c_prev = tl.load(CS + at_t, mask=ok, other=0.0)
+        tanh_c = _tanh(c)
+        dc += dh * o * (1.0 - tanh_c * tanh_c)
+        d_i = dc * g * i * (1.0 - i)
+        d_f = dc * c_prev * f * (1.0 - f)
+        d_g = dc * i * (1.0 - g * g)
+        d_o = dh * tanh_c * o * (1.0 - o)
+        dc = dc * f
+        dgates = DG + (t * B + rows64)[:, None] * (4 * H) + units[None, :]
+        tl.store(dgates, d_i, mask=ok)
+        tl.store(dgates + H, d_f, mask=ok)
+        tl.store(dgates + 2 * H, d_g, mask=ok)
+        tl.store(dgates + 3 * H, d_o, mask=ok)
+        if PERSISTENT:
+            _grid_barrier(Counter, (s + 1) * programs)
+    tl.store(DC + state, dc, mask=ok)
