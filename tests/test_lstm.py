@@ -5,11 +5,16 @@ the same weights (random biases, so that their gradients are not trivially zero)
 and the gradients of the input, h0, c0 and every weight and bias, on odd sizes (hidden 33 and 130,
 sequence lengths 1 and 37), in float32 (to 1e-5) and bfloat16 (no worse than torch's own bfloat16
 against float32). On CPU the kernels run under `TRITON_INTERPRET=1` (conftest), so sizes stay small.
+The recurrence has two paths (`_persistent_tiles` picks): the sequence kernels (one step a launch
+under the interpreter, the whole sequence in one launch with a grid barrier on CUDA) and the step
+kernels; both are checked against the reference, the one-launch sequence on CUDA (`-m cuda`) and,
+with a single program (its barrier passes at once), under the interpreter.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 import pickle
 import subprocess
@@ -29,6 +34,9 @@ from hfkit.bench.runner import run_benchmark
 from hfkit.nn import LSTM, MultiheadAttention, to_hfkit, to_torch
 from hfkit.ops import lstm_layer, lstm_reference, reference_on_cpu
 from hfkit.ops.lstm import uses_triton
+
+# The module (hfkit.ops re-exports functions named like their modules).
+lstm_op = importlib.import_module("hfkit.ops.lstm")
 
 pytestmark = pytest.mark.usefixtures("seed")
 
@@ -147,6 +155,108 @@ def test_layer_float16_matches_reference():
         assert actual[name].dtype == torch.float16, name
         err, ref_err = rel_err(actual[name], truth[name]), rel_err(expected[name], truth[name])
         assert err <= max(2e-3, 1.25 * ref_err), (name, err, ref_err)
+
+
+def test_persistent_tiles_rule():
+    """The sequence kernels' tiles: at hfai's config (B = 4, H = 985, 132 SMs) 124 forward programs of 8
+    units, the bfloat16 slice on chip, float32's three-TF32 slice (twice the bytes) streamed from L2,
+    62 backward programs of 16 units; every grid fits on the SMs with the smallest power-of-two
+    BLOCK_U that does; None (the step kernels) past one batch tile or the largest BLOCK_U."""
+    bf16 = lstm_op._persistent_tiles(4, 985, 2, 0, 132)
+    assert bf16 is not None
+    assert (bf16.fwd_grid, bf16.fwd_block_u, bf16.block_b) == ((124, 1), 8, 16)
+    assert bf16.resident and bf16.fwd_block_k == 1024
+    assert (bf16.bwd_grid, bf16.bwd_block_u) == ((62, 1), 16)
+    fp32 = lstm_op._persistent_tiles(4, 985, 4, 3, 132)
+    assert fp32 is not None and not fp32.resident and fp32.fwd_block_k == lstm_op.SEQ_FWD_BLOCK_K
+    one_tf32 = lstm_op._persistent_tiles(4, 985, 4, 4, 132)
+    assert one_tf32 is not None and one_tf32.resident
+    assert not lstm_op._persistent_tiles(4, 985, 2, 0, 132, resident_bytes=64 * 1024).resident
+    assert not lstm_op._persistent_tiles(64, 985, 2, 0, 132).resident  # the h tile [1024, 64] too
+    assert lstm_op._persistent_tiles(lstm_op.MAX_BLOCK_B + 1, 985, 2, 0, 132) is None
+    assert lstm_op._persistent_tiles(4, 132 * lstm_op.MAX_SEQ_FWD_BLOCK_U + 1, 2, 0, 132) is None
+    for sms in (1, 4, 132):
+        for hidden in (1, 4, 9, 33, 130, 985, 1024, 4000):
+            for batch in (1, 5, 64):
+                tiles = lstm_op._persistent_tiles(batch, hidden, 2, 0, sms)
+                if tiles is None:
+                    continue
+                for grid, block_u, smallest in (
+                    (tiles.fwd_grid, tiles.fwd_block_u, lstm_op.MIN_SEQ_FWD_BLOCK_U),
+                    (tiles.bwd_grid, tiles.bwd_block_u, lstm_op.MIN_SEQ_BWD_BLOCK_U),
+                ):
+                    assert grid == (-(-hidden // block_u), 1) and grid[0] <= sms, (sms, hidden, batch)
+                    assert block_u == smallest or -(-hidden // (block_u // 2)) > sms, (sms, hidden, batch)
+                assert tiles.block_b >= max(16, batch)
+    # On CPU (4 "SMs" for the interpreter) the layer tests above take both paths: H = 33 the sequence
+    # kernels, H = 130 the step kernels.
+    for hidden, seq in ((33, True), (130, False)):
+        x, w_hh = torch.zeros(2, 3, 5), torch.zeros(4 * hidden, hidden)
+        assert (lstm_op._seq_tiles(x, w_hh) is not None) == seq
+        assert not lstm_op._one_launch(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "t_len,batch,hidden,resident",
+    [(1, 1, 33, True), (37, 5, 33, True), (37, 5, 33, False), (7, 1, 130, True), (1, 5, 130, False)],
+)
+def test_sequence_kernels_match_reference(monkeypatch, dtype, resident, t_len, batch, hidden):
+    """The sequence kernels (one step a launch under the interpreter) on odd sizes, the forward's w_hh
+    slice on chip or streamed, outputs and every gradient: float32 within 1e-5 relative L2 of the
+    reference in float64 (over 37 steps the float32 reference itself drifts past assert_close's 1e-5
+    elementwise); bfloat16 as `check_bf16` against the step kernels (the general path, checked against
+    the reference above) on the same values, both against the reference in float32. 16 "SMs" put
+    the H = 130 layer on the sequence kernels (9 programs), 1 "SM" every layer on the step kernels."""
+    args = layer_args(t_len, batch, 7, hidden, dtype)
+    monkeypatch.setattr(lstm_op, "num_sms", lambda device: 16)
+    if not resident:
+        monkeypatch.setattr(lstm_op, "MAX_RESIDENT_H", 0)
+    tiles = lstm_op._seq_tiles(args["x"], args["w_hh"])
+    assert tiles is not None and tiles.resident == resident
+    actual = outputs_and_grads(lstm_layer, args)
+    wide = torch.float64 if dtype == torch.float32 else torch.float32
+    truth = outputs_and_grads(lstm_reference, {k: v.to(wide) for k, v in args.items()})
+    assert actual.keys() == truth.keys()
+    if dtype == torch.float32:
+        for name in actual:
+            assert actual[name].dtype == dtype and actual[name].shape == truth[name].shape, name
+            assert rel_err(actual[name], truth[name]) <= 1e-5, (name, rel_err(actual[name], truth[name]))
+        return
+    monkeypatch.setattr(lstm_op, "num_sms", lambda device: 1)
+    assert lstm_op._seq_tiles(args["x"], args["w_hh"]) is None
+    check_bf16(actual, outputs_and_grads(lstm_layer, args), truth)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("resident", [True, False], ids=["resident", "streamed"])
+def test_sequence_in_one_launch_interpreted(dtype, resident):
+    """The whole sequence in one launch (PERSISTENT: the time loop inside the kernel, c and dc carried
+    in registers, the grid barrier after each step) with a single program, where the barrier passes at
+    once: the same buffers as one step a launch."""
+    t_len, batch, hidden = 37, 5, 30
+    tiles = lstm_op._persistent_tiles(batch, hidden, dtype.itemsize, 1, 1, 1 << 30 if resident else 0)
+    assert tiles is not None and tiles.fwd_grid == tiles.bwd_grid == (1, 1) and tiles.resident == resident
+    args = layer_args(t_len, batch, 7, hidden, dtype)
+    xp = (args["x"] @ args["w_ih"].t()).contiguous()
+    bias = args["b_ih"].float() + args["b_hh"].float()
+    dy = torch.randn(t_len, batch, hidden).to(dtype)
+    dh_n, dc_n = torch.randn(2, batch, hidden)
+    results = []
+    for persistent in (True, False):
+        y = torch.empty(t_len, batch, hidden, dtype=dtype)
+        cs = torch.empty(t_len + 1, batch, hidden)
+        cs[0] = args["c0"]
+        gates = torch.empty(t_len, batch, 4 * hidden)
+        lstm_op._fwd_seq(xp, bias, args["h0"], args["w_hh"], cs, y, gates, tiles, persistent)
+        dg, dc = torch.empty(t_len, batch, 4 * hidden), dc_n.clone()
+        lstm_op._bwd_seq(dy, dh_n.to(dtype), args["w_hh"], gates, cs, dc, dg, tiles, persistent)
+        results.append({"y": y, "cs": cs, "gates": gates, "dg": dg, "dc": dc})
+    one_launch, per_step = results
+    for name in one_launch:
+        assert torch.equal(one_launch[name], per_step[name]), name
+    if dtype == torch.float32:
+        assert_close(one_launch["y"], lstm_reference(**args)[0], msg="y")
 
 
 def test_reference_matches_torch_and_float64_runs_it():

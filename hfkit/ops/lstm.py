@@ -67,13 +67,16 @@ NUM_WARPS = 4
 # Sequence kernels, 8 warps a program. The forward keeps its w_hh slice [4*BLOCK_U, next_pow2(H)] on
 # chip for the whole sequence where the slice and the h_{t-1} tile [next_pow2(H), BLOCK_B] (both staged
 # in shared memory as the dot's operands; the slice twice for float32's three-TF32 products) take at
-# most SEQ_RESIDENT_BYTES (H200: 227 KB a block); otherwise it reads the slice from L2 at every step,
-# SEQ_FWD_BLOCK_K columns at a time. The backward reads its [4H, BLOCK_U] column slice of w_hh from L2
+# most SEQ_RESIDENT_BYTES (H200: 227 KB a block) and, as they pass through registers into the dot, at
+# most MAX_RESIDENT_SLICE and MAX_RESIDENT_H elements; otherwise it reads the slice from L2 at every
+# step, SEQ_FWD_BLOCK_K columns at a time. The backward reads its [4H, BLOCK_U] column slice of w_hh from L2
 # at every step, SEQ_BWD_BLOCK_K rows at a time (with the dgates tile; both are held by every warp as
 # dot operands of a small product, so larger chunks spill registers); BLOCK_U >= 16 there as tl.dot's
 # N. These tiles compile for sm_90 without register spills at hfai's H = 985, B = 4.
 SEQ_NUM_WARPS = 8
 SEQ_RESIDENT_BYTES = 192 * 1024
+MAX_RESIDENT_SLICE = 32768
+MAX_RESIDENT_H = 16384
 SEQ_FWD_BLOCK_K = 64
 SEQ_BWD_BLOCK_K = 64
 MIN_SEQ_FWD_BLOCK_U = 4
@@ -233,7 +236,7 @@ def _persistent_tiles(
     barrier safe) and the grid is as wide as that allows. None when B > MAX_BLOCK_B (one batch tile)
     or that BLOCK_U passes MAX_SEQ_FWD_BLOCK_U / MAX_SEQ_BWD_BLOCK_U. The forward keeps its w_hh slice
     on chip (`resident`) when the slice (twice for dot mode 3) and the h tile take at most
-    `resident_bytes`."""
+    `resident_bytes`, the slice at most MAX_RESIDENT_SLICE elements and the h tile MAX_RESIDENT_H."""
     if batch > MAX_BLOCK_B:
         return None
     block_b = max(16, next_power_of_2(batch))
@@ -243,7 +246,11 @@ def _persistent_tiles(
         return None
     full_k = next_power_of_2(hidden)
     slice_copies = 2 if dot == 3 else 1
-    resident = (4 * fwd_u * slice_copies + block_b) * full_k * element_size <= resident_bytes
+    resident = (
+        (4 * fwd_u * slice_copies + block_b) * full_k * element_size <= resident_bytes
+        and 4 * fwd_u * full_k <= MAX_RESIDENT_SLICE
+        and block_b * full_k <= MAX_RESIDENT_H
+    )
     return _SeqTiles(
         fwd_grid=(cdiv(hidden, fwd_u), 1),
         bwd_grid=(cdiv(hidden, bwd_u), 1),
