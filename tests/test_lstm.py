@@ -167,10 +167,12 @@ def test_persistent_tiles_rule():
     assert (bf16.fwd_grid, bf16.fwd_block_u, bf16.block_b) == ((124, 1), 8, 16)
     assert bf16.resident and bf16.fwd_block_k == 1024
     assert (bf16.bwd_grid, bf16.bwd_block_u) == ((62, 1), 16)
+    assert bf16.bwd_resident and bf16.bwd_block_k == 1024
     fp32 = lstm_op._persistent_tiles(4, 985, 4, 3, 132)
     assert fp32 is not None and not fp32.resident and fp32.fwd_block_k == lstm_op.SEQ_FWD_BLOCK_K
+    assert not fp32.bwd_resident and fp32.bwd_block_k == lstm_op.SEQ_BWD_BLOCK_K
     one_tf32 = lstm_op._persistent_tiles(4, 985, 4, 4, 132)
-    assert one_tf32 is not None and one_tf32.resident
+    assert one_tf32 is not None and one_tf32.resident and not one_tf32.bwd_resident
     assert not lstm_op._persistent_tiles(4, 985, 2, 0, 132, resident_bytes=64 * 1024).resident
     assert not lstm_op._persistent_tiles(64, 985, 2, 0, 132).resident  # the h tile [1024, 64] too
     assert lstm_op._persistent_tiles(lstm_op.MAX_BLOCK_B + 1, 985, 2, 0, 132) is None
@@ -214,6 +216,7 @@ def test_sequence_kernels_match_reference(monkeypatch, dtype, resident, t_len, b
         monkeypatch.setattr(lstm_op, "MAX_RESIDENT_H", 0)
     tiles = lstm_op._seq_tiles(args["x"], args["w_hh"])
     assert tiles is not None and tiles.resident == resident
+    assert tiles.bwd_resident == (resident and dtype != torch.float32)
     actual = outputs_and_grads(lstm_layer, args)
     wide = torch.float64 if dtype == torch.float32 else torch.float32
     truth = outputs_and_grads(lstm_reference, {k: v.to(wide) for k, v in args.items()})
@@ -237,6 +240,7 @@ def test_sequence_in_one_launch_interpreted(dtype, resident):
     t_len, batch, hidden = 37, 5, 30
     tiles = lstm_op._persistent_tiles(batch, hidden, dtype.itemsize, 1, 1, 1 << 30 if resident else 0)
     assert tiles is not None and tiles.fwd_grid == tiles.bwd_grid == (1, 1) and tiles.resident == resident
+    assert tiles.bwd_resident == (resident and dtype != torch.float32)
     args = layer_args(t_len, batch, 7, hidden, dtype)
     xp = (args["x"] @ args["w_ih"].t()).contiguous()
     bias = args["b_ih"].float() + args["b_hh"].float()
@@ -613,15 +617,73 @@ def test_step_kernels_compile_for_hopper():
     assert done.stdout.split()[-1] == "16", done.stdout
 
 
+# Compiles both sequence kernels for sm_90 as the CUDA path launches them (one launch for the sequence)
+# at hfai's B = 4, H = 985 on 132 SMs: bfloat16 and float16 with the w_hh slices on chip, float32
+# streaming the backward's (and with three TF32 products the forward's), float32 with one TF32 product
+# holding the forward's on chip at the largest the rule allows (its shared memory within sm_90's
+# 227 KB a block); the grid barrier's release-acquire atomics are in every PTX.
+_COMPILE_SEQ_KERNELS = """
+import importlib
+import triton
+from triton.compiler import ASTSource
+import compile_sm90 as c
+from hfkit.ops import _lstm_kernels as k
+op = importlib.import_module("hfkit.ops.lstm")
+warps = op.SEQ_NUM_WARPS
+for dt, size, dot in (("bf16", 2, 0), ("fp16", 2, 0), ("fp32", 4, 3), ("fp32", 4, 4)):
+    tiles = op._persistent_tiles(4, 985, size, dot, 132)
+    assert tiles.resident == (dot != 3) and tiles.bwd_resident == (size == 2), tiles
+    fwd = {"XP": dt, "Bias": "fp32", "H0": dt, "W": dt, "CS": "fp32", "Y": dt, "G": "fp32"}
+    bwd = {"DY": dt, "DHN": dt, "W": dt, "G": "fp32", "CS": "fp32", "DC": "fp32", "DG": "fp32", "DGS": dt}
+    fwd["Counter"] = bwd["Counter"] = "i32"
+    fwd_tiles = {"BLOCK_B": tiles.block_b, "BLOCK_U": tiles.fwd_block_u, "BLOCK_K": tiles.fwd_block_k}
+    for has_bias in (True, False):
+        flags = {"HAS_BIAS": has_bias, "PERSISTENT": True, "RESIDENT": tiles.resident, "DOT": dot}
+        flags.update(fwd_tiles)
+        asm = c.compile_sm90(k.lstm_seq_fwd_kernel, fwd, flags, num_warps=warps)
+        assert "cubin" in asm and "atom.global.gpu.acq_rel.add" in asm["ptx"]
+    flags = {"PERSISTENT": True, "RESIDENT": tiles.bwd_resident, "SPLIT": dt != "fp32", "DOT": dot,
+             "BLOCK_B": tiles.block_b, "BLOCK_U": tiles.bwd_block_u, "BLOCK_K": tiles.bwd_block_k}
+    asm = c.compile_sm90(k.lstm_seq_bwd_kernel, bwd, flags, num_warps=warps)
+    assert "cubin" in asm and "atom.global.gpu.acq_rel.add" in asm["ptx"]
+# fp32, one TF32 product, resident: (4*8 + 16) * 1024 * 4 bytes, the rule's SEQ_RESIDENT_BYTES.
+flags = {"HAS_BIAS": True, "PERSISTENT": True, "RESIDENT": True, "DOT": 4, **fwd_tiles}
+resident_bytes = (4 * tiles.fwd_block_u + tiles.block_b) * tiles.fwd_block_k * 4
+assert tiles.resident and resident_bytes == op.SEQ_RESIDENT_BYTES
+signature = {}
+for p in k.lstm_seq_fwd_kernel.params:
+    signature[p.name] = "constexpr" if p.is_constexpr else ("*" + fwd[p.name] if p.name in fwd else "i32")
+compiled = triton.compile(ASTSource(fn=k.lstm_seq_fwd_kernel, signature=signature, constexprs=flags),
+                          target=c.HOPPER, options={"num_warps": warps})
+assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
+print(len(c.COMPILED))
+"""
+
+
+def test_sequence_kernels_compile_for_hopper():
+    pytest.importorskip("triton.backends.nvidia", reason="this Triton build has no NVIDIA backend")
+    tests = Path(__file__).parent
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent)]))
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SEQ_KERNELS], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert done.stdout.split()[-1] == "12", done.stdout
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_graph_replay_matches_reference_cuda(dtype):
-    """On CUDA the step loops replay captured graphs: calls with new inputs (the same shape, so the
-    same graphs) give the reference's outputs and gradients each time, and so does a call captured
-    in the caller's own graph (the launches go into it)."""
+@pytest.mark.parametrize("batch", [3, 65], ids=["sequence", "steps"])
+def test_graph_replay_matches_reference_cuda(dtype, batch):
+    """On CUDA, both paths: the sequence kernels' one launch (B = 3) and the step loops replaying
+    captured graphs (B = 65, past one batch tile): calls with new inputs (the same shape, so the same
+    graphs) give the reference's outputs and gradients each time, and so does a call captured in the
+    caller's own graph (the launches go into it)."""
     for _ in range(3):
-        args = {k: v.cuda() if v is not None else None for k, v in layer_args(37, 3, 7, 130, dtype).items()}
+        layer = layer_args(37, batch, 7, 130, dtype)
+        args = {k: v.cuda() if v is not None else None for k, v in layer.items()}
+        assert (lstm_op._seq_tiles(args["x"], args["w_hh"]) is None) == (batch > lstm_op.MAX_BLOCK_B)
         actual = outputs_and_grads(lstm_layer, args)
         truth = outputs_and_grads(
             lstm_reference, {k: v.double() if v is not None else None for k, v in args.items()}
@@ -631,7 +693,7 @@ def test_graph_replay_matches_reference_cuda(dtype):
                 assert rel_err(actual[name], truth[name]) <= 1e-4, name
         else:
             check_bf16(actual, outputs_and_grads(lstm_reference, args), truth)
-    args = {k: v.cuda() if v is not None else None for k, v in layer_args(11, 2, 7, 33, dtype).items()}
+    args = {k: v.cuda() if v is not None else None for k, v in layer_args(11, batch, 7, 33, dtype).items()}
     expected = lstm_layer(**args)
     outer = torch.cuda.CUDAGraph()
     with torch.cuda.graph(outer):
@@ -642,3 +704,33 @@ def test_graph_replay_matches_reference_cuda(dtype):
     for c, a, e in zip(captured, again, expected, strict=True):
         assert_close(c, a)
         assert not torch.allclose(c, e)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "t_len,batch,n_in,hidden",
+    [(1000, 4, 985, 985), (1, 1, 7, 33), (37, 5, 7, 33), (37, 1, 7, 130), (1, 5, 7, 130), (37, 5, 7, 985)],
+)
+def test_persistent_launch_matches_reference_cuda(dtype, t_len, batch, n_in, hidden):
+    """On CUDA the sequence kernels run the whole sequence in one launch, the programs meeting at the
+    grid barrier after each step: outputs and every gradient against the reference in float64, no
+    worse than the reference in the same dtype (float32: within 1e-4 or 1.25x its error; bfloat16 as
+    `check_bf16`), at hfai's config (weights at torch's init scale, ~1/sqrt(H)) and odd sizes, twice
+    (the barrier's counter starts from zero at each launch)."""
+    args = layer_args(t_len, batch, n_in, hidden, dtype)
+    if hidden == 985:
+        args = {k: (v.float() / (0.3 * hidden**0.5)).to(dtype) if k != "x" else v for k, v in args.items()}
+    args = {k: v.cuda() for k, v in args.items()}
+    assert lstm_op._seq_tiles(args["x"], args["w_hh"]) is not None and lstm_op._one_launch(args["x"])
+    truth = outputs_and_grads(lstm_reference, {k: v.double() for k, v in args.items()})
+    expected = outputs_and_grads(lstm_reference, args)
+    tol, slack = (1e-4, 1e-6) if dtype == torch.float32 else (BF16_REL_TOL, 2e-3)
+    for _ in range(2):
+        actual = outputs_and_grads(lstm_layer, args)
+        assert actual.keys() == truth.keys()
+        for name in actual:
+            assert actual[name].dtype == dtype and actual[name].shape == truth[name].shape, name
+            err, ref_err = rel_err(actual[name], truth[name]), rel_err(expected[name], truth[name])
+            assert err <= max(tol, 1.25 * ref_err + slack), (name, err, ref_err)

@@ -281,26 +281,67 @@ def lstm_seq_fwd_kernel(
             _grid_barrier(Counter, (t - t_first + 1) * programs)
 
 
+@triton.jit
+def _dgates_product(acc, dg_cols, ks, ok, w_t, SPLIT: tl.constexpr, DOT: tl.constexpr):
+    # acc [BLOCK_U, BLOCK_B] + w_t [BLOCK_U, BLOCK_K] @ dgates^T [BLOCK_K, BLOCK_B], dgates^T element
+    # (k, b) at dg_cols[0, b] + ks[k] (masked rows of w_t are zero). Transposed, as in the forward, so
+    # that the dgates tile (staged through shared memory) is the dot's second operand.
+    dg = tl.load(dg_cols + ks[:, None], mask=ok, other=0.0, cache_modifier=".cg")
+    if SPLIT:
+        # 16-bit weights: dgates (float32) as a 16-bit head plus a 16-bit tail, two 16-bit products (w is
+        # exact in its dtype): about float32 accuracy where rounding dgates to 16 bits at every step
+        # would compound over the sequence.
+        head = dg.to(w_t.dtype)
+        tail = (dg - head.to(tl.float32)).to(w_t.dtype)
+        acc += dot(w_t, head, DOT) + dot(w_t, tail, DOT)
+    else:
+        acc += dot(w_t, dg, DOT)
+    return acc
+
+
+@triton.jit
+def _split_dgates_product(acc, heads, tails, ks, ok, w_t, DOT: tl.constexpr):
+    # `_dgates_product` with SPLIT's head and tail of dgates already in w_t's dtype, in memory (heads,
+    # tails: row pointers [1, BLOCK_B]): loaded as they enter the dot, with no conversion after.
+    head = tl.load(heads + ks[:, None], mask=ok, other=0.0, cache_modifier=".cg")
+    tail = tl.load(tails + ks[:, None], mask=ok, other=0.0, cache_modifier=".cg")
+    return acc + dot(w_t, head, DOT) + dot(w_t, tail, DOT)
+
+
+@triton.jit
+def _store_split(Heads, Tails, x, ok):
+    # x (float32) as a head in the pointers' dtype and the tail that remains (see `_dgates_product`).
+    head = x.to(Heads.dtype.element_ty)
+    tl.store(Heads, head, mask=ok)
+    tl.store(Tails, (x - head.to(tl.float32)).to(Tails.dtype.element_ty), mask=ok)
+
+
 # do_not_specialize: the first step and the step count take every value; one compiled kernel serves them.
 @triton.jit(do_not_specialize=["t_first", "n_steps"])
 def lstm_seq_bwd_kernel(
-    DY, DHN, W, G, CS, DC, DG, Counter,
+    DY, DHN, W, G, CS, DC, DG, DGS, Counter,
     t_first, n_steps, T, B, H,
-    PERSISTENT: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    PERSISTENT: tl.constexpr, RESIDENT: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # Steps t_first, t_first - 1, .., t_first - n_steps + 1 of the backward recurrence over a grid of
     # (unit tiles, batch tiles): a program owns BLOCK_U units j for BLOCK_B batch rows. dh_t = dy[t] +
-    # dgates_{t+1} @ w_hh[:, j] (the product over all 4H rows, BLOCK_K at a time; dh_n instead at
-    # t = T-1), dc_t = dc carried + dh_t*o*(1 - tanh(c_t)^2); the gate gradients (before activation)
-    # -> DG[t]. dc*f is carried in float32 registers (read from DC on entry, written back on exit).
-    # PERSISTENT: the grid barrier after each step (dgates_t is read by every program, through L2:
-    # .cg); otherwise one step a launch. Traffic per step: the [4H, BLOCK_U] column slice of w_hh (from
-    # L2; all of w_hh over the grid) and dgates_{t+1} once per program, dy[t], the gates, c once each.
+    # dgates_{t+1} @ w_hh[:, j] (the product over all 4H rows; dh_n instead at t = T-1), dc_t = dc
+    # carried + dh_t*o*(1 - tanh(c_t)^2); the gate gradients (before activation) -> DG[t]. dc*f is
+    # carried in float32 registers (read from DC on entry, written back on exit). RESIDENT (BLOCK_K >=
+    # H, 16-bit w_hh): the [4H, BLOCK_U] column slice of w_hh is loaded once, as four [BLOCK_U,
+    # BLOCK_K] gate slices that stay on chip (shared memory, as dot operands), eight products a step
+    # (SPLIT's head and tail, which each step also writes to DGS in w_hh's dtype, so that the next
+    # step loads them as they enter the dot); otherwise it is read from L2 at every step, BLOCK_K of
+    # the 4H rows at a time. PERSISTENT: the grid barrier
+    # after each step (dgates_t is read by every program, through L2: .cg); otherwise one step a
+    # launch. Traffic per step: dgates_{t+1} once per program, dy[t], the gates and c once each; w_hh
+    # once per launch (RESIDENT) or once per step over the grid.
     # DY: [T, B, H]; DHN: [B, H]; W: w_hh [4H, H]; G: [T, B, 4H] activated gates float32; CS: [T+1, B,
     # H] float32; DC: [B, H] float32 (dc carried into step t_first; dc_t*f_t of the last step run on
-    # exit); DG: [T, B, 4H] float32; Counter: int32, zero on entry to a PERSISTENT launch.
-    # SPLIT: w_hh is 16-bit (see the product below).
+    # exit); DG: [T, B, 4H] float32; DGS: [2 (step parity), 2 (head, tail), B, 4H] in w_hh's dtype
+    # (RESIDENT only); Counter: int32, zero on entry to a PERSISTENT launch. SPLIT: w_hh is 16-bit
+    # (see `_dgates_product`).
     units = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
     rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     u_ok = units < H
@@ -310,6 +351,16 @@ def lstm_seq_bwd_kernel(
     state = rows64[:, None] * H + units[None, :]
     dc = tl.load(DC + state, mask=ok, other=0.0)
     dh_n = tl.load(DHN + state, mask=ok, other=0.0).to(tl.float32)
+    ks = tl.arange(0, BLOCK_K)
+    if RESIDENT:
+        # Gate q's slice, transposed [BLOCK_U, BLOCK_K]: element (u, k) is w_hh[q*H + k, units[u]]
+        # (64-bit: 4H*H may pass 2^31).
+        w_ok = u_ok[:, None] & (ks < H)[None, :]
+        w_cols = W + ks.to(tl.int64)[None, :] * H + units[:, None]
+        w_i = tl.load(w_cols, mask=w_ok, other=0.0)
+        w_f = tl.load(w_cols + H.to(tl.int64) * H, mask=w_ok, other=0.0)
+        w_g = tl.load(w_cols + 2 * H.to(tl.int64) * H, mask=w_ok, other=0.0)
+        w_o = tl.load(w_cols + 3 * H.to(tl.int64) * H, mask=w_ok, other=0.0)
     programs = tl.num_programs(0) * tl.num_programs(1)
     for s in range(n_steps):
         t = t_first - s
@@ -317,26 +368,27 @@ def lstm_seq_bwd_kernel(
         dh = tl.load(DY + at_t, mask=ok, other=0.0).to(tl.float32)
         dh += tl.where(t == T - 1, dh_n, 0.0)
         # dgates_{t+1}: none at the last step (a row bound of 0 masks the loads off: the product is 0).
-        next_ok = (rows < tl.where(t < T - 1, B, 0))[:, None]
-        dg_next = DG + ((t + 1) * B + rows64)[:, None] * (4 * H)
-        for k0 in range(0, 4 * H, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < 4 * H
-            dg = tl.load(dg_next + ks[None, :], mask=next_ok & k_ok[None, :], other=0.0, cache_modifier=".cg")
-            w = tl.load(
-                W + ks.to(tl.int64)[:, None] * H + units[None, :],
-                mask=k_ok[:, None] & u_ok[None, :],
-                other=0.0,
-            )
-            if SPLIT:
-                # 16-bit weights: dgates (float32) as a 16-bit head plus a 16-bit tail, two 16-bit
-                # products (w is exact in its dtype): about float32 accuracy where rounding dgates
-                # to 16 bits at every step would compound over the sequence.
-                head = dg.to(w.dtype)
-                tail = (dg - head.to(tl.float32)).to(w.dtype)
-                dh += dot(head, w, DOT) + dot(tail, w, DOT)
-            else:
-                dh += dot(dg, w, DOT)
+        next_ok = (rows < tl.where(t < T - 1, B, 0))[None, :]
+        dg_next = DG + ((t + 1) * B + rows64)[None, :] * (4 * H)
+        product = tl.zeros([BLOCK_U, BLOCK_B], dtype=tl.float32)  # (dgates_{t+1} @ w_hh[:, units])^T
+        if RESIDENT:
+            gate_ok = (ks < H)[:, None] & next_ok
+            heads = DGS + ((((t + 1) % 2) * 2 * B) + rows64)[None, :] * (4 * H)
+            tails = heads + B * 4 * H
+            product = _split_dgates_product(product, heads, tails, ks, gate_ok, w_i, DOT)
+            product = _split_dgates_product(product, heads + H, tails + H, ks, gate_ok, w_f, DOT)
+            product = _split_dgates_product(product, heads + 2 * H, tails + 2 * H, ks, gate_ok, w_g, DOT)
+            product = _split_dgates_product(product, heads + 3 * H, tails + 3 * H, ks, gate_ok, w_o, DOT)
+        else:
+            for k0 in range(0, 4 * H, BLOCK_K):
+                k_ok = k0 + ks < 4 * H
+                w_t = tl.load(
+                    W + (k0 + ks).to(tl.int64)[None, :] * H + units[:, None],
+                    mask=u_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                product = _dgates_product(product, dg_next, k0 + ks, k_ok[:, None] & next_ok, w_t, SPLIT, DOT)
+        dh += tl.trans(product)
         gates = G + (t * B + rows64)[:, None] * (4 * H) + units[None, :]
         i = tl.load(gates, mask=ok, other=0.0)
         f = tl.load(gates + H, mask=ok, other=0.0)
@@ -356,6 +408,15 @@ def lstm_seq_bwd_kernel(
         tl.store(dgates + H, d_f, mask=ok)
         tl.store(dgates + 2 * H, d_g, mask=ok)
         tl.store(dgates + 3 * H, d_o, mask=ok)
+        if RESIDENT:
+            # Parity t % 2: the slot step t-1 reads while no program writes it (a program writes it
+            # again at step t-2, past the barrier that every program reaches after reading it).
+            heads = DGS + ((t % 2) * 2 * B + rows64)[:, None] * (4 * H) + units[None, :]
+            tails = heads + B * 4 * H
+            _store_split(heads, tails, d_i, ok)
+            _store_split(heads + H, tails + H, d_f, ok)
+            _store_split(heads + 2 * H, tails + 2 * H, d_g, ok)
+            _store_split(heads + 3 * H, tails + 3 * H, d_o, ok)
         if PERSISTENT:
             _grid_barrier(Counter, (s + 1) * programs)
     tl.store(DC + state, dc, mask=ok)

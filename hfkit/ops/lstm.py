@@ -69,10 +69,13 @@ NUM_WARPS = 4
 # in shared memory as the dot's operands; the slice twice for float32's three-TF32 products) take at
 # most SEQ_RESIDENT_BYTES (H200: 227 KB a block) and, as they pass through registers into the dot, at
 # most MAX_RESIDENT_SLICE and MAX_RESIDENT_H elements; otherwise it reads the slice from L2 at every
-# step, SEQ_FWD_BLOCK_K columns at a time. The backward reads its [4H, BLOCK_U] column slice of w_hh from L2
-# at every step, SEQ_BWD_BLOCK_K rows at a time (with the dgates tile; both are held by every warp as
-# dot operands of a small product, so larger chunks spill registers); BLOCK_U >= 16 there as tl.dot's
-# N. These tiles compile for sm_90 without register spills at hfai's H = 985, B = 4.
+# step, SEQ_FWD_BLOCK_K columns at a time. The backward (BLOCK_U >= 16 there, as tl.dot's M) keeps
+# its [4H, BLOCK_U] column slice of a 16-bit w_hh on chip by the same rule, the dgates head and tail
+# tiles [next_pow2(H), BLOCK_B] (16-bit) staged beside it; otherwise (float32 at hfai's size) it reads
+# the slice from L2 at every step, SEQ_BWD_BLOCK_K rows at a time (larger chunks spill registers).
+# At hfai's H = 985, B = 4 on sm_90: bfloat16 both on chip (forward 97 KB of shared memory, backward
+# 192 KB with a small register spill), float32 forward on chip with one TF32 product (194 KB) and
+# streamed with three; the streamed tiles compile without spills.
 SEQ_NUM_WARPS = 8
 SEQ_RESIDENT_BYTES = 192 * 1024
 MAX_RESIDENT_SLICE = 32768
@@ -206,7 +209,8 @@ class _SeqTiles(NamedTuple):
     """Grids and tiles of the sequence kernels for one (B, H, dtype, SM count): one batch tile of
     block_b rows; the forward's programs own fwd_block_u units each, its slice of w_hh on chip for the
     whole sequence when `resident` (fwd_block_k = next_pow2(H)) or read fwd_block_k columns at a time
-    at every step; the backward's programs own bwd_block_u units."""
+    at every step; the backward's programs own bwd_block_u units, their column slice on chip when
+    `bwd_resident` (bwd_block_k = next_pow2(H)) or read bwd_block_k rows at a time."""
 
     fwd_grid: tuple[int, int]
     bwd_grid: tuple[int, int]
@@ -215,6 +219,8 @@ class _SeqTiles(NamedTuple):
     fwd_block_k: int
     resident: bool
     bwd_block_u: int
+    bwd_block_k: int
+    bwd_resident: bool
 
 
 def _smallest_block_u(hidden: int, smallest: int, sms: int) -> int:
@@ -236,7 +242,9 @@ def _persistent_tiles(
     barrier safe) and the grid is as wide as that allows. None when B > MAX_BLOCK_B (one batch tile)
     or that BLOCK_U passes MAX_SEQ_FWD_BLOCK_U / MAX_SEQ_BWD_BLOCK_U. The forward keeps its w_hh slice
     on chip (`resident`) when the slice (twice for dot mode 3) and the h tile take at most
-    `resident_bytes`, the slice at most MAX_RESIDENT_SLICE elements and the h tile MAX_RESIDENT_H."""
+    `resident_bytes`, the slice at most MAX_RESIDENT_SLICE elements and the h tile MAX_RESIDENT_H; the
+    backward its column slice when w_hh is 16-bit, the slice and the dgates head and tail tiles take at
+    most `resident_bytes` and a tile at most MAX_RESIDENT_H elements."""
     if batch > MAX_BLOCK_B:
         return None
     block_b = max(16, next_power_of_2(batch))
@@ -251,6 +259,11 @@ def _persistent_tiles(
         and 4 * fwd_u * full_k <= MAX_RESIDENT_SLICE
         and block_b * full_k <= MAX_RESIDENT_H
     )
+    bwd_resident = (
+        element_size == 2
+        and (4 * bwd_u + 2 * block_b) * full_k * element_size <= resident_bytes
+        and block_b * full_k <= MAX_RESIDENT_H
+    )
     return _SeqTiles(
         fwd_grid=(cdiv(hidden, fwd_u), 1),
         bwd_grid=(cdiv(hidden, bwd_u), 1),
@@ -259,6 +272,8 @@ def _persistent_tiles(
         fwd_block_k=full_k if resident else SEQ_FWD_BLOCK_K,
         resident=resident,
         bwd_block_u=bwd_u,
+        bwd_block_k=full_k if bwd_resident else SEQ_BWD_BLOCK_K,
+        bwd_resident=bwd_resident,
     )
 
 
@@ -316,12 +331,14 @@ def _bwd_seq(
     when `persistent`, else one a step; dc holds dc_n on entry and dc0 on exit."""
     t_len, batch, hidden = dy.shape
     counter = torch.zeros(1, device=dy.device, dtype=torch.int32)
+    # The dgates head and tail of the last two steps, in w_hh's dtype (read by the on-chip variant).
+    split = w_hh.new_empty((2, 2, batch, 4 * hidden) if tiles.bwd_resident else (0,))
     spans = [(t_len - 1, t_len)] if persistent else [(t, 1) for t in range(t_len - 1, -1, -1)]
     for t_first, n_steps in spans:
         launch(lstm_seq_bwd_kernel, tiles.bwd_grid,
-            dy, dh_n, w_hh, gates, cs, dc, dg, counter, t_first, n_steps, t_len, batch, hidden,
-            PERSISTENT=persistent, SPLIT=w_hh.dtype != torch.float32, DOT=dot_mode(w_hh),
-            BLOCK_B=tiles.block_b, BLOCK_U=tiles.bwd_block_u, BLOCK_K=SEQ_BWD_BLOCK_K,
+            dy, dh_n, w_hh, gates, cs, dc, dg, split, counter, t_first, n_steps, t_len, batch, hidden,
+            PERSISTENT=persistent, RESIDENT=tiles.bwd_resident, SPLIT=w_hh.dtype != torch.float32,
+            DOT=dot_mode(w_hh), BLOCK_B=tiles.block_b, BLOCK_U=tiles.bwd_block_u, BLOCK_K=tiles.bwd_block_k,
             num_warps=SEQ_NUM_WARPS,
         )  # fmt: skip
 
