@@ -1,12 +1,22 @@
-"""Triton kernels of `hfkit.ops.lstm`: one LSTM time step forward, one time step backward.
+"""Triton kernels of `hfkit.ops.lstm`: the LSTM recurrence forward and backward, two ways.
 
-Both run once per time step over a grid of (hidden tiles, batch tiles): a program owns BLOCK_H hidden
-units (all four gates of those units) for BLOCK_B batch rows. Everything a step needs from the other
-programs (h_{t-1} forward, the previous step's gate gradients backward) was written by the previous
-launch, so the launches themselves order the steps; what a program carries from step to step (c,
-and dc backward) lives in float32 buffers that only it reads and writes. Gates are in torch's order
-i, f, g, o along the 4H rows of the weights. The launchers, the time loop and autograd are in
-`hfkit.ops.lstm`.
+Step kernels (`lstm_step_fwd_kernel`, `lstm_step_bwd_kernel`) run once per time step over a grid of
+(hidden tiles, batch tiles): a program owns BLOCK_H hidden units (all four gates of those units) for
+BLOCK_B batch rows. Everything a step needs from the other programs (h_{t-1} forward, the previous
+step's gate gradients backward) was written by the previous launch, so the launches themselves order
+the steps; what a program carries from step to step (c, and dc backward) lives in float32 buffers
+that only it reads and writes.
+
+Sequence kernels (`lstm_seq_fwd_kernel`, `lstm_seq_bwd_kernel`) run many steps in one launch: on
+CUDA the whole sequence, every program resident at once (grid <= SM count) and meeting the others at
+a grid-wide barrier (`_grid_barrier`: an int32 counter, release/acquire atomics) after each step, so
+that h_t (dgates_t backward), read through L2, is complete before the next step. A program keeps its
+slice of w_hh on chip across the steps where it fits (RESIDENT) and c (dc) in registers. With
+PERSISTENT off (the interpreter, whose programs run one after another) the same code runs one step a
+launch. Both write the same buffers in the same layouts as the step kernels.
+
+Gates are in torch's order i, f, g, o along the 4H rows of the weights. The launchers, the time loop
+and autograd are in `hfkit.ops.lstm`.
 """
 
 from __future__ import annotations
