@@ -10,10 +10,11 @@ and initial-state gradients as a few matmuls over every step at once.
 
 The recurrence runs one of two ways (`_persistent_tiles` picks):
 - sequence kernels (`lstm_seq_fwd_kernel`, `lstm_seq_bwd_kernel`), when the grid fits on the GPU at
-  once (at most one program per SM) and a program's forward slice of w_hh fits in registers: on CUDA
-  ONE launch runs the whole sequence, the programs meeting at a grid-wide barrier between steps
-  (hfai's H = 985, B = 4 on 132 SMs: 124 forward programs of 8 units, 62 backward ones of 16). Under
-  the interpreter, whose programs run one after another, the same kernels run one step per launch.
+  once (B <= 64, at most one program per SM): on CUDA ONE launch runs the whole sequence, the
+  programs meeting at a grid-wide barrier between steps, each keeping its slice of w_hh on chip
+  where it fits (hfai's H = 985, B = 4 on 132 SMs: 124 forward programs of 8 units, 62 backward ones
+  of 16). Under the interpreter, whose programs run one after another, the same kernels run one
+  step per launch.
 - step kernels (`lstm_step_fwd_kernel`, `lstm_step_bwd_kernel`) otherwise: one launch per step, on
   CUDA captured once as a CUDA graph and replayed (see `_StepGraphs`), except while the caller is
   capturing a graph itself, where the launches land in the caller's graph.
@@ -332,7 +333,7 @@ def _bwd_seq(
     t_len, batch, hidden = dy.shape
     counter = torch.zeros(1, device=dy.device, dtype=torch.int32)
     # The dgates head and tail of the last two steps, in w_hh's dtype (read by the on-chip variant).
-    split = w_hh.new_empty((2, 2, batch, 4 * hidden) if tiles.bwd_resident else (0,))
+    split = w_hh.new_empty((2, 2, batch, 4 * hidden) if tiles.bwd_resident else (1,))
     spans = [(t_len - 1, t_len)] if persistent else [(t, 1) for t in range(t_len - 1, -1, -1)]
     for t_first, n_steps in spans:
         launch(lstm_seq_bwd_kernel, tiles.bwd_grid,
