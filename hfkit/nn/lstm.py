@@ -23,7 +23,8 @@ Tensor = torch.Tensor
 
 class LSTM(nn.LSTM):
     """LSTM whose layers run `hfkit.ops.lstm_layer` (one matmul for the input projection of every step,
-    a Triton kernel per time step for the recurrence), layer by layer and direction by direction.
+    Triton kernels for the recurrence: on CUDA one launch for the whole sequence where its grid fits on
+    the GPU), layer by layer and direction by direction.
 
     Same constructor as `torch.nn.LSTM(input_size, hidden_size, num_layers=1, bias=True,
     batch_first=False, dropout=0.0, bidirectional=False, proj_size=0, device=None, dtype=None)` and the

@@ -1,12 +1,22 @@
-"""Triton kernels of `hfkit.ops.lstm`: one LSTM time step forward, one time step backward.
+"""Triton kernels of `hfkit.ops.lstm`: the LSTM recurrence forward and backward, two ways.
 
-Both run once per time step over a grid of (hidden tiles, batch tiles): a program owns BLOCK_H hidden
-units (all four gates of those units) for BLOCK_B batch rows. Everything a step needs from the other
-programs (h_{t-1} forward, the previous step's gate gradients backward) was written by the previous
-launch, so the launches themselves order the steps; what a program carries from step to step (c,
-and dc backward) lives in float32 buffers that only it reads and writes. Gates are in torch's order
-i, f, g, o along the 4H rows of the weights. The launchers, the time loop and autograd are in
-`hfkit.ops.lstm`.
+Step kernels (`lstm_step_fwd_kernel`, `lstm_step_bwd_kernel`) run once per time step over a grid of
+(hidden tiles, batch tiles): a program owns BLOCK_H hidden units (all four gates of those units) for
+BLOCK_B batch rows. Everything a step needs from the other programs (h_{t-1} forward, the previous
+step's gate gradients backward) was written by the previous launch, so the launches themselves order
+the steps; what a program carries from step to step (c, and dc backward) lives in float32 buffers
+that only it reads and writes.
+
+Sequence kernels (`lstm_seq_fwd_kernel`, `lstm_seq_bwd_kernel`) run many steps in one launch: on
+CUDA the whole sequence, every program resident at once (grid <= SM count) and meeting the others at
+a grid-wide barrier (`_grid_barrier`: an int32 counter, release/acquire atomics) after each step, so
+that h_t (dgates_t backward), read through L2, is complete before the next step. A program keeps its
+slice of w_hh on chip across the steps where it fits (RESIDENT) and c (dc) in registers. With
+PERSISTENT off (the interpreter, whose programs run one after another) the same code runs one step a
+launch. Both write the same buffers in the same layouts as the step kernels.
+
+Gates are in torch's order i, f, g, o along the 4H rows of the weights. The launchers, the time loop
+and autograd are in `hfkit.ops.lstm`.
 """
 
 from __future__ import annotations
@@ -172,3 +182,251 @@ def lstm_step_bwd_kernel(
     tl.store(dgates + H, d_f, mask=ok)
     tl.store(dgates + 2 * H, d_g, mask=ok)
     tl.store(dgates + 3 * H, d_o, mask=ok)
+
+
+@triton.jit
+def _grid_barrier(Counter, target):
+    # Every program of the grid waits here until `target` arrivals were counted (step s of a launch:
+    # (s+1) * programs). The CTA barrier orders this program's stores of the step before thread 0's
+    # release-increment (gpu scope, cumulative), the acquiring spin and the second CTA barrier order
+    # the next step's loads after every program's stores. Safe only while every program is resident
+    # (grid <= SM count, one CTA per SM). Scalar atomics run on one thread of the program.
+    tl.debug_barrier()
+    count = tl.atomic_add(Counter, 1, sem="acq_rel", scope="gpu") + 1
+    while count < target:
+        count = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _split_gates(acc, BLOCK_U: tl.constexpr, BLOCK_B: tl.constexpr):
+    # acc [4*BLOCK_U, BLOCK_B] with row u*4 + q holding gate q of unit u -> the four [BLOCK_U, BLOCK_B]
+    # gates i, f, g, o: [U, 4, B] -> [U, B, 4] -> [U, B, 2, 2] (q = 2a + b); split b: q in {0, 2} and
+    # {1, 3}; split a: i, g and f, o.
+    by_gate = tl.permute(tl.reshape(acc, [BLOCK_U, 4, BLOCK_B]), 0, 2, 1)
+    even, odd = tl.split(tl.reshape(by_gate, [BLOCK_U, BLOCK_B, 2, 2]))
+    i, g = tl.split(even)
+    f, o = tl.split(odd)
+    return i, f, g, o
+
+
+# do_not_specialize: the first step and the step count take every value; one compiled kernel serves them.
+@triton.jit(do_not_specialize=["t_first", "n_steps"])
+def lstm_seq_fwd_kernel(
+    XP, Bias, H0, W, CS, Y, G, Counter,
+    t_first, n_steps, B, H,
+    HAS_BIAS: tl.constexpr, PERSISTENT: tl.constexpr, RESIDENT: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # Steps t_first .. t_first + n_steps - 1 of the forward recurrence over a grid of (unit tiles, batch
+    # tiles): a program owns BLOCK_U hidden units (4*BLOCK_U rows of w_hh) for BLOCK_B batch rows. Its
+    # w_hh slice is [4*BLOCK_U, H] with row u*4 + q = gate q of unit u, so one product gives all four
+    # gates: gates^T = slice @ h_{t-1}^T. RESIDENT (BLOCK_K >= H): the slice is loaded once and stays
+    # on chip (the compiler keeps it in shared memory, as the dot's operand) for every step, one dot a
+    # step; otherwise it is read from L2 at every step, BLOCK_K columns at a time. c stays in float32
+    # registers from step to step (read from CS[t_first] on entry). PERSISTENT: the programs meet at
+    # the grid barrier after each step (h_t = Y[t] is read by every program, through L2: .cg);
+    # otherwise a launch runs one step and the launches order the steps. Traffic per step: h_{t-1}
+    # once per program (from L2), xp[t], c, h_t and the gates once each; w_hh once per launch
+    # (RESIDENT) or once per step over the grid.
+    # XP: [T, B, 4H] (input projection without bias); Bias: [4H] float32; H0: [B, H]; W: w_hh [4H, H];
+    # CS: [T+1, B, H] float32 with CS[0] = c0; Y: [T, B, H]; G: [T, B, 4H] float32 (activated gates);
+    # Counter: int32, zero on entry to a PERSISTENT launch.
+    rows_w = tl.arange(0, 4 * BLOCK_U)
+    unit_of_row = tl.program_id(0) * BLOCK_U + rows_w // 4
+    gate_col = (rows_w % 4) * H + unit_of_row  # row of w_hh, column of xp and bias
+    row_ok = unit_of_row < H
+    w_rows = W + gate_col.to(tl.int64)[:, None] * H
+    ks = tl.arange(0, BLOCK_K)
+    if RESIDENT:
+        w = tl.load(w_rows + ks[None, :], mask=row_ok[:, None] & (ks < H)[None, :], other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(Bias + gate_col, mask=row_ok, other=0.0)
+    units = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
+    rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rows64 = rows.to(tl.int64)
+    u_ok = units < H
+    b_ok = rows < B
+    ok = u_ok[:, None] & b_ok[None, :]  # [BLOCK_U, BLOCK_B]
+    xp_ok = row_ok[:, None] & b_ok[None, :]  # [4*BLOCK_U, BLOCK_B]
+    # Everything below is transposed (units along dim 0): [t, rows, units] of a [*, B, H] tensor is at
+    # (t*B + rows)*H + units (64-bit: T*B*4H may pass 2^31).
+    c = tl.load(CS + (t_first * B + rows64)[None, :] * H + units[:, None], mask=ok, other=0.0)
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    for t in range(t_first, t_first + n_steps):
+        # h_{t-1}: Y[t-1], or H0 at t = 0 (one load a tile: a single trip through shared memory into the dot).
+        h_rows = tl.where(t > 0, Y + ((t - 1) * B + rows64)[None, :] * H, H0 + rows64[None, :] * H)
+        if RESIDENT:
+            h_ok = (ks < H)[:, None] & b_ok[None, :]
+            h = tl.load(h_rows + ks[:, None], mask=h_ok, other=0.0, cache_modifier=".cg")
+            acc = dot(w, h.to(w.dtype), DOT)
+        else:
+            acc = tl.zeros([4 * BLOCK_U, BLOCK_B], dtype=tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                k_ok = k0 + ks < H
+                w_k = tl.load(w_rows + k0 + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                h_ok = k_ok[:, None] & b_ok[None, :]
+                h = tl.load(h_rows + k0 + ks[:, None], mask=h_ok, other=0.0, cache_modifier=".cg")
+                acc += dot(w_k, h.to(w_k.dtype), DOT)
+        xp = tl.load(XP + (t * B + rows64)[None, :] * (4 * H) + gate_col[:, None], mask=xp_ok, other=0.0)
+        acc += xp.to(tl.float32)
+        if HAS_BIAS:
+            acc += bias[:, None]
+        a_i, a_f, a_g, a_o = _split_gates(acc, BLOCK_U, BLOCK_B)
+        i = tl.sigmoid(a_i)
+        f = tl.sigmoid(a_f)
+        g = _tanh(a_g)
+        o = tl.sigmoid(a_o)
+        c = f * c + i * g
+        h = o * _tanh(c)
+        at_t = (t * B + rows64)[None, :] * H + units[:, None]
+        tl.store(CS + at_t + B * H, c, mask=ok)
+        tl.store(Y + at_t, h.to(Y.dtype.element_ty), mask=ok)
+        gates = G + (t * B + rows64)[None, :] * (4 * H) + units[:, None]
+        tl.store(gates, i, mask=ok)
+        tl.store(gates + H, f, mask=ok)
+        tl.store(gates + 2 * H, g, mask=ok)
+        tl.store(gates + 3 * H, o, mask=ok)
+        if PERSISTENT:
+            _grid_barrier(Counter, (t - t_first + 1) * programs)
+
+
+@triton.jit
+def _dgates_product(acc, dg_cols, ks, ok, w_t, SPLIT: tl.constexpr, DOT: tl.constexpr):
+    # acc [BLOCK_U, BLOCK_B] + w_t [BLOCK_U, BLOCK_K] @ dgates^T [BLOCK_K, BLOCK_B], dgates^T element
+    # (k, b) at dg_cols[0, b] + ks[k] (masked rows of w_t are zero). Transposed, as in the forward, so
+    # that the dgates tile (staged through shared memory) is the dot's second operand.
+    dg = tl.load(dg_cols + ks[:, None], mask=ok, other=0.0, cache_modifier=".cg")
+    if SPLIT:
+        # 16-bit weights: dgates (float32) as a 16-bit head plus a 16-bit tail, two 16-bit products (w is
+        # exact in its dtype): about float32 accuracy where rounding dgates to 16 bits at every step
+        # would compound over the sequence.
+        head = dg.to(w_t.dtype)
+        tail = (dg - head.to(tl.float32)).to(w_t.dtype)
+        acc += dot(w_t, head, DOT) + dot(w_t, tail, DOT)
+    else:
+        acc += dot(w_t, dg, DOT)
+    return acc
+
+
+@triton.jit
+def _split_dgates_product(acc, heads, tails, ks, ok, w_t, DOT: tl.constexpr):
+    # `_dgates_product` with SPLIT's head and tail of dgates already in w_t's dtype, in memory (heads,
+    # tails: row pointers [1, BLOCK_B]): loaded as they enter the dot, with no conversion after.
+    head = tl.load(heads + ks[:, None], mask=ok, other=0.0, cache_modifier=".cg")
+    tail = tl.load(tails + ks[:, None], mask=ok, other=0.0, cache_modifier=".cg")
+    return acc + dot(w_t, head, DOT) + dot(w_t, tail, DOT)
+
+
+@triton.jit
+def _store_split(Heads, Tails, x, ok):
+    # x (float32) as a head in the pointers' dtype and the tail that remains (see `_dgates_product`).
+    head = x.to(Heads.dtype.element_ty)
+    tl.store(Heads, head, mask=ok)
+    tl.store(Tails, (x - head.to(tl.float32)).to(Tails.dtype.element_ty), mask=ok)
+
+
+# do_not_specialize: the first step and the step count take every value; one compiled kernel serves them.
+@triton.jit(do_not_specialize=["t_first", "n_steps"])
+def lstm_seq_bwd_kernel(
+    DY, DHN, W, G, CS, DC, DG, DGS, Counter,
+    t_first, n_steps, T, B, H,
+    PERSISTENT: tl.constexpr, RESIDENT: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # Steps t_first, t_first - 1, .., t_first - n_steps + 1 of the backward recurrence over a grid of
+    # (unit tiles, batch tiles): a program owns BLOCK_U units j for BLOCK_B batch rows. dh_t = dy[t] +
+    # dgates_{t+1} @ w_hh[:, j] (the product over all 4H rows; dh_n instead at t = T-1), dc_t = dc
+    # carried + dh_t*o*(1 - tanh(c_t)^2); the gate gradients (before activation) -> DG[t]. dc*f is
+    # carried in float32 registers (read from DC on entry, written back on exit). RESIDENT (BLOCK_K >=
+    # H, 16-bit w_hh): the [4H, BLOCK_U] column slice of w_hh is loaded once, as four [BLOCK_U,
+    # BLOCK_K] gate slices that stay on chip (shared memory, as dot operands), eight products a step
+    # (SPLIT's head and tail, which each step also writes to DGS in w_hh's dtype, so that the next
+    # step loads them as they enter the dot); otherwise it is read from L2 at every step, BLOCK_K of
+    # the 4H rows at a time. PERSISTENT: the grid barrier
+    # after each step (dgates_t is read by every program, through L2: .cg); otherwise one step a
+    # launch. Traffic per step: dgates_{t+1} once per program, dy[t], the gates and c once each; w_hh
+    # once per launch (RESIDENT) or once per step over the grid.
+    # DY: [T, B, H]; DHN: [B, H]; W: w_hh [4H, H]; G: [T, B, 4H] activated gates float32; CS: [T+1, B,
+    # H] float32; DC: [B, H] float32 (dc carried into step t_first; dc_t*f_t of the last step run on
+    # exit); DG: [T, B, 4H] float32; DGS: [2 (step parity), 2 (head, tail), B, 4H] in w_hh's dtype
+    # (RESIDENT only); Counter: int32, zero on entry to a PERSISTENT launch. SPLIT: w_hh is 16-bit
+    # (see `_dgates_product`).
+    units = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
+    rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    u_ok = units < H
+    b_ok = rows < B
+    ok = b_ok[:, None] & u_ok[None, :]
+    rows64 = rows.to(tl.int64)
+    state = rows64[:, None] * H + units[None, :]
+    dc = tl.load(DC + state, mask=ok, other=0.0)
+    dh_n = tl.load(DHN + state, mask=ok, other=0.0).to(tl.float32)
+    ks = tl.arange(0, BLOCK_K)
+    if RESIDENT:
+        # Gate q's slice, transposed [BLOCK_U, BLOCK_K]: element (u, k) is w_hh[q*H + k, units[u]]
+        # (64-bit: 4H*H may pass 2^31).
+        w_ok = u_ok[:, None] & (ks < H)[None, :]
+        w_cols = W + ks.to(tl.int64)[None, :] * H + units[:, None]
+        w_i = tl.load(w_cols, mask=w_ok, other=0.0)
+        w_f = tl.load(w_cols + H.to(tl.int64) * H, mask=w_ok, other=0.0)
+        w_g = tl.load(w_cols + 2 * H.to(tl.int64) * H, mask=w_ok, other=0.0)
+        w_o = tl.load(w_cols + 3 * H.to(tl.int64) * H, mask=w_ok, other=0.0)
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    for s in range(n_steps):
+        t = t_first - s
+        at_t = (t * B + rows64)[:, None] * H + units[None, :]
+        dh = tl.load(DY + at_t, mask=ok, other=0.0).to(tl.float32)
+        dh += tl.where(t == T - 1, dh_n, 0.0)
+        # dgates_{t+1}: none at the last step (a row bound of 0 masks the loads off: the product is 0).
+        next_ok = (rows < tl.where(t < T - 1, B, 0))[None, :]
+        dg_next = DG + ((t + 1) * B + rows64)[None, :] * (4 * H)
+        product = tl.zeros([BLOCK_U, BLOCK_B], dtype=tl.float32)  # (dgates_{t+1} @ w_hh[:, units])^T
+        if RESIDENT:
+            gate_ok = (ks < H)[:, None] & next_ok
+            heads = DGS + ((((t + 1) % 2) * 2 * B) + rows64)[None, :] * (4 * H)
+            tails = heads + B * 4 * H
+            product = _split_dgates_product(product, heads, tails, ks, gate_ok, w_i, DOT)
+            product = _split_dgates_product(product, heads + H, tails + H, ks, gate_ok, w_f, DOT)
+            product = _split_dgates_product(product, heads + 2 * H, tails + 2 * H, ks, gate_ok, w_g, DOT)
+            product = _split_dgates_product(product, heads + 3 * H, tails + 3 * H, ks, gate_ok, w_o, DOT)
+        else:
+            for k0 in range(0, 4 * H, BLOCK_K):
+                k_ok = k0 + ks < 4 * H
+                w_t = tl.load(
+                    W + (k0 + ks).to(tl.int64)[None, :] * H + units[:, None],
+                    mask=u_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                product = _dgates_product(product, dg_next, k0 + ks, k_ok[:, None] & next_ok, w_t, SPLIT, DOT)
+        dh += tl.trans(product)
+        gates = G + (t * B + rows64)[:, None] * (4 * H) + units[None, :]
+        i = tl.load(gates, mask=ok, other=0.0)
+        f = tl.load(gates + H, mask=ok, other=0.0)
+        g = tl.load(gates + 2 * H, mask=ok, other=0.0)
+        o = tl.load(gates + 3 * H, mask=ok, other=0.0)
+        c = tl.load(CS + at_t + B * H, mask=ok, other=0.0)
+        c_prev = tl.load(CS + at_t, mask=ok, other=0.0)
+        tanh_c = _tanh(c)
+        dc += dh * o * (1.0 - tanh_c * tanh_c)
+        d_i = dc * g * i * (1.0 - i)
+        d_f = dc * c_prev * f * (1.0 - f)
+        d_g = dc * i * (1.0 - g * g)
+        d_o = dh * tanh_c * o * (1.0 - o)
+        dc = dc * f
+        dgates = DG + (t * B + rows64)[:, None] * (4 * H) + units[None, :]
+        tl.store(dgates, d_i, mask=ok)
+        tl.store(dgates + H, d_f, mask=ok)
+        tl.store(dgates + 2 * H, d_g, mask=ok)
+        tl.store(dgates + 3 * H, d_o, mask=ok)
+        if RESIDENT:
+            # Parity t % 2: the slot step t-1 reads while no program writes it (a program writes it
+            # again at step t-2, past the barrier that every program reaches after reading it).
+            heads = DGS + ((t % 2) * 2 * B + rows64)[:, None] * (4 * H) + units[None, :]
+            tails = heads + B * 4 * H
+            _store_split(heads, tails, d_i, ok)
+            _store_split(heads + H, tails + H, d_f, ok)
+            _store_split(heads + 2 * H, tails + 2 * H, d_g, ok)
+            _store_split(heads + 3 * H, tails + 3 * H, d_o, ok)
+        if PERSISTENT:
+            _grid_barrier(Counter, (s + 1) * programs)
+    tl.store(DC + state, dc, mask=ok)

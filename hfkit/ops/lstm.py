@@ -3,14 +3,22 @@
 `lstm_layer` takes a time-major input x [T, B, I], the initial state (h0, c0) [B, H] and one layer's
 weights in torch's layout (gates i, f, g, o along the 4H rows) and returns y [T, B, H], h_n and c_n,
 as one layer and direction of `torch.nn.LSTM`. Its forward is the input projection of every step as
-one matmul up front, then one Triton kernel launch per time step for the recurrence (the step's
-h_{t-1} @ w_hh^T, the gate activations and the cell update, cell state always float32). The backward
-is one launch per step from t = T-1 down to 0 (the gate gradients of each step, the carried dh and
-dc), then the weight, input and initial-state gradients as a few matmuls over every step at once.
+one matmul up front, then the recurrence in Triton (each step's h_{t-1} @ w_hh^T, the gate
+activations and the cell update, cell state always float32). The backward runs the recurrence from
+t = T-1 down to 0 (the gate gradients of each step, the carried dh and dc), then the weight, input
+and initial-state gradients as a few matmuls over every step at once.
 
-On CUDA the per-step launches of a call are captured once as a CUDA graph and replayed (see
-`_StepGraphs`), except while the caller is capturing a graph itself, where the launches land in the
-caller's graph. `lstm_reference` is the specification: the plain-torch step loop.
+The recurrence runs one of two ways (`_persistent_tiles` picks):
+- sequence kernels (`lstm_seq_fwd_kernel`, `lstm_seq_bwd_kernel`), when the grid fits on the GPU at
+  once (B <= 64, at most one program per SM): on CUDA ONE launch runs the whole sequence, the
+  programs meeting at a grid-wide barrier between steps, each keeping its slice of w_hh on chip
+  where it fits (hfai's H = 985, B = 4 on 132 SMs: 124 forward programs of 8 units, 62 backward ones
+  of 16). Under the interpreter, whose programs run one after another, the same kernels run one
+  step per launch.
+- step kernels (`lstm_step_fwd_kernel`, `lstm_step_bwd_kernel`) otherwise: one launch per step, on
+  CUDA captured once as a CUDA graph and replayed (see `_StepGraphs`), except while the caller is
+  capturing a graph itself, where the launches land in the caller's graph.
+`lstm_reference` is the specification: the plain-torch step loop.
 """
 
 from __future__ import annotations
@@ -31,13 +39,19 @@ from hfkit.ops._triton import (
     interpreting,
     launch,
     next_power_of_2,
+    num_sms,
     triton_can_run,
 )
 
 if HAS_TRITON:
     from torch._library.triton import is_wrap_triton_enabled
 
-    from hfkit.ops._lstm_kernels import lstm_step_bwd_kernel, lstm_step_fwd_kernel
+    from hfkit.ops._lstm_kernels import (
+        lstm_seq_bwd_kernel,
+        lstm_seq_fwd_kernel,
+        lstm_step_bwd_kernel,
+        lstm_step_fwd_kernel,
+    )
 
 __all__ = ["lstm_layer", "lstm_reference", "uses_triton"]
 
@@ -50,6 +64,29 @@ BLOCK_H = 16
 BLOCK_K = 64
 MAX_BLOCK_B = 64
 NUM_WARPS = 4
+
+# Sequence kernels, 8 warps a program. The forward keeps its w_hh slice [4*BLOCK_U, next_pow2(H)] on
+# chip for the whole sequence where the slice and the h_{t-1} tile [next_pow2(H), BLOCK_B] (both staged
+# in shared memory as the dot's operands; the slice twice for float32's three-TF32 products) take at
+# most SEQ_RESIDENT_BYTES (H200: 227 KB a block) and, as they pass through registers into the dot, at
+# most MAX_RESIDENT_SLICE and MAX_RESIDENT_H elements; otherwise it reads the slice from L2 at every
+# step, SEQ_FWD_BLOCK_K columns at a time. The backward (BLOCK_U >= 16 there, as tl.dot's M) keeps
+# its [4H, BLOCK_U] column slice of a 16-bit w_hh on chip by the same rule, the dgates head and tail
+# tiles [next_pow2(H), BLOCK_B] (16-bit) staged beside it; otherwise (float32 at hfai's size) it reads
+# the slice from L2 at every step, SEQ_BWD_BLOCK_K rows at a time (larger chunks spill registers).
+# At hfai's H = 985, B = 4 on sm_90: bfloat16 both on chip (forward 97 KB of shared memory, backward
+# 192 KB with a small register spill), float32 forward on chip with one TF32 product (194 KB) and
+# streamed with three; the streamed tiles compile without spills.
+SEQ_NUM_WARPS = 8
+SEQ_RESIDENT_BYTES = 192 * 1024
+MAX_RESIDENT_SLICE = 32768
+MAX_RESIDENT_H = 16384
+SEQ_FWD_BLOCK_K = 64
+SEQ_BWD_BLOCK_K = 64
+MIN_SEQ_FWD_BLOCK_U = 4
+MAX_SEQ_FWD_BLOCK_U = 32
+MIN_SEQ_BWD_BLOCK_U = 16
+MAX_SEQ_BWD_BLOCK_U = 64
 
 
 def lstm_reference(
@@ -167,6 +204,144 @@ def _tiles(x: Tensor, w_hh: Tensor) -> _Tiles:
     batch, hidden = x.shape[1], w_hh.shape[1]
     block_b = min(MAX_BLOCK_B, max(16, next_power_of_2(batch)))
     return _Tiles((cdiv(hidden, BLOCK_H), cdiv(batch, block_b)), block_b, dot_mode(w_hh))
+
+
+class _SeqTiles(NamedTuple):
+    """Grids and tiles of the sequence kernels for one (B, H, dtype, SM count): one batch tile of
+    block_b rows; the forward's programs own fwd_block_u units each, its slice of w_hh on chip for the
+    whole sequence when `resident` (fwd_block_k = next_pow2(H)) or read fwd_block_k columns at a time
+    at every step; the backward's programs own bwd_block_u units, their column slice on chip when
+    `bwd_resident` (bwd_block_k = next_pow2(H)) or read bwd_block_k rows at a time."""
+
+    fwd_grid: tuple[int, int]
+    bwd_grid: tuple[int, int]
+    block_b: int
+    fwd_block_u: int
+    fwd_block_k: int
+    resident: bool
+    bwd_block_u: int
+    bwd_block_k: int
+    bwd_resident: bool
+
+
+def _smallest_block_u(hidden: int, smallest: int, sms: int) -> int:
+    """The smallest power of two >= `smallest` whose unit tiles over `hidden` number at most `sms`."""
+    block_u = smallest
+    while cdiv(hidden, block_u) > sms:
+        block_u *= 2
+    return block_u
+
+
+def _persistent_tiles(
+    batch: int, hidden: int, element_size: int, dot: int, sms: int, resident_bytes: int = SEQ_RESIDENT_BYTES
+) -> _SeqTiles | None:
+    """Tiles of the sequence kernels for batch B, hidden H, weights and h of `element_size` bytes and
+    the `dot` mode (`dot_mode`) on a device of `sms` SMs, or None where the step kernels run instead.
+
+    Each kernel takes the smallest BLOCK_U (a power of two, >= 4 forward, >= 16 backward) whose grid
+    has at most `sms` programs, so that every program is resident at once (what makes the grid
+    barrier safe) and the grid is as wide as that allows. None when B > MAX_BLOCK_B (one batch tile)
+    or that BLOCK_U passes MAX_SEQ_FWD_BLOCK_U / MAX_SEQ_BWD_BLOCK_U. The forward keeps its w_hh slice
+    on chip (`resident`) when the slice (twice for dot mode 3) and the h tile take at most
+    `resident_bytes`, the slice at most MAX_RESIDENT_SLICE elements and the h tile MAX_RESIDENT_H; the
+    backward its column slice when w_hh is 16-bit, the slice and the dgates head and tail tiles take at
+    most `resident_bytes` and a tile at most MAX_RESIDENT_H elements."""
+    if batch > MAX_BLOCK_B:
+        return None
+    block_b = max(16, next_power_of_2(batch))
+    fwd_u = _smallest_block_u(hidden, MIN_SEQ_FWD_BLOCK_U, sms)
+    bwd_u = _smallest_block_u(hidden, MIN_SEQ_BWD_BLOCK_U, sms)
+    if fwd_u > MAX_SEQ_FWD_BLOCK_U or bwd_u > MAX_SEQ_BWD_BLOCK_U:
+        return None
+    full_k = next_power_of_2(hidden)
+    slice_copies = 2 if dot == 3 else 1
+    resident = (
+        (4 * fwd_u * slice_copies + block_b) * full_k * element_size <= resident_bytes
+        and 4 * fwd_u * full_k <= MAX_RESIDENT_SLICE
+        and block_b * full_k <= MAX_RESIDENT_H
+    )
+    bwd_resident = (
+        element_size == 2
+        and (4 * bwd_u + 2 * block_b) * full_k * element_size <= resident_bytes
+        and block_b * full_k <= MAX_RESIDENT_H
+    )
+    return _SeqTiles(
+        fwd_grid=(cdiv(hidden, fwd_u), 1),
+        bwd_grid=(cdiv(hidden, bwd_u), 1),
+        block_b=block_b,
+        fwd_block_u=fwd_u,
+        fwd_block_k=full_k if resident else SEQ_FWD_BLOCK_K,
+        resident=resident,
+        bwd_block_u=bwd_u,
+        bwd_block_k=full_k if bwd_resident else SEQ_BWD_BLOCK_K,
+        bwd_resident=bwd_resident,
+    )
+
+
+def _seq_tiles(x: Tensor, w_hh: Tensor) -> _SeqTiles | None:
+    """`_persistent_tiles` for x [T, B, I] and w_hh [4H, H] (in x's dtype) on x's device."""
+    return _persistent_tiles(
+        x.shape[1], w_hh.shape[1], w_hh.element_size(), dot_mode(w_hh), num_sms(x.device)
+    )
+
+
+def _one_launch(x: Tensor) -> bool:
+    """Whether the sequence kernels run the whole sequence in one launch (compiled kernels on CUDA,
+    all programs resident) rather than one step a launch (the interpreter runs programs one after
+    another: a grid barrier would wait forever)."""
+    return x.is_cuda and not interpreting()
+
+
+def _fwd_seq(
+    xp: Tensor,
+    bias: Tensor | None,
+    h0: Tensor,
+    w_hh: Tensor,
+    cs: Tensor,
+    y: Tensor,
+    gates: Tensor,
+    tiles: _SeqTiles,
+    persistent: bool,
+) -> None:
+    """The forward recurrence with the sequence kernel over the preallocated buffers (see the kernel):
+    one launch for every step when `persistent`, else one launch a step."""
+    t_len, batch, hidden = y.shape
+    counter = torch.zeros(1, device=y.device, dtype=torch.int32)
+    spans = [(0, t_len)] if persistent else [(t, 1) for t in range(t_len)]
+    for t_first, n_steps in spans:
+        launch(lstm_seq_fwd_kernel, tiles.fwd_grid,
+            xp, bias, h0, w_hh, cs, y, gates, counter, t_first, n_steps, batch, hidden,
+            HAS_BIAS=bias is not None, PERSISTENT=persistent, RESIDENT=tiles.resident, DOT=dot_mode(w_hh),
+            BLOCK_B=tiles.block_b, BLOCK_U=tiles.fwd_block_u, BLOCK_K=tiles.fwd_block_k,
+            num_warps=SEQ_NUM_WARPS,
+        )  # fmt: skip
+
+
+def _bwd_seq(
+    dy: Tensor,
+    dh_n: Tensor,
+    w_hh: Tensor,
+    gates: Tensor,
+    cs: Tensor,
+    dc: Tensor,
+    dg: Tensor,
+    tiles: _SeqTiles,
+    persistent: bool,
+) -> None:
+    """The backward recurrence with the sequence kernel, t = T-1 down to 0 (see the kernel): one launch
+    when `persistent`, else one a step; dc holds dc_n on entry and dc0 on exit."""
+    t_len, batch, hidden = dy.shape
+    counter = torch.zeros(1, device=dy.device, dtype=torch.int32)
+    # The dgates head and tail of the last two steps, in w_hh's dtype (read by the on-chip variant).
+    split = w_hh.new_empty((2, 2, batch, 4 * hidden) if tiles.bwd_resident else (1,))
+    spans = [(t_len - 1, t_len)] if persistent else [(t, 1) for t in range(t_len - 1, -1, -1)]
+    for t_first, n_steps in spans:
+        launch(lstm_seq_bwd_kernel, tiles.bwd_grid,
+            dy, dh_n, w_hh, gates, cs, dc, dg, split, counter, t_first, n_steps, t_len, batch, hidden,
+            PERSISTENT=persistent, RESIDENT=tiles.bwd_resident, SPLIT=w_hh.dtype != torch.float32,
+            DOT=dot_mode(w_hh), BLOCK_B=tiles.block_b, BLOCK_U=tiles.bwd_block_u, BLOCK_K=tiles.bwd_block_k,
+            num_warps=SEQ_NUM_WARPS,
+        )  # fmt: skip
 
 
 def _fwd_steps(
@@ -302,14 +477,18 @@ if HAS_TRITON:
         def project(out: Tensor) -> None:
             torch.matmul(x.reshape(t_len * batch, n_in), w_ih.t(), out=out.view(t_len * batch, 4 * hidden))
 
-        if not _use_graphs(x):
+        seq_tiles = _seq_tiles(x, w_hh)
+        if seq_tiles is not None or not _use_graphs(x):
             xp = x.new_empty(t_len, batch, 4 * hidden)
             project(xp)
             y = x.new_empty(t_len, batch, hidden)
             cs = torch.empty(t_len + 1, batch, hidden, device=x.device, dtype=torch.float32)
             cs[0] = c0
             gates = torch.empty(t_len, batch, 4 * hidden, device=x.device, dtype=torch.float32)
-            _fwd_steps(xp, bias, h0.contiguous(), w_hh, cs, y, gates, tiles)
+            if seq_tiles is not None:
+                _fwd_seq(xp, bias, h0.contiguous(), w_hh, cs, y, gates, seq_tiles, _one_launch(x))
+            else:
+                _fwd_steps(xp, bias, h0.contiguous(), w_hh, cs, y, gates, tiles)
             return y, y[-1].clone(), cs[-1].to(x.dtype, copy=True), cs, gates
 
         def make() -> dict[str, Tensor]:
@@ -359,10 +538,15 @@ if HAS_TRITON:
         w_hh = w_hh.contiguous()
         tiles = _tiles(x, w_hh)
         f32 = {"device": x.device, "dtype": torch.float32}
-        if not _use_graphs(x):
+        seq_tiles = _seq_tiles(x, w_hh)
+        if seq_tiles is not None or not _use_graphs(x):
             dg = torch.empty(t_len, batch, 4 * hidden, **f32)
             dc = dc_n.to(torch.float32, copy=True)  # the kernels update it in place
-            _bwd_steps(dy.contiguous(), dh_n.contiguous(), w_hh, gates, cs, dc, dg, tiles)
+            dy, dh_n = dy.contiguous(), dh_n.contiguous()
+            if seq_tiles is not None:
+                _bwd_seq(dy, dh_n, w_hh, gates, cs, dc, dg, seq_tiles, _one_launch(x))
+            else:
+                _bwd_steps(dy, dh_n, w_hh, gates, cs, dc, dg, tiles)
         else:
 
             def make() -> dict[str, Tensor]:
