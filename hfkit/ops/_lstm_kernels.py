@@ -368,9 +368,11 @@ def lstm_seq_bwd_kernel(
         w_ok = u_ok[:, None] & (ks < H)[None, :]
         w_cols = W + ks.to(tl.int64)[None, :] * H + units[:, None]
         w_i = tl.load(w_cols, mask=w_ok, other=0.0)
-        w_f = tl.load(w_cols + H.to(tl.int64) * H, mask=w_ok, other=0.0)
-        w_g = tl.load(w_cols + 2 * H.to(tl.int64) * H, mask=w_ok, other=0.0)
-        w_o = tl.load(w_cols + 3 * H.to(tl.int64) * H, mask=w_ok, other=0.0)
+        # tl.cast, not H.to: torch.compile's analysis of the kernel passes H as a Python int.
+        gate_rows = tl.cast(H, tl.int64) * H
+        w_f = tl.load(w_cols + gate_rows, mask=w_ok, other=0.0)
+        w_g = tl.load(w_cols + 2 * gate_rows, mask=w_ok, other=0.0)
+        w_o = tl.load(w_cols + 3 * gate_rows, mask=w_ok, other=0.0)
     programs = tl.num_programs(0) * tl.num_programs(1)
     for s in range(n_steps):
         t = t_first - s
