@@ -5,6 +5,7 @@ and no /dev/shm leaks (also when the node leader dies during set-up)."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -332,17 +333,24 @@ def test_host_worker_runs_torch_ops_on_its_own_threads() -> None:
     before = torch.get_num_threads()
     openmp = "parallel backend: OpenMP" in torch.__config__.parallel_info()
     worker = hfreduce.host_worker(1)
-    seen: list[int] = []
+    seen: list[tuple[int, str]] = []
+    big = hfreduce._INLINE_NUMEL + 1
+
+    def record() -> None:
+        seen.append((torch.get_num_threads(), threading.current_thread().name))
+
     try:
-        hfreduce.run_on(worker, lambda: seen.append(torch.get_num_threads()))
+        hfreduce.run_on(worker, record, big)
         assert len(seen) == 1  # run_on returned after the call ran
+        hfreduce.run_on(worker, record, hfreduce._INLINE_NUMEL)  # small ops: here, not on the worker
     finally:
         worker.shutdown()
     assert torch.get_num_threads() == before
+    assert seen[0][1].startswith("hfreduce-host") and seen[1][1] == threading.current_thread().name
     if openmp:
-        assert seen == [1]
-    hfreduce.run_on(None, lambda: seen.append(0))  # no worker: runs here
-    assert seen[-1] == 0
+        assert seen[0][0] == 1
+    hfreduce.run_on(None, record, big)  # no worker: runs here
+    assert seen[-1][1] == threading.current_thread().name
     with pytest.raises(ValueError, match="threads: expected >= 1, got 0"):
         hfreduce.host_worker(0)
 

@@ -230,9 +230,9 @@ def _calls_for(nbytes: int) -> int:
 
 def _host_seconds(nbytes: int, stream_bytes: int, threads: int, reps: int, ctrl: Any) -> tuple[float, float]:
     """Seconds of a 2-input add of `nbytes` of fp32, and of copying `stream_bytes` into and out of an
-    `nbytes` buffer chunk by chunk (as hfreduce copies a CPU tensor to its slot and back), on a host
-    worker with `threads` intra-op threads as HostReduce runs them (`host_worker`), every rank at once
-    (the slowest rank's median)."""
+    `nbytes` buffer chunk by chunk (as hfreduce copies a CPU tensor to its slot and back), where
+    HostReduce runs them (`run_on`: a host worker with `threads` intra-op threads, or the calling thread
+    for small ops), every rank at once (the slowest rank's median)."""
     n = max(1, nbytes // 4)
     a, b, out = (torch.ones(n) for _ in range(3))
     big = torch.ones(max(n, stream_bytes // 4))
@@ -242,11 +242,11 @@ def _host_seconds(nbytes: int, stream_bytes: int, threads: int, reps: int, ctrl:
     def copy_chunks() -> None:
         for lo in range(0, big.numel(), n):
             m = min(n, big.numel() - lo)
-            run_on(worker, lambda lo=lo, m=m: out[:m].copy_(big[lo : lo + m]))
-            run_on(worker, lambda lo=lo, m=m: big[lo : lo + m].copy_(out[:m]))
+            run_on(worker, lambda lo=lo, m=m: out[:m].copy_(big[lo : lo + m]), m)
+            run_on(worker, lambda lo=lo, m=m: big[lo : lo + m].copy_(out[:m]), m)
 
     try:
-        summed = _median_seconds(lambda: run_on(worker, lambda: torch.add(a, b, out=out)), reps, cpu, ctrl,
+        summed = _median_seconds(lambda: run_on(worker, lambda: torch.add(a, b, out=out), n), reps, cpu, ctrl,
                                  False, _calls_for(nbytes))  # fmt: skip
         copied = _median_seconds(copy_chunks, reps, cpu, ctrl, False, _calls_for(big.numel() * 4))
     finally:

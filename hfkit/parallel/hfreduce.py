@@ -106,9 +106,10 @@ def host_worker(threads: int) -> ThreadPoolExecutor:
     )
 
 
-def run_on(worker: ThreadPoolExecutor | None, fn: Callable[[], object]) -> None:
-    """Run `fn()` on `worker` (a `host_worker`) and wait for it; here when `worker` is None."""
-    if worker is None:
+def run_on(worker: ThreadPoolExecutor | None, fn: Callable[[], object], numel: int) -> None:
+    """Run `fn()`, torch ops over `numel` elements, on `worker` (a `host_worker`) and wait for it; here
+    when `worker` is None or the ops are small (`_INLINE_NUMEL`)."""
+    if worker is None or numel <= _INLINE_NUMEL:
         fn()
     else:
         worker.submit(fn).result()
@@ -585,14 +586,10 @@ class HostReduce:
         return self._acc[:m]
 
     def _on_worker(self, fn: Callable[[], object], numel: int) -> None:
-        """`fn()`, ops over `numel` elements, on this HostReduce's host worker (made on first use), or
-        here when they are small (`_INLINE_NUMEL`)."""
-        if numel <= _INLINE_NUMEL:
-            fn()
-            return
-        if self._worker is None:
+        """`run_on` this HostReduce's host worker (made on first use, when an op is not small)."""
+        if self._worker is None and numel > _INLINE_NUMEL:
             self._worker = host_worker(self.threads)
-        run_on(self._worker, fn)
+        run_on(self._worker, fn, numel)
 
     def _sum_slots(self, inputs: torch.Tensor, out: torch.Tensor) -> None:
         """out = the sum of `inputs` [L, m] over its first axis, then across nodes (rail group);
