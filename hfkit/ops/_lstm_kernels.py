@@ -35,6 +35,51 @@ def _tanh(x):
 
 
 @triton.jit
+def _cell_fwd(a_i, a_f, a_g, a_o, c_prev):
+    # One step of the cell from the gates' pre-activations (float32): i, f, o sigmoid, g tanh;
+    # c = f*c_prev + i*g, h = o*tanh(c). Returns i, f, g, o, c, h.
+    i = tl.sigmoid(a_i)
+    f = tl.sigmoid(a_f)
+    g = _tanh(a_g)
+    o = tl.sigmoid(a_o)
+    c = f * c_prev + i * g
+    return i, f, g, o, c, o * _tanh(c)
+
+
+@triton.jit
+def _cell_bwd(dh, dc, i, f, g, o, c, c_prev):
+    # One step of the cell backward from dh_t and the dc carried from step t+1: dc_t = dc +
+    # dh*o*(1 - tanh(c_t)^2); returns the gates' gradients before activation (d_i, d_f, d_g, d_o) and
+    # dc_t*f_t, what step t-1 carries.
+    tanh_c = _tanh(c)
+    dc = dc + dh * o * (1.0 - tanh_c * tanh_c)
+    d_i = dc * g * i * (1.0 - i)
+    d_f = dc * c_prev * f * (1.0 - f)
+    d_g = dc * i * (1.0 - g * g)
+    d_o = dh * tanh_c * o * (1.0 - o)
+    return d_i, d_f, d_g, d_o, dc * f
+
+
+@triton.jit
+def _store_gates(ptrs, i, f, g, o, H, ok):
+    # Four per-gate tiles into a [*, 4H] row layout: gate q at ptrs + q*H (torch's order i, f, g, o).
+    tl.store(ptrs, i, mask=ok)
+    tl.store(ptrs + H, f, mask=ok)
+    tl.store(ptrs + 2 * H, g, mask=ok)
+    tl.store(ptrs + 3 * H, o, mask=ok)
+
+
+@triton.jit
+def _load_gates(ptrs, H, ok):
+    # The four per-gate tiles that `_store_gates` wrote.
+    i = tl.load(ptrs, mask=ok, other=0.0)
+    f = tl.load(ptrs + H, mask=ok, other=0.0)
+    g = tl.load(ptrs + 2 * H, mask=ok, other=0.0)
+    o = tl.load(ptrs + 3 * H, mask=ok, other=0.0)
+    return i, f, g, o
+
+
+@triton.jit
 def _gate_preactivation(
     acc, XP, Bias, HPrev, W, t, q, rows, units, b_ok, u_ok, B, H,
     HAS_BIAS: tl.constexpr, DOT: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -93,24 +138,15 @@ def lstm_step_fwd_kernel(
     a_o = _gate_preactivation(
         zero, XP, Bias, HPrev, W, t, 3, rows, units, b_ok, u_ok, B, H, HAS_BIAS, DOT, BLOCK_K
     )
-    i = tl.sigmoid(a_i)
-    f = tl.sigmoid(a_f)
-    g = _tanh(a_g)
-    o = tl.sigmoid(a_o)
     rows64 = rows.to(tl.int64)
     # [t, rows, units] of a [*, B, H] tensor is at (t*B + rows)*H + units (64-bit: T*B*H may pass 2^31).
     at_t = (t * B + rows64)[:, None] * H + units[None, :]
     at_next = at_t + B * H
     c_prev = tl.load(CS + at_t, mask=ok, other=0.0)
-    c = f * c_prev + i * g
-    h = o * _tanh(c)
+    i, f, g, o, c, h = _cell_fwd(a_i, a_f, a_g, a_o, c_prev)
     tl.store(CS + at_next, c, mask=ok)
     tl.store(Y + at_t, h.to(Y.dtype.element_ty), mask=ok)
-    gates = G + (t * B + rows64)[:, None] * (4 * H) + units[None, :]
-    tl.store(gates, i, mask=ok)
-    tl.store(gates + H, f, mask=ok)
-    tl.store(gates + 2 * H, g, mask=ok)
-    tl.store(gates + 3 * H, o, mask=ok)
+    _store_gates(G + (t * B + rows64)[:, None] * (4 * H) + units[None, :], i, f, g, o, H, ok)
 
 
 # do_not_specialize: the step index takes every value; one compiled kernel serves them all.
@@ -163,25 +199,13 @@ def lstm_step_bwd_kernel(
                 dh += dot(head, w, DOT) + dot(tail, w, DOT)
             else:
                 dh += dot(dg, w, DOT)
-    gates = G + (t * B + rows64)[:, None] * (4 * H) + units[None, :]
-    i = tl.load(gates, mask=ok, other=0.0)
-    f = tl.load(gates + H, mask=ok, other=0.0)
-    g = tl.load(gates + 2 * H, mask=ok, other=0.0)
-    o = tl.load(gates + 3 * H, mask=ok, other=0.0)
+    i, f, g, o = _load_gates(G + (t * B + rows64)[:, None] * (4 * H) + units[None, :], H, ok)
     c = tl.load(CS + at_t + B * H, mask=ok, other=0.0)
     c_prev = tl.load(CS + at_t, mask=ok, other=0.0)
-    tanh_c = _tanh(c)
-    dc = tl.load(DC + state, mask=ok, other=0.0) + dh * o * (1.0 - tanh_c * tanh_c)
-    d_i = dc * g * i * (1.0 - i)
-    d_f = dc * c_prev * f * (1.0 - f)
-    d_g = dc * i * (1.0 - g * g)
-    d_o = dh * tanh_c * o * (1.0 - o)
-    tl.store(DC + state, dc * f, mask=ok)
-    dgates = DG + (t * B + rows64)[:, None] * (4 * H) + units[None, :]
-    tl.store(dgates, d_i, mask=ok)
-    tl.store(dgates + H, d_f, mask=ok)
-    tl.store(dgates + 2 * H, d_g, mask=ok)
-    tl.store(dgates + 3 * H, d_o, mask=ok)
+    dc = tl.load(DC + state, mask=ok, other=0.0)
+    d_i, d_f, d_g, d_o, dc_carried = _cell_bwd(dh, dc, i, f, g, o, c, c_prev)
+    tl.store(DC + state, dc_carried, mask=ok)
+    _store_gates(DG + (t * B + rows64)[:, None] * (4 * H) + units[None, :], d_i, d_f, d_g, d_o, H, ok)
 
 
 @triton.jit
@@ -273,20 +297,11 @@ def lstm_seq_fwd_kernel(
         if HAS_BIAS:
             acc += bias[:, None]
         a_i, a_f, a_g, a_o = _split_gates(acc, BLOCK_U, BLOCK_B)
-        i = tl.sigmoid(a_i)
-        f = tl.sigmoid(a_f)
-        g = _tanh(a_g)
-        o = tl.sigmoid(a_o)
-        c = f * c + i * g
-        h = o * _tanh(c)
+        i, f, g, o, c, h = _cell_fwd(a_i, a_f, a_g, a_o, c)
         at_t = (t * B + rows64)[None, :] * H + units[:, None]
         tl.store(CS + at_t + B * H, c, mask=ok)
         tl.store(Y + at_t, h.to(Y.dtype.element_ty), mask=ok)
-        gates = G + (t * B + rows64)[None, :] * (4 * H) + units[:, None]
-        tl.store(gates, i, mask=ok)
-        tl.store(gates + H, f, mask=ok)
-        tl.store(gates + 2 * H, g, mask=ok)
-        tl.store(gates + 3 * H, o, mask=ok)
+        _store_gates(G + (t * B + rows64)[None, :] * (4 * H) + units[:, None], i, f, g, o, H, ok)
         if PERSISTENT:
             _grid_barrier(Counter, (t - t_first + 1) * programs)
 
@@ -401,25 +416,11 @@ def lstm_seq_bwd_kernel(
                 )
                 product = _dgates_product(product, dg_next, k0 + ks, k_ok[:, None] & next_ok, w_t, SPLIT, DOT)
         dh += tl.trans(product)
-        gates = G + (t * B + rows64)[:, None] * (4 * H) + units[None, :]
-        i = tl.load(gates, mask=ok, other=0.0)
-        f = tl.load(gates + H, mask=ok, other=0.0)
-        g = tl.load(gates + 2 * H, mask=ok, other=0.0)
-        o = tl.load(gates + 3 * H, mask=ok, other=0.0)
+        i, f, g, o = _load_gates(G + (t * B + rows64)[:, None] * (4 * H) + units[None, :], H, ok)
         c = tl.load(CS + at_t + B * H, mask=ok, other=0.0)
         c_prev = tl.load(CS + at_t, mask=ok, other=0.0)
-        tanh_c = _tanh(c)
-        dc += dh * o * (1.0 - tanh_c * tanh_c)
-        d_i = dc * g * i * (1.0 - i)
-        d_f = dc * c_prev * f * (1.0 - f)
-        d_g = dc * i * (1.0 - g * g)
-        d_o = dh * tanh_c * o * (1.0 - o)
-        dc = dc * f
-        dgates = DG + (t * B + rows64)[:, None] * (4 * H) + units[None, :]
-        tl.store(dgates, d_i, mask=ok)
-        tl.store(dgates + H, d_f, mask=ok)
-        tl.store(dgates + 2 * H, d_g, mask=ok)
-        tl.store(dgates + 3 * H, d_o, mask=ok)
+        d_i, d_f, d_g, d_o, dc = _cell_bwd(dh, dc, i, f, g, o, c, c_prev)
+        _store_gates(DG + (t * B + rows64)[:, None] * (4 * H) + units[None, :], d_i, d_f, d_g, d_o, H, ok)
         if RESIDENT:
             # Parity t % 2: the slot step t-1 reads while no program writes it (a program writes it
             # again at step t-2, past the barrier that every program reaches after reading it).
