@@ -11,10 +11,21 @@ from torch import nn
 
 from hfkit.bench.runner import Steps
 
-__all__ = ["Wrap", "module_provider", "module_steps"]
+__all__ = ["CHECK_BATCHES", "CHECK_TOL", "Wrap", "check_notes", "module_provider", "module_steps"]
 
 # What a provider is: it takes a torch module holding the case's weights and returns the callable to time.
 Wrap = Callable[[nn.Module], Callable[..., Any]]
+# A provider's output on the first CHECK_BATCHES batch rows is checked against the float32 reference,
+# max |error| at most CHECK_TOL of the case's dtype.
+CHECK_TOL = {"bf16": 5e-2, "fp16": 1e-2, "fp32": 1e-3}
+CHECK_BATCHES = 4
+
+
+def check_notes(err: float, batches: int, dtype_name: str) -> dict[str, Any]:
+    """A row's check notes: the max |error| against the float32 reference over `batches` rows, and
+    whether it is within CHECK_TOL."""
+    ok = err <= CHECK_TOL[dtype_name]
+    return {"max_abs_err_vs_fp32_ref": err, "check_batches": batches, "check_ok": ok}
 
 
 def module_provider(name: str, op: str) -> Wrap:

@@ -17,7 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from hfkit.bench.cases._module import Wrap, module_provider, module_steps
+from hfkit.bench.cases._module import (
+    CHECK_BATCHES,
+    CHECK_TOL,
+    Wrap,
+    check_notes,
+    module_provider,
+    module_steps,
+)
 from hfkit.bench.runner import (
     DTYPES,
     Option,
@@ -43,8 +50,6 @@ FULL_SHAPES: tuple[tuple[int, int, int, int], ...] = (
 )
 SMOKE_SHAPES: tuple[tuple[int, int, int, int], ...] = ((2, 5, 7, 33), (3, 1, 5, 17))
 # Max abs error of the output (values in (-1, 1)) against the float32 reference on the same weights.
-CHECK_TOL = {"bf16": 5e-2, "fp16": 1e-2, "fp32": 1e-3}
-_CHECK_BATCHES = 4
 
 
 def lstm_cases(profile: str = "full", shapes: Sequence[Sequence[int]] | None = None) -> list[ShapeCase]:
@@ -96,7 +101,7 @@ def _build(case: ShapeCase, wrap: Wrap, prepared: Prepared, mode: str, dtype_nam
     def check(f: Callable[..., Any]) -> dict[str, Any]:
         from hfkit.ops import lstm_reference
 
-        r = min(_CHECK_BATCHES, x.shape[0])
+        r = min(CHECK_BATCHES, x.shape[0])
         with torch.no_grad():
             y = f(x[:r])[0]
             ref, _, _ = lstm_reference(
@@ -105,7 +110,7 @@ def _build(case: ShapeCase, wrap: Wrap, prepared: Prepared, mode: str, dtype_nam
                 module.bias_ih_l0.float(), module.bias_hh_l0.float(),
             )  # fmt: skip
         err = max_abs_err(y, ref.transpose(0, 1))
-        return {"max_abs_err_vs_fp32_ref": err, "check_batches": r, "check_ok": err <= CHECK_TOL[dtype_name]}
+        return check_notes(err, r, dtype_name)
 
     return module_steps(module, wrap, x, dy, backward, lambda f, t: f(t)[0], check)
 

@@ -17,7 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from hfkit.bench.cases._module import Wrap, module_provider, module_steps
+from hfkit.bench.cases._module import (
+    CHECK_BATCHES,
+    CHECK_TOL,
+    Wrap,
+    check_notes,
+    module_provider,
+    module_steps,
+)
 from hfkit.bench.runner import (
     DTYPES,
     Option,
@@ -35,8 +42,6 @@ __all__ = ["BENCHMARK", "CHECK_TOL", "HFAI_SHAPES", "SMOKE_SHAPES", "mha_flops",
 HFAI_SHAPES: tuple[tuple[int, int, int, int], ...] = ((200, 256, 1024, 16), (5000, 64, 512, 8))
 SMOKE_SHAPES: tuple[tuple[int, int, int, int], ...] = ((2, 5, 12, 3), (3, 7, 33, 3))
 # Max abs error of the output (values of order 1) against the float32 reference on the same weights.
-CHECK_TOL = {"bf16": 5e-2, "fp16": 1e-2, "fp32": 1e-3}
-_CHECK_BATCHES = 4
 
 
 def multihead_attention_cases(
@@ -92,7 +97,7 @@ def _build(case: ShapeCase, wrap: Wrap, prepared: Prepared, mode: str, dtype_nam
     def check(f: Callable[..., Any]) -> dict[str, Any]:
         from hfkit.ops import multihead_attention_reference
 
-        r = min(_CHECK_BATCHES, x.shape[0])
+        r = min(CHECK_BATCHES, x.shape[0])
         with torch.no_grad():
             y = f(x[:r], x[:r], x[:r], need_weights=False)[0]
             ref, _ = multihead_attention_reference(
@@ -102,7 +107,7 @@ def _build(case: ShapeCase, wrap: Wrap, prepared: Prepared, mode: str, dtype_nam
                 need_weights=False, batch_first=True,
             )  # fmt: skip
         err = max_abs_err(y, ref)
-        return {"max_abs_err_vs_fp32_ref": err, "check_batches": r, "check_ok": err <= CHECK_TOL[dtype_name]}
+        return check_notes(err, r, dtype_name)
 
     return module_steps(module, wrap, x, dy, backward, lambda f, t: f(t, t, t, need_weights=False)[0], check)
 
