@@ -220,6 +220,7 @@ def _cmd_bench_comms(args: argparse.Namespace) -> int:
             ddp=args.ddp,
             params=args.params,
             ddp_reps=args.ddp_reps,
+            chunk_mb=args.chunk_mb,
             out=out,
             command=args.command,
             timeout_s=args.timeout,
@@ -565,6 +566,9 @@ def _add_comms_bench(bench_sub: argparse._SubParsersAction) -> None:
     )
     comms.add_argument("--params", type=int, default=93_200_000, help="DDP model parameters (default 93.2M)")
     comms.add_argument("--ddp-reps", type=int, default=5, help="timed DDP steps per configuration")
+    comms.add_argument(
+        "--chunk-mb", type=float, default=None, help="hfreduce's pipeline chunk, MiB (default: HostReduce's)"
+    )
     comms.add_argument("--timeout", type=float, default=1800.0, help="kill the run after this many seconds")
     comms.add_argument(
         "--out",

@@ -82,8 +82,9 @@ class CommsConfig:
     at `message_sizes(min_bytes, max_bytes, factor)` (`max_bytes` None: 1 GiB on GPUs, 64 MiB on a
     CPU), at most `reps` timed repetitions within `budget_s` a size after `warmup` calls; with `ddp`
     the DDP step of a `params`-parameter model on `batch` rows, `ddp_reps` steps a configuration,
-    `bucket_mb` buckets. `timeout_s` bounds every collective; `cpu` keeps CPU tensors and gloo where
-    CUDA exists; rank 0 writes to `out` (and `ddp_path(out)`) with `command` in every row."""
+    `bucket_mb` buckets. `chunk_mb`: hfreduce's pipeline chunk (None: `HostReduce`'s default).
+    `timeout_s` bounds every collective; `cpu` keeps CPU tensors and gloo where CUDA exists; rank 0
+    writes to `out` (and `ddp_path(out)`) with `command` in every row."""
 
     out: str
     command: str | None = None
@@ -99,6 +100,7 @@ class CommsConfig:
     batch: int = 16
     ddp_reps: int = 5
     bucket_mb: float = 25.0
+    chunk_mb: float | None = None
     timeout_s: float = 600.0
     cpu: bool = False
 
@@ -184,14 +186,15 @@ def _max_over_ranks(values: Sequence[float], group: Any) -> list[float]:
 
 
 class _Comm:
-    """One allreduce per backend: nccl/gloo on their own process groups, hfreduce a `HostReduce` with
-    its defaults (`reducer`)."""
+    """One allreduce per backend: nccl/gloo on their own process groups, hfreduce a `HostReduce`
+    (`reducer`) with chunks of `chunk_mb` (None: its default)."""
 
-    def __init__(self, backend: str, device: torch.device) -> None:
+    def __init__(self, backend: str, device: torch.device, chunk_mb: float | None = None) -> None:
         self.backend = backend
         self.device = device if backend in ("nccl", "hfreduce") else torch.device("cpu")
         self.group = dist.new_group(backend=backend) if backend in ("nccl", "gloo") else None
-        self.reducer = HostReduce() if backend == "hfreduce" else None
+        chunk = {} if chunk_mb is None else {"chunk_mb": chunk_mb}
+        self.reducer = HostReduce(**chunk) if backend == "hfreduce" else None
 
     def __call__(self, tensor: torch.Tensor) -> None:
         if self.reducer is not None:
@@ -383,7 +386,7 @@ def _allreduce_rows(config: CommsConfig, env: dict[str, Any], device: torch.devi
     rows = []
     # Sizes outer, backends inner: the backends are compared at a size within seconds of each other,
     # under the same load from anything else on the machine.
-    comms = [_Comm(backend, device) for backend in config.backends]
+    comms = [_Comm(backend, device, config.chunk_mb) for backend in config.backends]
     try:
         for nbytes, comm in itertools.product(
             message_sizes(config.min_bytes, config.max_bytes, config.factor), comms
@@ -637,6 +640,7 @@ def run_comms_benchmark(
     params: int = AF2_PARAMS,
     ddp_reps: int = 5,
     batch: int = 16,
+    chunk_mb: float | None = None,
     reps: int = 30,
     budget_s: float = 1.0,
     out: str | os.PathLike[str] | None = None,
@@ -663,7 +667,7 @@ def run_comms_benchmark(
         out=str(out), backends=tuple(backends or default_backends()),
         min_bytes=parse_bytes(min_bytes), max_bytes=None if max_bytes is None else parse_bytes(max_bytes),
         factor=factor, reps=reps, budget_s=budget_s, ddp=ddp, params=params, batch=batch, ddp_reps=ddp_reps,
-        timeout_s=max(30.0, timeout_s - 30), cpu=cpu,
+        chunk_mb=chunk_mb, timeout_s=max(30.0, timeout_s - 30), cpu=cpu,
     )  # fmt: skip
     worker = ["-m", "hfkit.bench.comms"]
     typed = shlex.join(["torchrun", *launcher[3:], *worker, json.dumps(asdict(config))])
