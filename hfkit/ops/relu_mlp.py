@@ -69,10 +69,20 @@ def relu_mlp(
     return _ReluMLP.apply(*autocast_operands(x.device.type, x, w1, b1, w2, b2))
 
 
+def _hidden(x2: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None) -> torch.Tensor:
+    """relu(x2 @ w1ᵀ + b1) for 2-d x2: on CUDA with a bias, one cuBLASLt matmul whose epilogue adds
+    the bias and applies the ReLU (no separate pass over the 4x-wide hidden layer); else matmul, then
+    relu in place. The forward and the backward's recompute both call this, so their ReLU masks agree."""
+    if b1 is not None and x2.is_cuda:
+        return torch._addmm_activation(b1, x2, w1.t())
+    return F.linear(x2, w1, b1).relu_()
+
+
 class _ReluMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2):
-        hidden = F.linear(x, w1, b1).relu_()
+        hidden = _hidden(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), w1, b1)
+        hidden = hidden.view(*x.shape[:-1], w1.shape[0])
         ctx.save_for_backward(x, w1, b1, w2)
         ctx.has_b2 = b2 is not None
         return F.linear(hidden, w2, b2)
@@ -84,12 +94,13 @@ class _ReluMLP(torch.autograd.Function):
         rows = math.prod(x.shape[:-1])
         x2 = x.reshape(rows, x.shape[-1])
         dy2 = dy.reshape(rows, dy.shape[-1])
-        hidden = F.linear(x2, w1, b1).relu_()  # recomputed: the forward did not keep it
+        hidden = _hidden(x2, w1, b1)  # recomputed: the forward did not keep it
         grad_w2 = dy2.t().mm(hidden) if needs[3] else None
         grad_b2 = column_sums(dy2) if ctx.has_b2 and needs[4] else None
-        # relu's gradient selects (as autograd's does), never multiplies: an inf or NaN in dy @ w2 where
-        # the unit is off must give 0, not inf * 0 = NaN.
-        d_hidden = dy2.mm(w2).masked_fill_(hidden <= 0, 0.0)
+        # relu's gradient selects (autograd's own threshold_backward, in place: one pass), never
+        # multiplies: an inf or NaN in dy @ w2 where the unit is off must give 0, not inf * 0 = NaN.
+        d_hidden = dy2.mm(w2)
+        torch.ops.aten.threshold_backward.grad_input(d_hidden, hidden, 0, grad_input=d_hidden)
         del hidden
         grad_w1 = d_hidden.t().mm(x2) if needs[1] else None
         grad_b1 = column_sums(d_hidden) if b1 is not None and needs[2] else None
