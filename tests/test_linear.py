@@ -165,9 +165,33 @@ def test_other_dtypes_are_f_linear(device, dtype, seed):
     dy = torch.randn(5, 37, 17, device=device, dtype=dtype)
     out, grads = output_and_grads(linear, [x, weight, bias], dy)
     ref, ref_grads = output_and_grads(F.linear, [x, weight, bias], dy)
-    for a, b in zip([out, *grads], [ref, *ref_grads], strict=True):
+    # The output and the gradients of x and weight are F.linear's value for value; the bias gradient is
+    # a gemv with ones (column_sums), another summation order than autograd's sum(0).
+    for a, b in zip([out, *grads[:2]], [ref, *ref_grads[:2]], strict=True):
         assert a.dtype == dtype
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert grads[2].dtype == dtype
+    exact = dy.double().sum(dim=(0, 1))
+    assert rel_err(grads[2], exact) <= (1e-12 if dtype == torch.float64 else 1e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bias_gradient_is_column_sums_under_autocast(device, seed):
+    """Outside the kernel path a bias that needs a gradient runs the column-sum function, under autocast
+    too: outputs in the autocast dtype, gradients in the parameters' dtypes, all near float64's."""
+    x, weight = torch.randn(3, 41, 33, device=device), torch.randn(17, 33, device=device)
+    bias = torch.randn(17, device=device)
+    leaves = [t.clone().requires_grad_(True) for t in (x, weight, bias)]
+    with torch.autocast(device, dtype=torch.bfloat16):
+        out = linear(*leaves)
+    assert out.dtype == torch.bfloat16 and "ColumnSums" in type(out.grad_fn).__name__
+    dy = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dy)
+    ref, ref_grads = output_and_grads(F.linear, [t.double() for t in (x, weight, bias)], dy.double())
+    assert rel_err(out, ref) <= 1e-2
+    for t, actual, expected in zip(leaves, grads, ref_grads, strict=True):
+        assert actual.dtype == t.dtype == torch.float32
+        assert rel_err(actual, expected) <= 2e-2
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -18,6 +18,7 @@ from hfkit.model.primitives import Attention
 from hfkit.nn.convert import register_swap
 from hfkit.ops.evoformer_attention import evoformer_attention, uses_triton
 from hfkit.ops.gated_linear import gated_linear
+from hfkit.ops.linear import linear
 
 __all__ = [
     "EvoformerAttention",
@@ -98,11 +99,13 @@ def fused_gated_attention(
 def gated_output(module: nn.Module, o: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
     """`linear_o(sigmoid(linear_g(q_x)) * o)` for o [*, Q, H, c_hidden] as `hfkit.ops.gated_linear`: the
     gate is one fused kernel, and the backward recomputes it instead of keeping it for linear_o's weight
-    gradient. linear_o's parameters are read directly (its forward hooks, if any, do not run)."""
+    gradient; `hfkit.ops.linear` runs linear_g (its bias gradient a gemv). linear_g's and linear_o's
+    parameters are read directly (their forward hooks, if any, do not run)."""
     o = o.flatten(-2)
     if module.linear_g is None:
         return module.linear_o(o)
-    return gated_linear(module.linear_g(q_x), o, module.linear_o.weight, module.linear_o.bias)
+    g = linear(q_x, module.linear_g.weight, module.linear_g.bias)
+    return gated_linear(g, o, module.linear_o.weight, module.linear_o.bias)
 
 
 def _map_biases(
