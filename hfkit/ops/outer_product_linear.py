@@ -6,9 +6,19 @@ c-wide projections a[s, i] and b[s, j], then projects the c*c result of every re
 Run as `einsum` then `nn.Linear`, autograd keeps that [*, N, N, c*c] outer product from the forward to the
 backward for the linear's weight gradient: 128 MB per Evoformer block at AlphaFold's sizes in bfloat16
 (N 256, c 32), the largest tensor a block keeps. `outer_product_linear` keeps a and b ([*, S, N, c], 2 MB
-each there) and recomputes the outer product in the backward: one matmul of S*N*N*c*c multiply-adds
-(about 17 GFLOP at those sizes) against the memory. The matmuls are the same cuBLAS (or CPU) ones
-`einsum` and `nn.Linear` run, on every device. Under `torch.autocast` they run in the autocast dtype.
+each there) and recomputes the outer product in the backward: S*N*N*c*c multiply-adds (about 17 GFLOP
+at those sizes) against the memory.
+
+Layouts. The outer product is built as [*, I, J, E, C], c innermost: for each i it is the matmul of b as
+[(j, e), s] with a[:, i] [s, c], so one batched matmul over i gives it in place, and the linear reads it
+with the weight's columns reordered to (e, c) (a copy of the small weight). As one matmul with rows
+(i, c) and columns (j, e) it would need a copy swapping c and j, of the whole outer product. The
+backward builds the outer product's gradient once per operand, each time in a layout whose contraction
+with the other operand is again a batched matmul, and frees it before the next: no permuting copy of an
+outer-product-sized tensor anywhere, and at most one such tensor alive at a time. The batched matmuls
+read the operand they share across the batch in place, with batch stride 0 (cuBLAS strided-batched);
+on CPU, oneDNN's bfloat16 and float16 matmuls copy it first, a CPU-only cost. Under `torch.autocast`
+the matmuls run in the autocast dtype.
 """
 
 from __future__ import annotations
@@ -32,20 +42,21 @@ def _outer_ijec(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     batch, s, i, c = a.shape
     j, e = b.shape[-2:]
     outer = a.new_empty(batch, i, j * e, c)
-    for k in range(batch):  # one batch element at a time: b's broadcast over i is one stride only there
+    for k in range(batch):  # a batched matmul has one batch stride: b's is 0 over i, not over *
         b_cols = b[k].reshape(s, j * e).t().expand(i, j * e, s)
         torch.bmm(b_cols, a[k].transpose(0, 1), out=outer[k])
     return outer
 
 
-def _contract_pairs(x: torch.Tensor, d: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """x [B, S, K], d [B, P, K, Q] -> out [B, S, P, Q] (written in place, returned): for each pair row p,
-    x times d[:, p], one batched matmul over p per batch element with x broadcast over p (batch stride
-    0); out is written through its [P, S, Q] transposed view, so it stays in x's [S, P, Q] order."""
-    p = d.shape[1]
-    for k in range(x.shape[0]):
-        torch.bmm(x[k].expand(p, *x.shape[1:]), d[k], out=out[k].transpose(0, 1))
-    return out
+def _contract_pairs(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [B, S, K], d [B, P, K, Q] -> [B, S, P, Q]: for each pair row p, x times d[:, p]; one batched
+    matmul over p per batch element, x broadcast over p (batch stride 0). Returned as a transposed view
+    of the contiguous [B, P, S, Q] result (a gradient of x's size, which autograd takes in any layout)."""
+    batch, p = d.shape[:2]
+    out = d.new_empty(batch, p, x.shape[1], d.shape[-1])
+    for k in range(batch):
+        torch.bmm(x[k].expand(p, *x.shape[1:]), d[k], out=out[k])
+    return out.transpose(1, 2)
 
 
 def _permute_weight_columns(weight: torch.Tensor, first: int, second: int) -> torch.Tensor:
@@ -134,14 +145,12 @@ class _OuterProductLinear(torch.autograd.Function):
         if needs[0]:
             # d outer [B, I, (J, E), C]; grad_a[s, i, c] = sum over (j, e) of b[s, (j, e)] d[i, (j, e), c]
             d_outer = dy2.mm(_permute_weight_columns(weight, c, e)).view(batch, i, j * e, c)
-            grad_a = _contract_pairs(b3.reshape(batch, s, j * e), d_outer, a3.new_empty(batch, s, i, c))
-            grad_a = grad_a.view(a.shape)
+            grad_a = _contract_pairs(b3.reshape(batch, s, j * e), d_outer).reshape(a.shape)
             del d_outer
         if needs[1]:
             # d outer [B, J, (I, C), E]; grad_b[s, j, e] = sum over (i, c) of a[s, (i, c)] d[j, (i, c), e]
             dy_ji = dy.reshape(batch, i, j, n).transpose(1, 2).reshape(batch * j * i, n)
             d_outer = dy_ji.mm(weight).view(batch, j, i * c, e)
             del dy_ji
-            grad_b = _contract_pairs(a3.reshape(batch, s, i * c), d_outer, b3.new_empty(batch, s, j, e))
-            grad_b = grad_b.view(b.shape)
+            grad_b = _contract_pairs(a3.reshape(batch, s, i * c), d_outer).reshape(b.shape)
         return grad_a, grad_b, grad_w, grad_bias
