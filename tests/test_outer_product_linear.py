@@ -106,12 +106,12 @@ def test_strided_operands_equal_the_reference(seed):
         assert_close(actual, expected, msg=f"gradient {k}")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_no_outer_product_sized_copy(dtype, seed):
     # The forward and the backward build the outer product and its gradient directly in the layouts
     # their matmuls read: no copy anywhere as large as the [I, J, C*E] outer product (dy's one copy, in
     # the backward, is N / (C*E) of it). The reference's flatten copies it once, as the check must see.
-    s, i, j, c, e, n = 3, 16, 12, 8, 6, 4
+    s, i, j, c, e, n = 9, 16, 12, 4, 3, 4  # S > C, E as in the model: a copy of a or b per pair row is big
     outer_size = i * j * c * e
     for fn, copies_outer in ((outer_product_linear, False), (outer_product_linear_reference, True)):
         a = torch.randn(2, s, i, c, dtype=dtype, requires_grad=True)

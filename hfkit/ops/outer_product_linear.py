@@ -16,9 +16,8 @@ with the weight's columns reordered to (e, c) (a copy of the small weight). As o
 backward builds the outer product's gradient once per operand, each time in a layout whose contraction
 with the other operand is again a batched matmul, and frees it before the next: no permuting copy of an
 outer-product-sized tensor anywhere, and at most one such tensor alive at a time. The batched matmuls
-read the operand they share across the batch in place, with batch stride 0 (cuBLAS strided-batched);
-on CPU, oneDNN's bfloat16 and float16 matmuls copy it first, a CPU-only cost. Under `torch.autocast`
-the matmuls run in the autocast dtype.
+read the operand they share across the batch in place, with batch stride 0 (cuBLAS strided-batched).
+Under `torch.autocast` the matmuls run in the autocast dtype.
 """
 
 from __future__ import annotations
@@ -34,28 +33,38 @@ from hfkit.ops._linear import autocast_operands, column_sums
 __all__ = ["outer_product_linear", "outer_product_linear_reference"]
 
 
+def _shared_bmm(shared: torch.Tensor, batched: torch.Tensor, out: torch.Tensor) -> None:
+    """out[p] = shared @ batched[p] for every p: shared [M, K], batched [P, K, Q], out [P, M, Q]. One
+    batched matmul with `shared` broadcast over p (batch stride 0), read in place by cuBLAS and by the
+    CPU's float32 and float64 matmuls; oneDNN's CPU bfloat16 and float16 batched matmul would first copy
+    it P times (more than the outer product's size), so there it is P plain matmuls."""
+    if shared.device.type == "cpu" and shared.dtype in (torch.bfloat16, torch.float16):
+        for p in range(batched.shape[0]):
+            torch.mm(shared, batched[p], out=out[p])
+    else:
+        torch.bmm(shared.expand(batched.shape[0], *shared.shape), batched, out=out)
+
+
 def _outer_ijec(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [B, S, I, C], b [B, S, J, E] -> [B, I, J*E, C]: sum over s of b[s, j, e] a[s, i, c], the outer
-    product with its (c, e) pair in (e, c) order, so that no permuting copy of it is needed. For each
-    batch element one batched matmul over i: b as [(j, e), s] broadcast over i (batch stride 0: cuBLAS
-    reads it in place) times a[:, i] [s, c], a strided view of a."""
+    product with its (c, e) pair in (e, c) order, so that no permuting copy of it is needed: for each i,
+    b as [(j, e), s] times a[:, i] [s, c] (a strided view of a), batched over i."""
     batch, s, i, c = a.shape
     j, e = b.shape[-2:]
     outer = a.new_empty(batch, i, j * e, c)
     for k in range(batch):  # a batched matmul has one batch stride: b's is 0 over i, not over *
-        b_cols = b[k].reshape(s, j * e).t().expand(i, j * e, s)
-        torch.bmm(b_cols, a[k].transpose(0, 1), out=outer[k])
+        _shared_bmm(b[k].reshape(s, j * e).t(), a[k].transpose(0, 1), outer[k])
     return outer
 
 
 def _contract_pairs(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """x [B, S, K], d [B, P, K, Q] -> [B, S, P, Q]: for each pair row p, x times d[:, p]; one batched
-    matmul over p per batch element, x broadcast over p (batch stride 0). Returned as a transposed view
-    of the contiguous [B, P, S, Q] result (a gradient of x's size, which autograd takes in any layout)."""
+    """x [B, S, K], d [B, P, K, Q] -> [B, S, P, Q]: for each pair row p, x times d[:, p], batched over
+    p. Returned as a transposed view of the contiguous [B, P, S, Q] result (a gradient of x's size,
+    which autograd takes in any layout)."""
     batch, p = d.shape[:2]
     out = d.new_empty(batch, p, x.shape[1], d.shape[-1])
     for k in range(batch):
-        torch.bmm(x[k].expand(p, *x.shape[1:]), d[k], out=out[k])
+        _shared_bmm(x[k], d[k], out[k])
     return out.transpose(1, 2)
 
 
