@@ -1,9 +1,11 @@
 """hfkit.ops.outer_product_linear and the outer product mean swap (hfkit.nn.OuterProductMean).
 
 outer_product_linear equals `linear(flatten(einsum(a ⊗ b)))` forward and in every gradient (odd sizes,
-batch dimensions, float32 and bfloat16, with and without a bias, under autocast) while keeping a and b,
-not the [*, I, J, C*E] outer product, for the backward; the swapped module equals the model's (masked,
-chunked), keeps the state_dict and swaps back; bad inputs name the argument.
+C != E, I != J, one or two batch dimensions, strided operands, float64, float32, bfloat16 and float16,
+with and without a bias, under autocast and under torch.compile) while keeping a and b, not the
+[*, I, J, C*E] outer product, for the backward, and copying nothing of the outer product's size; the
+swapped module equals the model's (masked, chunked), keeps the state_dict and swaps back; bad inputs
+name the argument.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from hfkit.ops import outer_product_linear, outer_product_linear_reference
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("batch", [(), (2,)], ids=["nobatch", "batch"])
-@pytest.mark.parametrize("e", [4, 5], ids=["e4", "e5"])  # rows of 8 or 16 bytes move as words; 10 or 20 not
+@pytest.mark.parametrize("e", [4, 5], ids=["e4", "e5"])
 def test_matches_reference(dtype, with_bias, batch, e, seed):
     s, i, j, c, n = 5, 7, 6, 3, 9
     a = torch.randn(*batch, s, i, c, dtype=dtype)
@@ -43,6 +45,98 @@ def test_matches_reference(dtype, with_bias, batch, e, seed):
         scale = expected.abs().max().clamp_min(1e-12)
         assert actual.dtype == dtype and actual.shape == expected.shape
         assert_close(actual.float() / scale, expected / scale, dtype=dtype, msg=f"gradient {k}")
+
+
+@pytest.mark.parametrize(
+    "batch, s, i, j, c, e",
+    [
+        ((), 5, 7, 6, 3, 4),
+        ((2, 3), 3, 5, 9, 4, 2),  # two batch dimensions, C > E
+        ((1,), 1, 1, 1, 1, 1),
+        ((2,), 6, 11, 1, 5, 7),  # one column j
+        ((3,), 2, 1, 8, 7, 3),  # one row i
+    ],
+    ids=["odd", "batch2d", "ones", "onecol", "onerow"],
+)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+def test_float64_output_and_gradients_equal_the_reference(batch, s, i, j, c, e, with_bias, seed):
+    # The outer product is built as [*, I, J, E, C] and its gradient as [*, I, J, E, C] and
+    # [*, J, I, C, E]: a mix-up of c and e or of i and j shows at float64 precision whenever C != E or
+    # I != J.
+    n = 5
+    f64 = torch.float64
+    a, b = torch.randn(*batch, s, i, c, dtype=f64), torch.randn(*batch, s, j, e, dtype=f64)
+    w = torch.randn(n, c * e, dtype=f64)
+    bias = torch.randn(n, dtype=f64) if with_bias else None
+    dy = torch.randn(*batch, i, j, n, dtype=f64)
+    out, grads = output_and_grads(outer_product_linear, [a, b, w, bias], dy)
+    ref, ref_grads = output_and_grads(outer_product_linear_reference, [a, b, w, bias], dy)
+    assert out.shape == (*batch, i, j, n)
+    assert_close(out, ref, msg="output")
+    for k, (actual, expected) in enumerate(zip(grads, ref_grads, strict=True)):
+        assert actual.shape == expected.shape
+        assert_close(actual, expected, msg=f"gradient {k}")
+
+
+def test_gradcheck(seed):
+    f64 = torch.float64
+    args = (
+        torch.randn(2, 3, 4, 3, dtype=f64),
+        torch.randn(2, 3, 5, 2, dtype=f64),
+        torch.randn(4, 6, dtype=f64),
+        torch.randn(4, dtype=f64),
+    )
+    assert torch.autograd.gradcheck(outer_product_linear, [t.requires_grad_() for t in args])
+
+
+def test_strided_operands_equal_the_reference(seed):
+    # a as the model's row chunks pass it (a narrow over i), b with e outermost in memory; the weight
+    # transposed in memory.
+    f64 = torch.float64
+    a = torch.randn(2, 4, 9, 3, dtype=f64)[:, :, 2:7]
+    b = torch.randn(2, 5, 4, 6, dtype=f64).permute(0, 2, 3, 1)  # [2, S 4, J 6, E 5]
+    w = torch.randn(15, 7, dtype=f64).t()
+    bias = torch.randn(7, dtype=f64)
+    assert not (a.is_contiguous() or b.is_contiguous() or w.is_contiguous())
+    dy = torch.randn(2, 5, 6, 7, dtype=f64)
+    out, grads = output_and_grads(outer_product_linear, [a, b, w, bias], dy)
+    ref, ref_grads = output_and_grads(outer_product_linear_reference, [a, b, w, bias], dy)
+    assert_close(out, ref, msg="output")
+    for k, (actual, expected) in enumerate(zip(grads, ref_grads, strict=True)):
+        assert_close(actual, expected, msg=f"gradient {k}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_no_outer_product_sized_copy(dtype, seed):
+    # The forward and the backward build the outer product and its gradient directly in the layouts
+    # their matmuls read: no copy anywhere as large as the [I, J, C*E] outer product (dy's one copy, in
+    # the backward, is N / (C*E) of it). The reference's flatten copies it once, as the check must see.
+    s, i, j, c, e, n = 9, 16, 12, 4, 3, 4  # S > C, E as in the model: a copy of a or b per pair row is big
+    outer_size = i * j * c * e
+    for fn, copies_outer in ((outer_product_linear, False), (outer_product_linear_reference, True)):
+        a = torch.randn(2, s, i, c, dtype=dtype, requires_grad=True)
+        b = torch.randn(2, s, j, e, dtype=dtype, requires_grad=True)
+        w = torch.randn(n, c * e, dtype=dtype, requires_grad=True)
+        bias = torch.randn(n, dtype=dtype, requires_grad=True)
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
+        ) as prof:
+            fn(a, b, w, bias).backward(torch.randn(2, i, j, n, dtype=dtype))
+        copied = [ev.input_shapes[0] for ev in prof.events() if ev.key == "aten::copy_"]
+        assert any(math.prod(shape) >= outer_size for shape in copied) == copies_outer, copied
+
+
+def test_compiles_as_one_graph(seed):
+    # fullgraph: no graph break (Dynamo refuses, among others, a non-contiguous `out=`).
+    torch._dynamo.reset()
+    args = [torch.randn(2, 3, 5, 4), torch.randn(2, 3, 6, 2), torch.randn(7, 8), torch.randn(7)]
+    dy = torch.randn(2, 5, 6, 7)
+    compiled = torch.compile(outer_product_linear, backend="aot_eager", fullgraph=True)
+    out, grads = output_and_grads(compiled, args, dy)
+    ref, ref_grads = output_and_grads(outer_product_linear_reference, args, dy)
+    assert_close(out, ref, msg="output")
+    for k, (actual, expected) in enumerate(zip(grads, ref_grads, strict=True)):
+        assert_close(actual, expected, msg=f"gradient {k}")
 
 
 def test_only_the_needed_gradients(seed):

@@ -4,7 +4,8 @@ recomputed in the backward (`hfkit.ops.outer_product_linear`) instead of kept fr
 It subclasses the model's module (OpenFold's parameter names: `layer_norm`, `linear_1`, `linear_2`,
 `linear_out`), so constructor, parameters and state_dict are the model's; only the outer product and its
 projection change. The block then keeps the two [*, S, N, c] projections for the backward, not the
-outer product: 128 MB less per Evoformer block at AlphaFold's sizes in bfloat16, for one matmul more.
+outer product: 128 MB less per Evoformer block at AlphaFold's sizes in bfloat16, for two matmuls more
+(the outer product again, and its gradient once more, in the layout the other operand's gradient needs).
 Importing this file registers the swap used by `hfkit.to_hfkit`.
 """
 

@@ -6,9 +6,18 @@ c-wide projections a[s, i] and b[s, j], then projects the c*c result of every re
 Run as `einsum` then `nn.Linear`, autograd keeps that [*, N, N, c*c] outer product from the forward to the
 backward for the linear's weight gradient: 128 MB per Evoformer block at AlphaFold's sizes in bfloat16
 (N 256, c 32), the largest tensor a block keeps. `outer_product_linear` keeps a and b ([*, S, N, c], 2 MB
-each there) and recomputes the outer product in the backward: one matmul of S*N*N*c*c multiply-adds
-(about 17 GFLOP at those sizes) against the memory. The matmuls are the same cuBLAS (or CPU) ones
-`einsum` and `nn.Linear` run, on every device. Under `torch.autocast` they run in the autocast dtype.
+each there) and recomputes the outer product in the backward: S*N*N*c*c multiply-adds (about 17 GFLOP
+at those sizes) against the memory.
+
+Layouts. The outer product is built as [*, I, J, E, C], c innermost: for each i it is the matmul of b as
+[(j, e), s] with a[:, i] [s, c], so one batched matmul over i gives it in place, and the linear reads it
+with the weight's columns reordered to (e, c) (a copy of the small weight). As one matmul with rows
+(i, c) and columns (j, e) it would need a copy swapping c and j, of the whole outer product. The
+backward builds the outer product's gradient once per operand, each time in a layout whose contraction
+with the other operand is again a batched matmul, and frees it before the next: no permuting copy of an
+outer-product-sized tensor anywhere, and at most one such tensor alive at a time. The batched matmuls
+read the operand they share across the batch in place, with batch stride 0 (cuBLAS strided-batched).
+Under `torch.autocast` the matmuls run in the autocast dtype.
 """
 
 from __future__ import annotations
@@ -24,26 +33,45 @@ from hfkit.ops._linear import autocast_operands, column_sums
 __all__ = ["outer_product_linear", "outer_product_linear_reference"]
 
 
-def _swap_axes(x: torch.Tensor, dim0: int, dim1: int) -> torch.Tensor:
-    """`x.transpose(dim0, dim1).contiguous()` for a contiguous x whose last axis stays put, the rows of
-    that last axis moved as 8-byte words where they divide into them: a permuting copy runs at a
-    fraction of the card's bandwidth per element, so fewer, wider elements copy faster."""
-    row_bytes = x.shape[-1] * x.element_size()
-    aligned = row_bytes % 8 == 0 and x.storage_offset() * x.element_size() % 8 == 0
-    if x.is_contiguous() and aligned and x.element_size() < 8:
-        wide = x.view(torch.int64).transpose(dim0, dim1).contiguous()
-        return wide.view(x.dtype)
-    return x.transpose(dim0, dim1).contiguous()
+def _shared_bmm(shared: torch.Tensor, batched: torch.Tensor, out: torch.Tensor) -> None:
+    """out[p] = shared @ batched[p] for every p: shared [M, K], batched [P, K, Q], out [P, M, Q]. One
+    batched matmul with `shared` broadcast over p (batch stride 0), read in place by cuBLAS and by the
+    CPU's float32 and float64 matmuls; oneDNN's CPU bfloat16 and float16 batched matmul would first copy
+    it P times (more than the outer product's size), so there it is P plain matmuls."""
+    if shared.device.type == "cpu" and shared.dtype in (torch.bfloat16, torch.float16):
+        for p in range(batched.shape[0]):
+            torch.mm(shared, batched[p], out=out[p])
+    else:
+        torch.bmm(shared.expand(batched.shape[0], *shared.shape), batched, out=out)
 
 
-def _outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [*, S, I, C], b [*, S, J, E] -> [*, I, J, C*E]: sum over s of a[s, i] ⊗ b[s, j], as one matmul
-    with rows (i, c) and columns (j, e), then (c, j) swapped."""
-    s, i, c = a.shape[-3:]
+def _outer_ijec(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, S, I, C], b [B, S, J, E] -> [B, I, J*E, C]: sum over s of b[s, j, e] a[s, i, c], the outer
+    product with its (c, e) pair in (e, c) order, so that no permuting copy of it is needed: for each i,
+    b as [(j, e), s] times a[:, i] [s, c] (a strided view of a), batched over i."""
+    batch, s, i, c = a.shape
     j, e = b.shape[-2:]
-    batch = math.prod(a.shape[:-3])  # explicit: -1 is ambiguous when S or I is 0
-    rows = torch.bmm(a.reshape(batch, s, i * c).transpose(1, 2), b.reshape(batch, s, j * e))
-    return _swap_axes(rows.view(batch, i, c, j, e), 2, 3).view(*a.shape[:-3], i, j, c * e)
+    outer = a.new_empty(batch, i, j * e, c)
+    for k in range(batch):  # a batched matmul has one batch stride: b's is 0 over i, not over *
+        _shared_bmm(b[k].reshape(s, j * e).t(), a[k].transpose(0, 1), outer[k])
+    return outer
+
+
+def _contract_pairs(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [B, S, K], d [B, P, K, Q] -> [B, S, P, Q]: for each pair row p, x times d[:, p], batched over
+    p. Returned as a transposed view of the contiguous [B, P, S, Q] result (a gradient of x's size,
+    which autograd takes in any layout)."""
+    batch, p = d.shape[:2]
+    out = d.new_empty(batch, p, x.shape[1], d.shape[-1])
+    for k in range(batch):
+        _shared_bmm(x[k], d[k], out[k])
+    return out.transpose(1, 2)
+
+
+def _permute_weight_columns(weight: torch.Tensor, first: int, second: int) -> torch.Tensor:
+    """weight [N, first*second] with columns in (first, second) order -> [N, second*first] with them in
+    (second, first) order: a copy of the weight (or its gradient) only, never of the outer product."""
+    return weight.unflatten(1, (first, second)).transpose(1, 2).reshape(weight.shape[0], -1)
 
 
 def outer_product_linear_reference(
@@ -88,34 +116,50 @@ def outer_product_linear(
 
 
 class _OuterProductLinear(torch.autograd.Function):
+    """The outer product is built as [*, I, J, E, C] (`_outer_ijec`) and projected with the weight's
+    columns reordered to (e, c) to match; its gradient is built twice from dy, once per operand, in
+    the layout whose contraction with the other operand is a batched matmul: [*, I, J, E, C] for a's
+    (sum over j, e), [*, J, I, C, E] for b's (sum over i, c; from dy with i and j swapped, a copy
+    C*E/N times the size of the outer product's). Every large temporary is freed before the next one
+    is made, and none is a permuting copy."""
+
     @staticmethod
     def forward(ctx, a, b, weight, bias):
         ctx.save_for_backward(a, b, weight)
         ctx.has_bias = bias is not None
-        return F.linear(_outer(a, b), weight, bias)
+        s, i, c = a.shape[-3:]
+        j, e = b.shape[-2:]
+        batch = math.prod(a.shape[:-3])  # explicit: -1 is ambiguous when S or I is 0
+        outer = _outer_ijec(a.reshape(batch, s, i, c), b.reshape(batch, s, j, e))
+        weight_ec = _permute_weight_columns(weight, c, e)
+        return F.linear(outer.view(*a.shape[:-3], i, j, e * c), weight_ec, bias)
 
     @staticmethod
     def backward(ctx, dy):
         a, b, weight = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        dy2 = dy.reshape(math.prod(dy.shape[:-1]), dy.shape[-1])
+        s, i, c = a.shape[-3:]
+        j, e = b.shape[-2:]
+        n = weight.shape[0]
+        batch = math.prod(a.shape[:-3])
+        a3, b3 = a.reshape(batch, s, i, c), b.reshape(batch, s, j, e)
+        dy2 = dy.reshape(batch * i * j, n)
         grad_w = grad_bias = grad_a = grad_b = None
         if needs[2]:
-            outer = _outer(a, b)  # recomputed: the forward did not keep it
-            grad_w = dy2.t().mm(outer.reshape(dy2.shape[0], outer.shape[-1]))
+            outer = _outer_ijec(a3, b3)  # recomputed: the forward did not keep it
+            grad_w = _permute_weight_columns(dy2.t().mm(outer.view(dy2.shape[0], e * c)), e, c)
             del outer
         if ctx.has_bias and needs[3]:
             grad_bias = column_sums(dy2)
-        if needs[0] or needs[1]:
-            # The gradient of the outer product with rows (i, c) and columns (j, e): the layout in which
-            # both of a's and b's gradients are plain matmuls with the other operand.
-            s, i, c = a.shape[-3:]
-            j, e = b.shape[-2:]
-            batch = math.prod(a.shape[:-3])
-            d_outer = dy.matmul(weight).reshape(batch, i, j, c, e)
-            d_rows = _swap_axes(d_outer, 2, 3).view(batch, i * c, j * e)
-            if needs[0]:
-                grad_a = torch.bmm(b.reshape(batch, s, j * e), d_rows.transpose(1, 2)).view(a.shape)
-            if needs[1]:
-                grad_b = torch.bmm(a.reshape(batch, s, i * c), d_rows).view(b.shape)
+        if needs[0]:
+            # d outer [B, I, (J, E), C]; grad_a[s, i, c] = sum over (j, e) of b[s, (j, e)] d[i, (j, e), c]
+            d_outer = dy2.mm(_permute_weight_columns(weight, c, e)).view(batch, i, j * e, c)
+            grad_a = _contract_pairs(b3.reshape(batch, s, j * e), d_outer).reshape(a.shape)
+            del d_outer
+        if needs[1]:
+            # d outer [B, J, (I, C), E]; grad_b[s, j, e] = sum over (i, c) of a[s, (i, c)] d[j, (i, c), e]
+            dy_ji = dy.reshape(batch, i, j, n).transpose(1, 2).reshape(batch * j * i, n)
+            d_outer = dy_ji.mm(weight).view(batch, j, i * c, e)
+            del dy_ji
+            grad_b = _contract_pairs(a3.reshape(batch, s, i * c), d_outer).reshape(b.shape)
         return grad_a, grad_b, grad_w, grad_bias
