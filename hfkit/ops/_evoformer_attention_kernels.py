@@ -1,4 +1,4 @@
-"""Triton kernels of `hfkit.ops.evoformer_attention`: the flash-style forward and the three backward passes.
+"""Triton kernels of `hfkit.ops.evoformer_attention`: the flash-style forward and the backward passes.
 
 Layout shared by all of them: q, k, v, o and their gradients are [B, S, H, N, D] with strides of their
 own (unit along D); a program owns one (b, s, h) slice and one block of queries or keys, so the grid's
@@ -172,14 +172,22 @@ def _evo_bwd_kernel(
     EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     # MODE 1 (dq):     grid (query blocks, B*S*H); walks the key blocks. Runs first: it also writes
-    #                  delta = rowsum(do * o), which the other two passes read.
+    #                  delta = rowsum(do * o), which the other passes read.
     # MODE 0 (dk, dv): grid (key blocks, B*S*H); walks the query blocks.
     # MODE 2 (dbias):  grid (query blocks * key blocks, bias B*S*H, splits); each program walks
     #                  `reps_per_split` of the B, S, H rows the bias was broadcast over, sums their
     #                  dlogits in float32 registers and writes one partial sum per split (the host
     #                  adds the splits in a fixed order: deterministic). Its bias tile is loaded once.
+    # MODE 3 (dk, dv and dbias): grid (splits * key blocks * bias B*S*H,), splits fastest; a program
+    #                  owns one key block of one bias row and walks `reps_per_split` of the rows the
+    #                  bias was broadcast over: for each it runs MODE 0's dk/dv walk and adds the
+    #                  dlogits tiles it makes anyway into its own [Q, BLOCK_N] slice of the split's
+    #                  float32 partial sum (the first row stores, the others load, add and store: no
+    #                  other program touches the slice, so no atomics; the host adds the splits).
     # Traffic: dq reads q, do, o once and k, v once per query block; dk/dv reads k, v once and q, do
-    # once per key block; dbias reads q, k, v, do once per bias tile and writes float32 partials.
+    # once per key block; dbias reads q, k, v, do once per bias tile and writes float32 partials;
+    # MODE 3 adds a load and a store of float32 partials per logit to MODE 0 (from L2 while the
+    # programs' slices fit in it), with no recomputation of the logits.
     # Each tile recomputes its logits from q, k, bias, mask and the saved row statistics; o, do,
     # dq, dk, dv have strides of their own (unit along D), the statistics and
     # delta = rowsum(do * o) are [B*S*H, Q].
@@ -200,6 +208,19 @@ def _evo_bwd_kernel(
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             btile = _bias_tile(Bias, b0, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN)
+    elif MODE == 3:
+        reps = (B // nb_b) * (S // nb_s) * (H // nb_h)
+        splits = tl.cdiv(reps, reps_per_split)
+        split = tl.program_id(0) % splits
+        rest = tl.program_id(0) // splits
+        n_nb = tl.cdiv(n_k, BLOCK_N)
+        pid_m = 0
+        pid_n = rest % n_nb
+        tile_a = rest // n_nb
+        r_lo = split * reps_per_split
+        r_hi = tl.minimum(r_lo + reps_per_split, reps)
+        # dbias partials are contiguous [splits, nb_b * nb_s * nb_h, Q, K] in float32.
+        db_base = DB + (split * nb_b * nb_s * nb_h + tile_a).to(tl.int64) * n_q * n_k
     else:
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(0)
@@ -207,7 +228,7 @@ def _evo_bwd_kernel(
         r_hi = 1
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for r in range(r_lo, r_hi):
-        if MODE == 2:
+        if MODE == 2 or MODE == 3:
             # Bias row (bb, sb, hb) covers every (b, s, h) equal to it where the bias is not
             # broadcast; r counts through the broadcast ones.
             hb = tile_a % nb_h
@@ -231,7 +252,11 @@ def _evo_bwd_kernel(
         b_off = b.to(tl.int64) * sbb + s_ * sbs + h * sbh
         kb_off = b.to(tl.int64) * skb_b + s_ * skb_s
         row0 = bsh.to(tl.int64) * n_q
-        if MODE == 0:
+        if MODE == 0 or MODE == 3:
+            if MODE == 3:
+                # The previous row's partial-sum stores, made by other threads of this program, are
+                # visible to this row's loads after a barrier.
+                tl.debug_barrier()
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < n_k
             dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -270,6 +295,17 @@ def _evo_bwd_kernel(
                 dst = pt * (dpt - delta[None, :])
                 dv += dot(pt.to(do.dtype), do, DOT)
                 dk += dot(dst.to(do.dtype), tl.trans(qt), DOT)
+                if MODE == 3:
+                    db_ptrs = db_base + offs_m[None, :] * n_k + offs_n[:, None]
+                    # The split's first row stores (its load is masked off: the slice starts unset).
+                    later = (tl.zeros([BLOCK_M], dtype=tl.int32) + r) > r_lo
+                    if EVEN:
+                        prev = tl.load(db_ptrs, mask=later[None, :], other=0.0)
+                        tl.store(db_ptrs, prev + dst)
+                    else:
+                        ok = n_ok[:, None] & m_ok[None, :]
+                        prev = tl.load(db_ptrs, mask=ok & later[None, :], other=0.0)
+                        tl.store(db_ptrs, prev + dst, mask=ok)
             dk_ptrs = DK + b.to(tl.int64) * sdkb + s_ * sdks + h * sdkh + offs_n[:, None] * sdkn
             dv_ptrs = DV + b.to(tl.int64) * sdvb + s_ * sdvs + h * sdvh + offs_n[:, None] * sdvn
             _st(dk_ptrs + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), nd, EVEN)
