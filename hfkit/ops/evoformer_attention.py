@@ -413,10 +413,13 @@ if HAS_TRITON:
         need_dbias: bool,
         fuse_dbias: bool | None = None,
         configs: dict[str, Config] | None = None,
+        splits: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The backward's kernels: dq (which also writes delta = rowsum(do * o)), then dk/dv with the
         bias gradient summed in the same pass (fuse_dbias True) or dk/dv and a separate dbias pass
-        (False); None picks by `fuses_dbias`. configs: tiles per pass name, `_config`'s where absent.
+        (False); None picks by `fuses_dbias`. configs: tiles per pass name, `_config`'s where absent;
+        splits: how many programs share each bias tile's rows, `dkdv_dbias_splits` / `dbias_splits`
+        where None (the fused pass takes the nearest count that leaves no split empty).
         do, q, o: [B, S, H, Q, D], k, v: [B, S, H, K, D], bias: [B|1, S|1, H|1, Q|1, K|1], mx, lg:
         the forward's float32 row statistics [B, S, H, Q]. Returns dq, dk, dv (q's dtype) and dbias
         in float32, [nb_b, nb_s, nb_h, Q, K] with the bias's B, S, H ([0] if not needed)."""
@@ -443,12 +446,15 @@ if HAS_TRITON:
         if fuse_dbias:
             pass_, c = "dkdv_dbias", cfg("dkdv_dbias")
             per_split = cdiv(n_k, c.block_n) * nb[0] * nb[1] * nb[2]
-            splits = dkdv_dbias_splits(reps, per_split, n_q * c.block_n * 4, q.device)
+            if splits is None:
+                splits = dkdv_dbias_splits(reps, per_split, n_q * c.block_n * 4, q.device)
+            splits = cdiv(reps, cdiv(reps, max(1, min(reps, splits))))
         else:
             launch_bwd("dkdv", *args, dummy, cfg("dkdv"))
             pass_, c = "dbias", cfg("dbias")
             tiles = cdiv(n_q, c.block_m) * cdiv(n_k, c.block_n) * nb[0] * nb[1] * nb[2]
-            splits = dbias_splits(reps, tiles, q.device)
+            if splits is None:
+                splits = dbias_splits(reps, tiles, q.device)
         parts = torch.empty((splits, *nb, n_q, n_k), dtype=torch.float32, device=q.device)
         launch_bwd(pass_, *args, parts, c)
         db = parts[0] if splits == 1 else parts.sum(0)
