@@ -67,6 +67,7 @@ def qkv(b, s, h, n_q, n_k, d, dtype, device):
         (1, 2, 1, 37, 64, torch.bfloat16),
         (1, 2, 1, 20, 32, torch.float16),
         (1, 2, 2, 64, 32, torch.bfloat16),  # whole tiles: the unmasked (EVEN) loads and stores
+        (1, 3, 2, 64, 8, torch.bfloat16),  # whole tiles of a head dim padded to 16 (EVEN_MN only)
     ],
     ids=str,
 )

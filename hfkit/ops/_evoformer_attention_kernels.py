@@ -5,7 +5,9 @@ own (unit along D); a program owns one (b, s, h) slice and one block of queries 
 second axis is B*S*H. The logits never reach memory: every pass recomputes its [BLOCK_M, BLOCK_N]
 tiles from q, k, the bias, the key bias and the saved float32 row statistics (max and log2 of the sum,
 [B*S*H, Q]), working in base 2 (natural logits times log2(e)). `EVEN` drops every bound mask when all
-tiles are full. The launchers, tile tables and autograd are in `hfkit.ops.evoformer_attention`.
+tiles are full; `EVEN_MN` drops those of the [BLOCK_M, BLOCK_N] tiles (bias, probabilities, row
+statistics) when only the head dim is padded (D = 8 in 16), so the masks stay on the D-wide tiles.
+The launchers, tile tables and autograd are in `hfkit.ops.evoformer_attention`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def _logits(
     q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
     k_ok_d, b_off, kb_off, sbq, sbk, skb_k, btile,
     HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
+    EVEN_MN: tl.constexpr,
     BIAS_PRELOADED: tl.constexpr,
 ):  # fmt: skip
     # One [BLOCK_M, BLOCK_N] tile of logits in float32, in base-2 units (natural logits times
@@ -59,11 +62,11 @@ def _logits(
             if BIAS_PRELOADED:  # noqa: SIM108  (a constexpr branch, resolved at compile time)
                 t = btile
             else:
-                t = _bias_tile(Bias, b_off, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN)
+                t = _bias_tile(Bias, b_off, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN_MN)
         if HAS_KEY_BIAS:
-            t += _ld(KeyBias + kb_off + offs_n * skb_k, k_ok, EVEN)[None, :]
+            t += _ld(KeyBias + kb_off + offs_n * skb_k, k_ok, EVEN_MN)[None, :]
         s += t * 1.4426950408889634  # LOG2E
-    if not EVEN:
+    if not EVEN_MN:
         s = tl.where(k_ok[None, :], s, float("-inf"))
     return s
 
@@ -75,6 +78,7 @@ def _evo_fwd_kernel(
     sqb, sqs, sqh, sqn, skb, sks, skh, skn, svb, svs, svh, svn, sob, sos, soh, son,
     sbb, sbs, sbh, sbq, sbk, skb_b, skb_s, skb_k,
     HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
+    EVEN_MN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     # Grid (query blocks, B*S*H). Traffic: q and o once; k, v (and the bias rows) once per query
@@ -115,7 +119,8 @@ def _evo_fwd_kernel(
         k_ptrs = k_base + offs_n[None, :] * skn + offs_d[:, None]
         s = _logits(
             q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-            d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, 0, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, False,
+            d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, 0, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN,
+            False,
         )  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
@@ -142,16 +147,18 @@ def _probs_and_dlogits(
     q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
     k_ok_d, b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta, btile,
     HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
+    EVEN_MN: tl.constexpr,
     BIAS_PRELOADED: tl.constexpr,
 ):  # fmt: skip
     # p = softmax probabilities of one tile (0 outside the valid rows/keys) and ds = dL/dlogits
     # (of the natural logits; mx and lg are base-2 like the logits `_logits` returns).
     s = _logits(
         q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-        k_ok_d, b_off, kb_off, sbq, sbk, skb_k, btile, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, BIAS_PRELOADED,
+        k_ok_d, b_off, kb_off, sbq, sbk, skb_k, btile, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN,
+        BIAS_PRELOADED,
     )  # fmt: skip
     p = tl.exp2((s - mx[:, None]) - lg[:, None])
-    if not EVEN:
+    if not EVEN_MN:
         p = tl.where((offs_m < n_q)[:, None] & (offs_n < n_k)[None, :], p, 0.0)
     vt = _ld(vt_ptrs, (offs_n < n_k)[None, :] & k_ok_d, EVEN)
     dp = dot(do, vt, DOT)
@@ -169,7 +176,8 @@ def _evo_bwd_kernel(
     sbb, sbs, sbh, sbq, sbk, skb_b, skb_s, skb_k,
     nb_b, nb_s, nb_h,
     MODE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr,
-    EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN: tl.constexpr, EVEN_MN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     # MODE 1 (dq):     grid (query blocks, B*S*H); walks the key blocks. Runs first: it also writes
     #                  delta = rowsum(do * o), which the other passes read.
@@ -207,7 +215,7 @@ def _evo_bwd_kernel(
             b0 += (tile_a % nb_h).to(tl.int64) * sbh
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            btile = _bias_tile(Bias, b0, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN)
+            btile = _bias_tile(Bias, b0, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN_MN)
     elif MODE == 3:
         reps = (B // nb_b) * (S // nb_s) * (H // nb_h)
         splits = tl.cdiv(reps, reps_per_split)
@@ -268,7 +276,7 @@ def _evo_bwd_kernel(
             v = _ld(v_base + offs_n[:, None] * svn + offs_d[None, :], nd, EVEN)
             kbias = tl.zeros([BLOCK_N], dtype=tl.float32)
             if HAS_KEY_BIAS:
-                kbias = _ld(KeyBias + kb_off + offs_n * skb_k, n_ok, EVEN) * 1.4426950408889634
+                kbias = _ld(KeyBias + kb_off + offs_n * skb_k, n_ok, EVEN_MN) * 1.4426950408889634
             for start in range(0, n_q, BLOCK_M):
                 offs_m = start + tl.arange(0, BLOCK_M)
                 m_ok = offs_m < n_q
@@ -280,16 +288,16 @@ def _evo_bwd_kernel(
                     m_ok[:, None] & d_ok[None, :],
                     EVEN,
                 )
-                mx = _ld(Mx + row0 + offs_m, m_ok, EVEN)
-                lg = _ld(Lg + row0 + offs_m, m_ok, EVEN)
-                delta = _ld(Delta + row0 + offs_m, m_ok, EVEN)
+                mx = _ld(Mx + row0 + offs_m, m_ok, EVEN_MN)
+                lg = _ld(Lg + row0 + offs_m, m_ok, EVEN_MN)
+                delta = _ld(Delta + row0 + offs_m, m_ok, EVEN_MN)
                 st = (dot(k, qt, DOT) * qk_scale).to(tl.float32) + kbias[:, None]
                 if HAS_BIAS:
                     ok = n_ok[:, None] & m_ok[None, :]
                     b_ptrs = Bias + b_off + offs_n[:, None] * sbk + offs_m[None, :] * sbq
-                    st += _ld(b_ptrs, ok, EVEN).to(tl.float32) * 1.4426950408889634
+                    st += _ld(b_ptrs, ok, EVEN_MN).to(tl.float32) * 1.4426950408889634
                 pt = tl.exp2((st - mx[None, :]) - lg[None, :])
-                if not EVEN:
+                if not EVEN_MN:
                     pt = tl.where(n_ok[:, None] & m_ok[None, :], pt, 0.0)
                 dpt = dot(v, tl.trans(do), DOT)
                 dst = pt * (dpt - delta[None, :])
@@ -299,7 +307,7 @@ def _evo_bwd_kernel(
                     db_ptrs = db_base + offs_m[None, :] * n_k + offs_n[:, None]
                     # The split's first row stores (its load is masked off: the slice starts unset).
                     later = (tl.zeros([BLOCK_M], dtype=tl.int32) + r) > r_lo
-                    if EVEN:
+                    if EVEN_MN:
                         prev = tl.load(db_ptrs, mask=later[None, :], other=0.0)
                         tl.store(db_ptrs, prev + dst)
                     else:
@@ -316,15 +324,15 @@ def _evo_bwd_kernel(
             md = m_ok[:, None] & d_ok[None, :]
             q = _ld(q_base + offs_m[:, None] * sqn + offs_d[None, :], md, EVEN)
             do = _ld(do_base + offs_m[:, None] * sdon + offs_d[None, :], md, EVEN)
-            mx = _ld(Mx + row0 + offs_m, m_ok, EVEN)
-            lg = _ld(Lg + row0 + offs_m, m_ok, EVEN)
+            mx = _ld(Mx + row0 + offs_m, m_ok, EVEN_MN)
+            lg = _ld(Lg + row0 + offs_m, m_ok, EVEN_MN)
             if MODE == 1:
                 o_base = O + b.to(tl.int64) * sob + s_ * sos + h * soh
                 o = _ld(o_base + offs_m[:, None] * son + offs_d[None, :], md, EVEN)
                 delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-                _st(Delta + row0 + offs_m, delta, m_ok, EVEN)
+                _st(Delta + row0 + offs_m, delta, m_ok, EVEN_MN)
             else:
-                delta = _ld(Delta + row0 + offs_m, m_ok, EVEN)
+                delta = _ld(Delta + row0 + offs_m, m_ok, EVEN_MN)
             if MODE == 1:
                 dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
                 for start in range(0, n_k, BLOCK_N):
@@ -334,7 +342,7 @@ def _evo_bwd_kernel(
                     p, ds = _probs_and_dlogits(
                         q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
                         d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta, 0,
-                        HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, False,
+                        HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN, False,
                     )  # fmt: skip
                     kt = _ld(k_ptrs, (offs_n < n_k)[None, :] & d_ok[:, None], EVEN)
                     dq += dot(ds.to(kt.dtype), tl.trans(kt), DOT)
@@ -348,7 +356,7 @@ def _evo_bwd_kernel(
                 p, ds = _probs_and_dlogits(
                     q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
                     d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta, btile,
-                    HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, True,
+                    HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN, True,
                 )  # fmt: skip
                 acc += ds
     if MODE == 2:
@@ -357,4 +365,4 @@ def _evo_bwd_kernel(
         ok = (offs_m < n_q)[:, None] & (offs_n < n_k)[None, :]
         # dbias partials are contiguous [splits, nb_b * nb_s * nb_h, Q, K] in float32.
         db_base = DB + (tl.program_id(2) * tl.num_programs(1) + tile_a).to(tl.int64) * n_q * n_k
-        _st(db_base + offs_m[:, None] * n_k + offs_n[None, :], acc, ok, EVEN)
+        _st(db_base + offs_m[:, None] * n_k + offs_n[None, :], acc, ok, EVEN_MN)

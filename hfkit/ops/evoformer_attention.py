@@ -253,8 +253,11 @@ if HAS_TRITON:
     def _unit_last(t: torch.Tensor) -> torch.Tensor:
         return t if t.stride(-1) == 1 else t.contiguous()
 
+    def _even_mn(n_q: int, n_k: int, cfg: Config) -> bool:
+        return n_q % cfg.block_m == 0 and n_k % cfg.block_n == 0
+
     def _even(n_q: int, n_k: int, d: int, cfg: Config) -> bool:
-        return n_q % cfg.block_m == 0 and n_k % cfg.block_n == 0 and d == cfg.block_d
+        return _even_mn(n_q, n_k, cfg) and d == cfg.block_d
 
     def _split_rows(*tensors: torch.Tensor | None) -> list[tuple[torch.Tensor | None, ...]] | None:
         """The (B, S) row blocks of one call whose B*S*H programs fit CUDA's grid y limit, as views of
@@ -299,7 +302,8 @@ if HAS_TRITON:
             *_qkv_strides(q), *_qkv_strides(k), *_qkv_strides(v), *_qkv_strides(o),
             *_bias_strides(bias), *_key_bias_strides(key_bias),
             HAS_BIAS=bias is not None, HAS_KEY_BIAS=key_bias is not None, DOT=dot_mode(q),
-            EVEN=_even(n_q, n_k, d, cfg), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
+            EVEN=_even(n_q, n_k, d, cfg), EVEN_MN=_even_mn(n_q, n_k, cfg),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
             num_warps=cfg.warps, num_stages=cfg.stages,
         )  # fmt: skip
 
@@ -342,7 +346,7 @@ if HAS_TRITON:
             *_bias_strides(bias), *_key_bias_strides(key_bias),
             *nb,
             MODE=_MODES[pass_], HAS_BIAS=bias is not None, HAS_KEY_BIAS=key_bias is not None,
-            DOT=dot_mode(q), EVEN=_even(n_q, n_k, d, cfg),
+            DOT=dot_mode(q), EVEN=_even(n_q, n_k, d, cfg), EVEN_MN=_even_mn(n_q, n_k, cfg),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
             num_warps=cfg.warps, num_stages=cfg.stages,
         )  # fmt: skip
