@@ -1,13 +1,15 @@
 """Triton kernels of `hfkit.ops.evoformer_attention`: the flash-style forward and the backward passes.
 
 Layout shared by all of them: q, k, v, o and their gradients are [B, S, H, N, D] with strides of their
-own (unit along D); a program owns one (b, s, h) slice and one block of queries or keys, so the grid's
-second axis is B*S*H. The logits never reach memory: every pass recomputes its [BLOCK_M, BLOCK_N]
-tiles from q, k, the bias, the key bias and the saved float32 row statistics (max and log2 of the sum,
-[B*S*H, Q]), working in base 2 (natural logits times log2(e)). `EVEN` drops every bound mask when all
-tiles are full; `EVEN_MN` drops those of the [BLOCK_M, BLOCK_N] tiles (bias, probabilities, row
-statistics) when only the head dim is padded (D = 8 in 16), so the masks stay on the D-wide tiles.
-The launchers, tile tables and autograd are in `hfkit.ops.evoformer_attention`.
+own (unit along D); a program of the forward, dq and dk/dv passes owns one (b, s, h) slice and one block
+of queries or keys, so their grid's second axis is B*S*H (the dbias and the fused dk/dv + dbias passes
+walk the rows a bias is broadcast over instead; see `_evo_bwd_kernel`). The logits never reach
+memory: every pass recomputes its [BLOCK_M, BLOCK_N] tiles from q, k, the bias, the key bias and the
+saved float32 row statistics (max and log2 of the sum, [B*S*H, Q]), working in base 2 (natural logits
+times log2(e)). `EVEN` drops every bound mask when all tiles are full; `EVEN_MN` drops those of the
+[BLOCK_M, BLOCK_N] tiles (bias, probabilities, row statistics) when only the head dim is padded (D = 8
+in 16), so that the masks stay on the D-wide tiles alone. The launchers, tile tables and autograd are
+in `hfkit.ops.evoformer_attention`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from hfkit.ops._triton import dot
 
 @triton.jit
 def _ld(ptrs, mask, EVEN: tl.constexpr):
-    # EVEN: every tile is full (no ragged rows, keys or head dims), so no load needs a mask.
+    # EVEN: the tile is full (callers pass EVEN, or EVEN_MN for tiles without a head dim): no mask.
     if EVEN:
         return tl.load(ptrs)
     else:
