@@ -97,14 +97,14 @@ def elementwise_kernels() -> None:
 
 
 def attention_kernels(even: bool, dtype: str = "bf16", dot: int = 0) -> None:
-    """The forward and the three backward passes with the tuned tiles (D = 32), ragged or whole; bf16
+    """The forward and the four backward passes with the tuned tiles (D = 32), ragged or whole; bf16
     on the tensor cores (DOT 0) or float32 as 3xTF32 / TF32 (DOT 3 / 4)."""
     ptrs = {k: dtype for k in ("Q", "K", "V", "Bias", "O", "DO", "DQ", "DK", "DV")}
     ptrs.update({k: "fp32" for k in ("KeyBias", "Mx", "Lg", "Delta", "DB")})
-    flags = {"HAS_BIAS": True, "HAS_KEY_BIAS": True, "DOT": dot, "EVEN": even, "BLOCK_D": 32}
+    flags = {"HAS_BIAS": True, "HAS_KEY_BIAS": True, "DOT": dot, "EVEN": even, "EVEN_MN": even, "BLOCK_D": 32}
     bm, bn, warps, stages = ea.CONFIGS_SMALL_D["fwd"]
     assert "cubin" in compile_sm90(eak._evo_fwd_kernel, ptrs, {**flags, "BLOCK_M": bm, "BLOCK_N": bn}, warps)
-    for mode, pass_ in ((1, "dq"), (0, "dkdv"), (2, "dbias")):
+    for mode, pass_ in ((1, "dq"), (0, "dkdv"), (2, "dbias"), (3, "dkdv_dbias")):
         bm, bn, warps, stages = ea.CONFIGS_SMALL_D[pass_]
         tiles = {**flags, "MODE": mode, "BLOCK_M": bm, "BLOCK_N": bn}
         assert "cubin" in compile_sm90(eak._evo_bwd_kernel, ptrs, tiles, warps)

@@ -67,6 +67,7 @@ def qkv(b, s, h, n_q, n_k, d, dtype, device):
         (1, 2, 1, 37, 64, torch.bfloat16),
         (1, 2, 1, 20, 32, torch.float16),
         (1, 2, 2, 64, 32, torch.bfloat16),  # whole tiles: the unmasked (EVEN) loads and stores
+        (1, 3, 2, 64, 8, torch.bfloat16),  # whole tiles of a head dim padded to 16 (EVEN_MN only)
     ],
     ids=str,
 )
@@ -137,6 +138,68 @@ def test_rows_grouped_under_a_shared_bias(group_rows, device, seed, monkeypatch)
     mask = (torch.rand(2, 5, 37, device=device) > 0.3).float()
     for name, actual, expected in run_both(q, k, v, bias, mask):
         assert rel_err(actual, expected) < TOL[torch.float32], name
+
+
+def _backward_inputs(bias_shape, dtype, device):
+    """q, k, v [2, 5, 2, 19|37, 16], a bias, a key bias (a fully masked row), the forward's o and row
+    statistics, an incoming gradient, and the float32 reference's gradients of q, k, v and the bias."""
+    evo = importlib.import_module("hfkit.ops.evoformer_attention")
+    q, k, v = qkv(2, 5, 2, 19, 37, 16, dtype, device)
+    bias = torch.randn(bias_shape, device=device, dtype=dtype)
+    keep = torch.rand(2, 5, 37, device=device) > 0.3
+    keep[1, 4] = False
+    key_bias = (keep.float() - 1.0) * 1e9
+    o, mx, lg = evo._evo_fwd(q, k, v, bias, key_bias)
+    do = torch.randn_like(o)
+    ref = [t.float().requires_grad_(True) for t in (q, k, v, bias)]
+    o_ref = evoformer_attention_reference(*ref, key_bias=key_bias)
+    expected = torch.autograd.grad(o_ref, ref, do.float())
+    return evo, (do, q, k, v, bias, key_bias, o, mx, lg), expected
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("splits", [1, 2, 3, 5], ids=str)
+def test_bias_gradient_summed_in_the_dkdv_pass(splits, dtype, device, seed):
+    """The fused dk/dv + dbias pass: a pair bias [B, 1, H, Q, K] gets dlogits summed over the S = 5
+    rows it is broadcast over, in 1, 2, 3 (ragged: 2 + 2 + 1 rows) or 5 splits of the rows; odd Q and
+    K, masked keys and a fully masked row. dq, dk, dv, dbias against the reference, and the same as
+    the three-pass backward's up to float32 summation order."""
+    evo, args, expected = _backward_inputs((2, 1, 2, 19, 37), dtype, device)
+    fused = evo.backward_passes(*args, True, fuse_dbias=True, splits=splits)
+    passes = evo.backward_passes(*args, True, fuse_dbias=False, splits=splits)
+    assert fused[3].shape == (2, 1, 2, 19, 37) and fused[3].dtype == torch.float32
+    for name, got, old, want in zip(("dq", "dk", "dv", "dbias"), fused, passes, expected, strict=True):
+        assert rel_err(got, want) < TOL[dtype], name
+        # Same math in float32; bf16 dq, dk, dv may round differently where the tiles differ (CUDA).
+        assert rel_err(got, old) < (1e-6 if dtype == torch.float32 or name == "dbias" else 4e-3), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias_shape", [(1, 1, 2, 19, 37), (2, 5, 1, 19, 37), (2, 5, 2, 19, 37)], ids=str)
+def test_fused_bias_gradient_over_other_broadcasts(bias_shape, device, seed):
+    """The fused pass with a bias broadcast over B and S (10 rows, 4 splits), over H only (2 rows),
+    or not at all (each program stores its slice once)."""
+    evo, args, expected = _backward_inputs(bias_shape, torch.float32, device)
+    got = evo.backward_passes(*args, True, fuse_dbias=True, splits=4)
+    assert got[3].shape == bias_shape
+    for name, g, want in zip(("dq", "dk", "dv", "dbias"), got, expected, strict=True):
+        assert rel_err(g, want) < TOL[torch.float32], name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_pass_rejects_an_empty_split(device, seed):
+    """5 rows in 4 splits would leave the last split without rows (2 + 2 + 1 + 0) and its partial
+    sum unwritten: the launcher refuses it (backward_passes rounds to 3)."""
+    evo, (do, q, k, v, bias, key_bias, o, mx, lg), _ = _backward_inputs(
+        (2, 1, 2, 19, 37), torch.float32, device
+    )
+    delta = torch.empty(mx.shape, device=device)
+    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    parts = torch.empty((4, 2, 1, 2, 19, 37), device=device)
+    cfg = evo._config("dkdv_dbias", 16, q.device)
+    with pytest.raises(ValueError, match="^db: .* 5 rows, got 4"):
+        evo.launch_bwd("dkdv_dbias", q, k, v, bias, key_bias, o, do, mx, lg, delta, *grads, parts, cfg)
 
 
 @pytest.mark.parametrize("device", DEVICES)

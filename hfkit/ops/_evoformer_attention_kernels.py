@@ -1,11 +1,15 @@
-"""Triton kernels of `hfkit.ops.evoformer_attention`: the flash-style forward and the three backward passes.
+"""Triton kernels of `hfkit.ops.evoformer_attention`: the flash-style forward and the backward passes.
 
 Layout shared by all of them: q, k, v, o and their gradients are [B, S, H, N, D] with strides of their
-own (unit along D); a program owns one (b, s, h) slice and one block of queries or keys, so the grid's
-second axis is B*S*H. The logits never reach memory: every pass recomputes its [BLOCK_M, BLOCK_N]
-tiles from q, k, the bias, the key bias and the saved float32 row statistics (max and log2 of the sum,
-[B*S*H, Q]), working in base 2 (natural logits times log2(e)). `EVEN` drops every bound mask when all
-tiles are full. The launchers, tile tables and autograd are in `hfkit.ops.evoformer_attention`.
+own (unit along D); a program of the forward, dq and dk/dv passes owns one (b, s, h) slice and one block
+of queries or keys, so their grid's second axis is B*S*H (the dbias and the fused dk/dv + dbias passes
+walk the rows a bias is broadcast over instead; see `_evo_bwd_kernel`). The logits never reach
+memory: every pass recomputes its [BLOCK_M, BLOCK_N] tiles from q, k, the bias, the key bias and the
+saved float32 row statistics (max and log2 of the sum, [B*S*H, Q]), working in base 2 (natural logits
+times log2(e)). `EVEN` drops every bound mask when all tiles are full; `EVEN_MN` drops those of the
+[BLOCK_M, BLOCK_N] tiles (bias, probabilities, row statistics) when only the head dim is padded (D = 8
+in 16), so that the masks stay on the D-wide tiles alone. The launchers, tile tables and autograd are
+in `hfkit.ops.evoformer_attention`.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from hfkit.ops._triton import dot
 
 @triton.jit
 def _ld(ptrs, mask, EVEN: tl.constexpr):
-    # EVEN: every tile is full (no ragged rows, keys or head dims), so no load needs a mask.
+    # EVEN: the tile is full (callers pass EVEN, or EVEN_MN for tiles without a head dim): no mask.
     if EVEN:
         return tl.load(ptrs)
     else:
@@ -44,6 +48,7 @@ def _logits(
     q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
     k_ok_d, b_off, kb_off, sbq, sbk, skb_k, btile,
     HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
+    EVEN_MN: tl.constexpr,
     BIAS_PRELOADED: tl.constexpr,
 ):  # fmt: skip
     # One [BLOCK_M, BLOCK_N] tile of logits in float32, in base-2 units (natural logits times
@@ -59,11 +64,11 @@ def _logits(
             if BIAS_PRELOADED:  # noqa: SIM108  (a constexpr branch, resolved at compile time)
                 t = btile
             else:
-                t = _bias_tile(Bias, b_off, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN)
+                t = _bias_tile(Bias, b_off, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN_MN)
         if HAS_KEY_BIAS:
-            t += _ld(KeyBias + kb_off + offs_n * skb_k, k_ok, EVEN)[None, :]
+            t += _ld(KeyBias + kb_off + offs_n * skb_k, k_ok, EVEN_MN)[None, :]
         s += t * 1.4426950408889634  # LOG2E
-    if not EVEN:
+    if not EVEN_MN:
         s = tl.where(k_ok[None, :], s, float("-inf"))
     return s
 
@@ -75,6 +80,7 @@ def _evo_fwd_kernel(
     sqb, sqs, sqh, sqn, skb, sks, skh, skn, svb, svs, svh, svn, sob, sos, soh, son,
     sbb, sbs, sbh, sbq, sbk, skb_b, skb_s, skb_k,
     HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
+    EVEN_MN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     # Grid (query blocks, B*S*H). Traffic: q and o once; k, v (and the bias rows) once per query
@@ -115,7 +121,8 @@ def _evo_fwd_kernel(
         k_ptrs = k_base + offs_n[None, :] * skn + offs_d[:, None]
         s = _logits(
             q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-            d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, 0, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, False,
+            d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, 0, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN,
+            False,
         )  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
@@ -142,16 +149,18 @@ def _probs_and_dlogits(
     q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
     k_ok_d, b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta, btile,
     HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
+    EVEN_MN: tl.constexpr,
     BIAS_PRELOADED: tl.constexpr,
 ):  # fmt: skip
     # p = softmax probabilities of one tile (0 outside the valid rows/keys) and ds = dL/dlogits
     # (of the natural logits; mx and lg are base-2 like the logits `_logits` returns).
     s = _logits(
         q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-        k_ok_d, b_off, kb_off, sbq, sbk, skb_k, btile, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, BIAS_PRELOADED,
+        k_ok_d, b_off, kb_off, sbq, sbk, skb_k, btile, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN,
+        BIAS_PRELOADED,
     )  # fmt: skip
     p = tl.exp2((s - mx[:, None]) - lg[:, None])
-    if not EVEN:
+    if not EVEN_MN:
         p = tl.where((offs_m < n_q)[:, None] & (offs_n < n_k)[None, :], p, 0.0)
     vt = _ld(vt_ptrs, (offs_n < n_k)[None, :] & k_ok_d, EVEN)
     dp = dot(do, vt, DOT)
@@ -169,17 +178,26 @@ def _evo_bwd_kernel(
     sbb, sbs, sbh, sbq, sbk, skb_b, skb_s, skb_k,
     nb_b, nb_s, nb_h,
     MODE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr,
-    EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN: tl.constexpr, EVEN_MN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     # MODE 1 (dq):     grid (query blocks, B*S*H); walks the key blocks. Runs first: it also writes
-    #                  delta = rowsum(do * o), which the other two passes read.
+    #                  delta = rowsum(do * o), which the other passes read.
     # MODE 0 (dk, dv): grid (key blocks, B*S*H); walks the query blocks.
     # MODE 2 (dbias):  grid (query blocks * key blocks, bias B*S*H, splits); each program walks
     #                  `reps_per_split` of the B, S, H rows the bias was broadcast over, sums their
     #                  dlogits in float32 registers and writes one partial sum per split (the host
     #                  adds the splits in a fixed order: deterministic). Its bias tile is loaded once.
+    # MODE 3 (dk, dv and dbias): grid (splits * key blocks * bias B*S*H,), splits fastest; a program
+    #                  owns one key block of one bias row and walks `reps_per_split` of the rows the
+    #                  bias was broadcast over: for each it runs MODE 0's dk/dv walk and adds the
+    #                  dlogits tiles it makes anyway into its own [Q, BLOCK_N] slice of the split's
+    #                  float32 partial sum (the first row stores, the others load, add and store: no
+    #                  other program touches the slice, so no atomics; the host adds the splits).
     # Traffic: dq reads q, do, o once and k, v once per query block; dk/dv reads k, v once and q, do
-    # once per key block; dbias reads q, k, v, do once per bias tile and writes float32 partials.
+    # once per key block; dbias reads q, k, v, do once per bias tile and writes float32 partials;
+    # MODE 3 adds a load and a store of float32 partials per logit to MODE 0 (from L2 while the
+    # programs' slices fit in it), with no recomputation of the logits.
     # Each tile recomputes its logits from q, k, bias, mask and the saved row statistics; o, do,
     # dq, dk, dv have strides of their own (unit along D), the statistics and
     # delta = rowsum(do * o) are [B*S*H, Q].
@@ -199,7 +217,20 @@ def _evo_bwd_kernel(
             b0 += (tile_a % nb_h).to(tl.int64) * sbh
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            btile = _bias_tile(Bias, b0, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN)
+            btile = _bias_tile(Bias, b0, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN_MN)
+    elif MODE == 3:
+        reps = (B // nb_b) * (S // nb_s) * (H // nb_h)
+        splits = tl.cdiv(reps, reps_per_split)
+        split = tl.program_id(0) % splits
+        rest = tl.program_id(0) // splits
+        n_nb = tl.cdiv(n_k, BLOCK_N)
+        pid_m = 0
+        pid_n = rest % n_nb
+        tile_a = rest // n_nb
+        r_lo = split * reps_per_split
+        r_hi = tl.minimum(r_lo + reps_per_split, reps)
+        # dbias partials are contiguous [splits, nb_b * nb_s * nb_h, Q, K] in float32.
+        db_base = DB + (split * nb_b * nb_s * nb_h + tile_a).to(tl.int64) * n_q * n_k
     else:
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(0)
@@ -207,7 +238,7 @@ def _evo_bwd_kernel(
         r_hi = 1
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for r in range(r_lo, r_hi):
-        if MODE == 2:
+        if MODE == 2 or MODE == 3:
             # Bias row (bb, sb, hb) covers every (b, s, h) equal to it where the bias is not
             # broadcast; r counts through the broadcast ones.
             hb = tile_a % nb_h
@@ -231,7 +262,11 @@ def _evo_bwd_kernel(
         b_off = b.to(tl.int64) * sbb + s_ * sbs + h * sbh
         kb_off = b.to(tl.int64) * skb_b + s_ * skb_s
         row0 = bsh.to(tl.int64) * n_q
-        if MODE == 0:
+        if MODE == 0 or MODE == 3:
+            if MODE == 3:
+                # The previous row's partial-sum stores, made by other threads of this program, are
+                # visible to this row's loads after a barrier.
+                tl.debug_barrier()
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < n_k
             dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -243,7 +278,7 @@ def _evo_bwd_kernel(
             v = _ld(v_base + offs_n[:, None] * svn + offs_d[None, :], nd, EVEN)
             kbias = tl.zeros([BLOCK_N], dtype=tl.float32)
             if HAS_KEY_BIAS:
-                kbias = _ld(KeyBias + kb_off + offs_n * skb_k, n_ok, EVEN) * 1.4426950408889634
+                kbias = _ld(KeyBias + kb_off + offs_n * skb_k, n_ok, EVEN_MN) * 1.4426950408889634
             for start in range(0, n_q, BLOCK_M):
                 offs_m = start + tl.arange(0, BLOCK_M)
                 m_ok = offs_m < n_q
@@ -255,21 +290,32 @@ def _evo_bwd_kernel(
                     m_ok[:, None] & d_ok[None, :],
                     EVEN,
                 )
-                mx = _ld(Mx + row0 + offs_m, m_ok, EVEN)
-                lg = _ld(Lg + row0 + offs_m, m_ok, EVEN)
-                delta = _ld(Delta + row0 + offs_m, m_ok, EVEN)
+                mx = _ld(Mx + row0 + offs_m, m_ok, EVEN_MN)
+                lg = _ld(Lg + row0 + offs_m, m_ok, EVEN_MN)
+                delta = _ld(Delta + row0 + offs_m, m_ok, EVEN_MN)
                 st = (dot(k, qt, DOT) * qk_scale).to(tl.float32) + kbias[:, None]
                 if HAS_BIAS:
                     ok = n_ok[:, None] & m_ok[None, :]
                     b_ptrs = Bias + b_off + offs_n[:, None] * sbk + offs_m[None, :] * sbq
-                    st += _ld(b_ptrs, ok, EVEN).to(tl.float32) * 1.4426950408889634
+                    st += _ld(b_ptrs, ok, EVEN_MN).to(tl.float32) * 1.4426950408889634
                 pt = tl.exp2((st - mx[None, :]) - lg[None, :])
-                if not EVEN:
+                if not EVEN_MN:
                     pt = tl.where(n_ok[:, None] & m_ok[None, :], pt, 0.0)
                 dpt = dot(v, tl.trans(do), DOT)
                 dst = pt * (dpt - delta[None, :])
                 dv += dot(pt.to(do.dtype), do, DOT)
                 dk += dot(dst.to(do.dtype), tl.trans(qt), DOT)
+                if MODE == 3:
+                    db_ptrs = db_base + offs_m[None, :] * n_k + offs_n[:, None]
+                    # The split's first row stores (its load is masked off: the slice starts unset).
+                    later = (tl.zeros([BLOCK_M], dtype=tl.int32) + r) > r_lo
+                    if EVEN_MN:
+                        prev = tl.load(db_ptrs, mask=later[None, :], other=0.0)
+                        tl.store(db_ptrs, prev + dst)
+                    else:
+                        ok = n_ok[:, None] & m_ok[None, :]
+                        prev = tl.load(db_ptrs, mask=ok & later[None, :], other=0.0)
+                        tl.store(db_ptrs, prev + dst, mask=ok)
             dk_ptrs = DK + b.to(tl.int64) * sdkb + s_ * sdks + h * sdkh + offs_n[:, None] * sdkn
             dv_ptrs = DV + b.to(tl.int64) * sdvb + s_ * sdvs + h * sdvh + offs_n[:, None] * sdvn
             _st(dk_ptrs + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), nd, EVEN)
@@ -280,15 +326,15 @@ def _evo_bwd_kernel(
             md = m_ok[:, None] & d_ok[None, :]
             q = _ld(q_base + offs_m[:, None] * sqn + offs_d[None, :], md, EVEN)
             do = _ld(do_base + offs_m[:, None] * sdon + offs_d[None, :], md, EVEN)
-            mx = _ld(Mx + row0 + offs_m, m_ok, EVEN)
-            lg = _ld(Lg + row0 + offs_m, m_ok, EVEN)
+            mx = _ld(Mx + row0 + offs_m, m_ok, EVEN_MN)
+            lg = _ld(Lg + row0 + offs_m, m_ok, EVEN_MN)
             if MODE == 1:
                 o_base = O + b.to(tl.int64) * sob + s_ * sos + h * soh
                 o = _ld(o_base + offs_m[:, None] * son + offs_d[None, :], md, EVEN)
                 delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-                _st(Delta + row0 + offs_m, delta, m_ok, EVEN)
+                _st(Delta + row0 + offs_m, delta, m_ok, EVEN_MN)
             else:
-                delta = _ld(Delta + row0 + offs_m, m_ok, EVEN)
+                delta = _ld(Delta + row0 + offs_m, m_ok, EVEN_MN)
             if MODE == 1:
                 dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
                 for start in range(0, n_k, BLOCK_N):
@@ -298,7 +344,7 @@ def _evo_bwd_kernel(
                     p, ds = _probs_and_dlogits(
                         q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
                         d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta, 0,
-                        HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, False,
+                        HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN, False,
                     )  # fmt: skip
                     kt = _ld(k_ptrs, (offs_n < n_k)[None, :] & d_ok[:, None], EVEN)
                     dq += dot(ds.to(kt.dtype), tl.trans(kt), DOT)
@@ -312,7 +358,7 @@ def _evo_bwd_kernel(
                 p, ds = _probs_and_dlogits(
                     q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
                     d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta, btile,
-                    HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, True,
+                    HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN, True,
                 )  # fmt: skip
                 acc += ds
     if MODE == 2:
@@ -321,4 +367,4 @@ def _evo_bwd_kernel(
         ok = (offs_m < n_q)[:, None] & (offs_n < n_k)[None, :]
         # dbias partials are contiguous [splits, nb_b * nb_s * nb_h, Q, K] in float32.
         db_base = DB + (tl.program_id(2) * tl.num_programs(1) + tile_a).to(tl.int64) * n_q * n_k
-        _st(db_base + offs_m[:, None] * n_k + offs_n[None, :], acc, ok, EVEN)
+        _st(db_base + offs_m[:, None] * n_k + offs_n[None, :], acc, ok, EVEN_MN)

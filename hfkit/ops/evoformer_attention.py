@@ -5,9 +5,13 @@ q: [B, S, H, Q, D], k/v: [B, S, H, K, D], a pair bias broadcast over MSA rows ([
 key mask ([B, S, 1, 1, K] or [B, S, K]): MSA row attention with pair bias, and with S = 1 or no bias
 the other Evoformer attentions. The forward keeps no [Q, K] logits: it walks key blocks with an online
 softmax and saves two float32 numbers per query row (the running max and the log of the sum). The
-backward recomputes the probabilities block by block from them: one kernel for dk/dv (a program per
-key block), one for dq (a program per query block) and one for dbias (a program per bias tile, which
-loops over the S rows the bias was broadcast over: deterministic, no atomics); the kernels are in
+backward recomputes the probabilities block by block from them: one kernel for dq (a program per
+query block) and one for dk/dv (a program per key block) that, when the bias needs a gradient, also
+sums the logits' gradient over the rows the bias was broadcast over: a program walks a range of those
+rows (a split) and adds into a float32 partial sum of its own, and the host adds the splits
+(deterministic, no atomics). The three-pass backward, with a separate dbias kernel (a program per bias
+tile that recomputes the probabilities of every row), stays selectable (`backward_passes`) and is used
+where the fused pass's partial sums would not fit in L2. The kernels are in
 `hfkit.ops._evoformer_attention_kernels`. Registered as the custom ops `hfkit::evoformer_attention_fwd`
 / `_bwd`; on CPU without `TRITON_INTERPRET=1` it runs `evoformer_attention_reference`.
 """
@@ -43,6 +47,12 @@ LOG2E = 1.4426950408889634  # the kernels work in base 2: exp2(x * log2(e)) = ex
 MAX_HEAD_DIM = 128
 # Rows the forward kernel runs side by side when they share one bias (see `_group_rows`).
 GROUP_ROWS = 16
+# Float32 dbias partial sums that the fused dk/dv + dbias pass may keep in flight (each program adds into
+# its own [Q, BLOCK_N] slice once per row it walks): about two thirds of an H100/H200's 50 MB L2, so
+# that those loads and stores stay in L2. Above it the three-pass backward runs.
+DBIAS_PARTIALS_L2_BYTES = 32 * 2**20
+# Programs per SM the fused pass aims for when it splits the rows a bias was broadcast over.
+DKDV_DBIAS_PROGRAMS_PER_SM = 2
 # CUDA's limit on a grid's y dimension: calls with more (batch, row, head) programs than this are
 # launched in row blocks (MSA column attention has N x heads of them: 98,304 at N = 12,288).
 MAX_GRID_Y = 65535
@@ -60,17 +70,21 @@ class Config(NamedTuple):
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per pass on CUDA, for padded head dims <= 32 and above;
 # from `hfkit bench evoformer_attention --tiles` on an H200 (data/results/h200/tuning/attention.json).
+# "dkdv_dbias" (the fused pass) is the largest tile that compiles for sm_90 without spills at D = 32
+# (8 warps) and D = 64.
 CONFIGS_SMALL_D: dict[str, tuple[int, int, int, int]] = {
     "fwd": (128, 32, 4, 3),
     "dkdv": (32, 128, 4, 3),
     "dq": (64, 32, 4, 3),
     "dbias": (128, 64, 4, 2),
+    "dkdv_dbias": (32, 64, 8, 2),
 }
 CONFIGS_LARGE_D: dict[str, tuple[int, int, int, int]] = {
     "fwd": (64, 64, 4, 2),
     "dkdv": (32, 32, 4, 2),
     "dq": (32, 32, 4, 2),
     "dbias": (32, 32, 4, 2),
+    "dkdv_dbias": (32, 32, 8, 2),
 }
 
 
@@ -224,7 +238,8 @@ def _key_bias_strides(key_bias: torch.Tensor | None) -> list[int]:
 if HAS_TRITON:
 
     def _config(pass_: str, d: int, device: torch.device) -> Config:
-        """Tile configuration of one kernel pass ('fwd', 'dkdv', 'dq', 'dbias') for head dim d."""
+        """Tile configuration of one kernel pass ('fwd', 'dkdv', 'dq', 'dbias', 'dkdv_dbias') for head
+        dim d."""
         block_d = max(16, next_power_of_2(d))
         if device.type != "cuda":
             return Config(32, 32, block_d, 4, 1)  # small tiles so that tests cross block edges cheaply
@@ -238,8 +253,11 @@ if HAS_TRITON:
     def _unit_last(t: torch.Tensor) -> torch.Tensor:
         return t if t.stride(-1) == 1 else t.contiguous()
 
+    def _even_mn(n_q: int, n_k: int, cfg: Config) -> bool:
+        return n_q % cfg.block_m == 0 and n_k % cfg.block_n == 0
+
     def _even(n_q: int, n_k: int, d: int, cfg: Config) -> bool:
-        return n_q % cfg.block_m == 0 and n_k % cfg.block_n == 0 and d == cfg.block_d
+        return _even_mn(n_q, n_k, cfg) and d == cfg.block_d
 
     def _split_rows(*tensors: torch.Tensor | None) -> list[tuple[torch.Tensor | None, ...]] | None:
         """The (B, S) row blocks of one call whose B*S*H programs fit CUDA's grid y limit, as views of
@@ -284,17 +302,21 @@ if HAS_TRITON:
             *_qkv_strides(q), *_qkv_strides(k), *_qkv_strides(v), *_qkv_strides(o),
             *_bias_strides(bias), *_key_bias_strides(key_bias),
             HAS_BIAS=bias is not None, HAS_KEY_BIAS=key_bias is not None, DOT=dot_mode(q),
-            EVEN=_even(n_q, n_k, d, cfg), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
+            EVEN=_even(n_q, n_k, d, cfg), EVEN_MN=_even_mn(n_q, n_k, cfg),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
             num_warps=cfg.warps, num_stages=cfg.stages,
         )  # fmt: skip
 
-    _MODES = {"dkdv": 0, "dq": 1, "dbias": 2}
+    _MODES = {"dkdv": 0, "dq": 1, "dbias": 2, "dkdv_dbias": 3}
 
     def launch_bwd(pass_, q, k, v, bias, key_bias, o, do, mx, lg, delta, dq, dk, dv, db, cfg: Config) -> None:
-        """Run one backward pass ('dq', then 'dkdv' and 'dbias') with tiles `cfg`; db: float32
-        [splits, nb_b, nb_s, nb_h, Q, K] partial sums (or a dummy when there is no bias gradient)."""
+        """Run one backward pass ('dq' first, then 'dkdv' and 'dbias', or 'dkdv_dbias') with tiles
+        `cfg`; db: float32 [splits, nb_b, nb_s, nb_h, Q, K] partial sums over the rows the bias
+        [nb_b, nb_s, nb_h, Q|1, K|1] was broadcast over (or a dummy when there is no bias gradient).
+        'dkdv_dbias' needs every split to hold at least one row (see `dkdv_dbias_splits`)."""
         args = (q, k, v, bias, key_bias, o, do, mx, lg, delta, dq, dk, dv)
-        blocks = None if pass_ == "dbias" else _split_rows(*args)  # dbias: one program per bias row
+        # dbias and dkdv_dbias: one program per bias row (x grid, no y limit).
+        blocks = None if pass_ in ("dbias", "dkdv_dbias") else _split_rows(*args)
         if blocks is not None:
             for part in blocks:
                 launch_bwd(pass_, *part, db, cfg)
@@ -305,10 +327,15 @@ if HAS_TRITON:
         nb = list(db.shape[1:4]) if db.dim() == 6 else [1, 1, 1]
         splits = db.shape[0] if db.dim() == 6 else 1
         reps = (b // nb[0]) * (s // nb[1]) * (h // nb[2])
+        if pass_ == "dkdv_dbias" and cdiv(reps, cdiv(reps, splits)) != splits:
+            raise ValueError(
+                f"db: expected a split count that leaves no split empty for {reps} rows, got {splits}"
+            )
         grid = {
             "dkdv": (n_nb, b * s * h, 1),
             "dq": (n_mb, b * s * h, 1),
             "dbias": (n_mb * n_nb, nb[0] * nb[1] * nb[2], splits),
+            "dkdv_dbias": (splits * n_nb * nb[0] * nb[1] * nb[2], 1, 1),
         }[pass_]
         launch(_evo_bwd_kernel, grid,
             q, k, v, bias, key_bias, o, do, mx, lg, delta, dq, dk, dv, db,
@@ -319,7 +346,7 @@ if HAS_TRITON:
             *_bias_strides(bias), *_key_bias_strides(key_bias),
             *nb,
             MODE=_MODES[pass_], HAS_BIAS=bias is not None, HAS_KEY_BIAS=key_bias is not None,
-            DOT=dot_mode(q), EVEN=_even(n_q, n_k, d, cfg),
+            DOT=dot_mode(q), EVEN=_even(n_q, n_k, d, cfg), EVEN_MN=_even_mn(n_q, n_k, cfg),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
             num_warps=cfg.warps, num_stages=cfg.stages,
         )  # fmt: skip
@@ -332,6 +359,31 @@ if HAS_TRITON:
         want = cdiv(4 * num_sms(device), max(1, tiles))
         per = max(16, cdiv(reps, want))
         return cdiv(reps, per)
+
+    def dkdv_dbias_splits(reps: int, programs_per_split: int, slice_bytes: int, device: torch.device) -> int:
+        """How many programs of the fused dk/dv + dbias pass share the walk over the `reps` rows a bias
+        was broadcast over, when one split has `programs_per_split` programs (key blocks x bias rows),
+        each adding into a float32 partial-sum slice of `slice_bytes`: about
+        DKDV_DBIAS_PROGRAMS_PER_SM programs per SM, fewer where their slices would pass
+        DBIAS_PARTIALS_L2_BYTES; never a split without rows."""
+        if device.type != "cuda":
+            want = 3  # the interpreter: several splits, a ragged last one at 5 or 7 rows
+        else:
+            programs = min(
+                DKDV_DBIAS_PROGRAMS_PER_SM * num_sms(device), DBIAS_PARTIALS_L2_BYTES // slice_bytes
+            )
+            want = max(1, programs // max(1, programs_per_split))
+        return cdiv(reps, cdiv(reps, max(1, min(reps, want))))
+
+    def fuses_dbias(reps: int, n_q: int, d: int, device: torch.device) -> bool:
+        """Whether the backward sums dbias inside the dk/dv pass for a bias broadcast over `reps` rows
+        (B x S x H over the bias's rows): yes under the interpreter and for an unbroadcast bias (each
+        program stores its slice once); else where one program per SM keeps its partial-sum slices
+        within DBIAS_PARTIALS_L2_BYTES."""
+        if device.type != "cuda" or reps == 1:
+            return True
+        cfg = _config("dkdv_dbias", d, device)
+        return n_q * cfg.block_n * 4 * num_sms(device) <= DBIAS_PARTIALS_L2_BYTES
 
     @hfkit_op("evoformer_attention_fwd")
     def _evo_fwd(
@@ -352,6 +404,66 @@ if HAS_TRITON:
         launch_fwd(q, k, v, bias, key_bias, o, mx, lg, _config("fwd", d, q.device))
         return o, mx, lg
 
+    def backward_passes(
+        do: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bias: torch.Tensor | None,
+        key_bias: torch.Tensor | None,
+        o: torch.Tensor,
+        mx: torch.Tensor,
+        lg: torch.Tensor,
+        need_dbias: bool,
+        fuse_dbias: bool | None = None,
+        configs: dict[str, Config] | None = None,
+        splits: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The backward's kernels: dq (which also writes delta = rowsum(do * o)), then dk/dv with the
+        bias gradient summed in the same pass (fuse_dbias True) or dk/dv and a separate dbias pass
+        (False); None picks by `fuses_dbias`. configs: tiles per pass name, `_config`'s where absent;
+        splits: how many programs share each bias tile's rows, `dkdv_dbias_splits` / `dbias_splits`
+        where None (the fused pass takes the nearest count that leaves no split empty).
+        do, q, o: [B, S, H, Q, D], k, v: [B, S, H, K, D], bias: [B|1, S|1, H|1, Q|1, K|1], mx, lg:
+        the forward's float32 row statistics [B, S, H, Q]. Returns dq, dk, dv (q's dtype) and dbias
+        in float32, [nb_b, nb_s, nb_h, Q, K] with the bias's B, S, H ([0] if not needed)."""
+        q, k, v, do = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(do)
+        b, s, h, n_q, d = q.shape
+        n_k = k.shape[3]
+        configs = configs or {}
+
+        def cfg(pass_: str) -> Config:
+            return configs.get(pass_) or _config(pass_, d, q.device)
+
+        delta = torch.empty((b, s, h, n_q), dtype=torch.float32, device=q.device)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        args = (q, k, v, bias, key_bias, o, do, mx, lg, delta, dq, dk, dv)
+        dummy = torch.empty((0,), dtype=torch.float32, device=q.device)
+        launch_bwd("dq", *args, dummy, cfg("dq"))
+        if not (need_dbias and bias is not None):
+            launch_bwd("dkdv", *args, dummy, cfg("dkdv"))
+            return dq, dk, dv, dummy
+        nb = list(bias.shape[:3])
+        reps = (b // nb[0]) * (s // nb[1]) * (h // nb[2])
+        if fuse_dbias is None:
+            fuse_dbias = fuses_dbias(reps, n_q, d, q.device)
+        if fuse_dbias:
+            pass_, c = "dkdv_dbias", cfg("dkdv_dbias")
+            per_split = cdiv(n_k, c.block_n) * nb[0] * nb[1] * nb[2]
+            if splits is None:
+                splits = dkdv_dbias_splits(reps, per_split, n_q * c.block_n * 4, q.device)
+            splits = cdiv(reps, cdiv(reps, max(1, min(reps, splits))))
+        else:
+            launch_bwd("dkdv", *args, dummy, cfg("dkdv"))
+            pass_, c = "dbias", cfg("dbias")
+            tiles = cdiv(n_q, c.block_m) * cdiv(n_k, c.block_n) * nb[0] * nb[1] * nb[2]
+            if splits is None:
+                splits = dbias_splits(reps, tiles, q.device)
+        parts = torch.empty((splits, *nb, n_q, n_k), dtype=torch.float32, device=q.device)
+        launch_bwd(pass_, *args, parts, c)
+        db = parts[0] if splits == 1 else parts.sum(0)
+        return dq, dk, dv, db
+
     @hfkit_op("evoformer_attention_bwd")
     def _evo_bwd(
         do: torch.Tensor,
@@ -366,25 +478,7 @@ if HAS_TRITON:
         need_dbias: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns dq, dk, dv (q's dtype) and dbias in float32 with bias's shape ([0] if not needed)."""
-        q, k, v, do = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(do)
-        b, s, h, n_q, d = q.shape
-        n_k = k.shape[3]
-        delta = torch.empty((b, s, h, n_q), dtype=torch.float32, device=q.device)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        args = (q, k, v, bias, key_bias, o, do, mx, lg, delta, dq, dk, dv)
-        dummy = torch.empty((0,), dtype=torch.float32, device=q.device)
-        launch_bwd("dq", *args, dummy, _config("dq", d, q.device))
-        launch_bwd("dkdv", *args, dummy, _config("dkdv", d, q.device))
-        if not (need_dbias and bias is not None):
-            return dq, dk, dv, dummy
-        nb = list(bias.shape[:3])
-        cfg = _config("dbias", d, q.device)
-        tiles = cdiv(n_q, cfg.block_m) * cdiv(n_k, cfg.block_n) * nb[0] * nb[1] * nb[2]
-        splits = dbias_splits((b // nb[0]) * (s // nb[1]) * (h // nb[2]), tiles, q.device)
-        parts = torch.empty((splits, *nb, n_q, n_k), dtype=torch.float32, device=q.device)
-        launch_bwd("dbias", *args, parts, cfg)
-        db = parts[0] if splits == 1 else parts.sum(0)
-        return dq, dk, dv, db
+        return backward_passes(do, q, k, v, bias, key_bias, o, mx, lg, need_dbias)
 
     def _setup_context(ctx, inputs, output) -> None:
         q, k, v, bias, key_bias = inputs
