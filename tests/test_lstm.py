@@ -284,6 +284,33 @@ def test_sequence_in_one_launch_interpreted(dtype, split, resident):
         assert_close(one_launch["y"], lstm_reference(**args)[0], msg="y")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_backward_prefetch_changes_nothing(dtype):
+    """The sequence backward loading each step's inputs from the forward one step ahead (PREFETCH) or
+    in the step: the same dgates and dc, bit for bit, in one launch (a single program) and one step a
+    launch."""
+    t_len, batch, hidden = 9, 3, 30
+    tiles = lstm_op._persistent_tiles(batch, hidden, dtype.itemsize, 1, 1)
+    assert tiles is not None and tiles.bwd_grid == (1, 1) and tiles.bwd_prefetch == lstm_op.SEQ_BWD_PREFETCH
+    args = layer_args(t_len, batch, 7, hidden, dtype)
+    xp = (args["x"] @ args["w_ih"].t()).contiguous()
+    bias = args["b_ih"].float() + args["b_hh"].float()
+    y, gates = torch.empty(t_len, batch, hidden, dtype=dtype), torch.empty(t_len, batch, 4 * hidden)
+    cs = torch.empty(t_len + 1, batch, hidden)
+    cs[0] = args["c0"]
+    lstm_op._fwd_seq(xp, bias, args["h0"], args["w_hh"], cs, y, gates, tiles, False)
+    dy, dh_n, dc_n = torch.randn(t_len, batch, hidden).to(dtype), *torch.randn(2, batch, hidden)
+    results = []
+    for prefetch, persistent in ((True, True), (False, True), (True, False), (False, False)):
+        dg, dc = torch.empty(t_len, batch, 4 * hidden), dc_n.clone()
+        step_tiles = tiles._replace(bwd_prefetch=prefetch)
+        lstm_op._bwd_seq(dy, dh_n.to(dtype), args["w_hh"], gates, cs, dc, dg, step_tiles, persistent)
+        results.append((dg, dc))
+    for dg, dc in results[1:]:
+        assert torch.equal(dg, results[0][0]) and torch.equal(dc, results[0][1])
+    assert results[0][0].abs().sum() > 0
+
+
 def test_reference_matches_torch_and_float64_runs_it():
     """The reference is the spec: it agrees with one layer of torch.nn.LSTM; float64 and
     `reference_on_cpu()` run it (no kernel), with the same result."""
@@ -643,7 +670,7 @@ def test_step_kernels_compile_for_hopper():
 # backward's dgates split and rounded once), float32 streaming both slices with three TF32 products
 # and holding them on chip with one, at the largest the rule allows (shared memory within sm_90's
 # 227 KB a block); the grid barrier's release-acquire atomics are in every PTX. ptxas (the one Triton
-# runs, with its options) allocates every backward without spilling registers.
+# runs, with its options) allocates every backward, with and without PREFETCH, without spilling registers.
 _COMPILE_SEQ_KERNELS = """
 import importlib, re, subprocess, tempfile
 import triton
@@ -677,12 +704,13 @@ for dt, size, dot in (("bf16", 2, 0), ("fp16", 2, 0), ("fp32", 4, 3), ("fp32", 4
         assert "cubin" in asm and "atom.global.gpu.acq_rel.add" in asm["ptx"]
     for split in ((True, False) if size == 2 else (False,)):
         tiles = op._persistent_tiles(4, 985, size, dot, 132, bwd_split=split)
-        flags = {"PERSISTENT": True, "RESIDENT": tiles.bwd_resident, "SPLIT": split, "DOT": dot}
-        flags.update(bwd_tiles(tiles))
-        asm = c.compile_sm90(k.lstm_seq_bwd_kernel, bwd, flags, num_warps=tiles.bwd_num_warps)
-        assert "cubin" in asm and "atom.global.gpu.acq_rel.add" in asm["ptx"]
-        spilled, log = spills(asm["ptx"])
-        assert spilled == "0", (dt, dot, split, log)
+        for prefetch in (True, False):
+            flags = {"PERSISTENT": True, "RESIDENT": tiles.bwd_resident, "SPLIT": split, "PREFETCH": prefetch}
+            flags.update(DOT=dot, **bwd_tiles(tiles))
+            asm = c.compile_sm90(k.lstm_seq_bwd_kernel, bwd, flags, num_warps=tiles.bwd_num_warps)
+            assert "cubin" in asm and "atom.global.gpu.acq_rel.add" in asm["ptx"]
+            spilled, log = spills(asm["ptx"])
+            assert spilled == "0", (dt, dot, split, prefetch, log)
 def shared_bytes(fn, pointers, constexprs):
     signature = {}
     for p in fn.params:
@@ -697,11 +725,11 @@ assert tiles.resident and resident_bytes == op.SEQ_RESIDENT_BYTES
 assert shared_bytes(k.lstm_seq_fwd_kernel, fwd, flags) <= 227 * 1024
 # The backward on chip: float32 with one TF32 product (4*8 + 4*4) * 1024 * 4 bytes, bfloat16 with the
 # split (4*8 + 8*4) * 1024 * 2.
-flags = {"PERSISTENT": True, "RESIDENT": True, "SPLIT": False, "DOT": 4, **bwd_tiles(tiles)}
+flags = {"PERSISTENT": True, "RESIDENT": True, "SPLIT": False, "PREFETCH": True, "DOT": 4, **bwd_tiles(tiles)}
 assert tiles.bwd_resident and shared_bytes(k.lstm_seq_bwd_kernel, bwd, flags) <= 227 * 1024
 tiles = op._persistent_tiles(4, 985, 2, 0, 132, bwd_split=True)
 bwd.update({k: "bf16" for k in ("DY", "DHN", "W", "DGS")})
-flags = {"PERSISTENT": True, "RESIDENT": True, "SPLIT": True, "DOT": 0, **bwd_tiles(tiles)}
+flags = {"PERSISTENT": True, "RESIDENT": True, "SPLIT": True, "PREFETCH": True, "DOT": 0, **bwd_tiles(tiles)}
 assert tiles.bwd_resident and shared_bytes(k.lstm_seq_bwd_kernel, bwd, flags) <= 227 * 1024
 print(len(c.COMPILED))
 """
@@ -715,7 +743,7 @@ def test_sequence_kernels_compile_for_hopper():
         [sys.executable, "-c", _COMPILE_SEQ_KERNELS], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.split()[-1] == "14", done.stdout
+    assert done.stdout.split()[-1] == "20", done.stdout
 
 
 @pytest.mark.cuda

@@ -331,6 +331,18 @@ def _store_dgates(DGS, units, rows, ok, d_i, d_f, d_g, d_o, NB: tl.constexpr, BL
 
 
 @triton.jit
+def _bwd_step_inputs(DY, G, CS, t, units, rows64, B, H, ok):
+    # What step t of the backward reads that the forward wrote, [BLOCK_U, BLOCK_B] tiles (units along
+    # dim 0): dy[t] (float32), the activated gates i, f, g, o of step t, c_t and c_{t-1}.
+    at_t = (t * B + rows64)[None, :] * H + units[:, None]
+    dy = tl.load(DY + at_t, mask=ok, other=0.0).to(tl.float32)
+    i, f, g, o = _load_gates(G + (t * B + rows64)[None, :] * (4 * H) + units[:, None], H, ok)
+    c = tl.load(CS + at_t + B * H, mask=ok, other=0.0)
+    c_prev = tl.load(CS + at_t, mask=ok, other=0.0)
+    return dy, i, f, g, o, c, c_prev
+
+
+@triton.jit
 def _rounding_left(x, dtype: tl.constexpr):
     # What rounding x (float32) to `dtype` leaves: SPLIT's tail.
     return x - x.to(dtype).to(tl.float32)
@@ -341,8 +353,8 @@ def _rounding_left(x, dtype: tl.constexpr):
 def lstm_seq_bwd_kernel(
     DY, DHN, W, G, CS, DC, DG, DGS, Counter,
     t_first, n_steps, T, B, H,
-    PERSISTENT: tl.constexpr, RESIDENT: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr, KS: tl.constexpr,
+    PERSISTENT: tl.constexpr, RESIDENT: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
+    DOT: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr, KS: tl.constexpr,
 ):  # fmt: skip
     # Steps t_first, t_first - 1, .., t_first - n_steps + 1 of the backward recurrence over a grid of
     # unit tiles: a program owns BLOCK_U units j for the whole batch (BLOCK_B >= B rows). dh_t = dy[t] +
@@ -358,11 +370,13 @@ def lstm_seq_bwd_kernel(
     # in that operand layout (read by every program the step after, through L2: .cg), in w_hh's dtype:
     # with SPLIT (16-bit w_hh) as a head and a tail side by side (NB = 8*BLOCK_B: w is exact in its
     # dtype, so the product is about float32-accurate), otherwise rounded to w_hh's dtype once (NB =
-    # 4*BLOCK_B). RESIDENT (BLOCK_K = KS): the slice is loaded once and stays on chip for every step;
-    # otherwise it is read from L2 at every step, BLOCK_K columns at a time. PERSISTENT: the grid
-    # barrier after each step; otherwise one step a launch. Traffic per step: dgates_{t+1} once per
-    # program, dy[t], the gates and c once each; w_hh once per launch (RESIDENT) or once per step over
-    # the grid.
+    # 4*BLOCK_B; the default, SEQ_BWD_SPLIT in `hfkit.ops.lstm` says why). RESIDENT (BLOCK_K = KS):
+    # the slice is loaded once and stays on chip for every step; otherwise it is read from L2 at
+    # every step, BLOCK_K columns at a time. PERSISTENT: the grid barrier after each step; otherwise
+    # one step a launch. PREFETCH: what a step reads that the forward wrote (dy, the gates, c) is
+    # loaded one step ahead, before the barrier, whose wait hides the latency (otherwise at the top of
+    # the step, beside the dgates). Traffic per step: dgates_{t+1} once per program, dy[t], the gates
+    # and c once each; w_hh once per launch (RESIDENT) or once per step over the grid.
     # DY: [T, B, H]; DHN: [B, H]; W: w_hh [4H, H]; G: [T, B, 4H] activated gates float32; CS: [T+1, B,
     # H] float32; DC: [B, H] float32 (dc carried into step t_first; dc_t*f_t of the last step run on
     # exit); DG: [T, B, 4H] float32; DGS: [2 (step parity), KS, NB] in w_hh's dtype (KS: H rounded up
@@ -392,11 +406,13 @@ def lstm_seq_bwd_kernel(
     dc = tl.load(DC + state, mask=ok, other=0.0)
     dh_n = tl.load(DHN + state, mask=ok, other=0.0).to(tl.float32)
     programs = tl.num_programs(0)
+    if PREFETCH:
+        dy, i, f, g, o, c, c_prev = _bwd_step_inputs(DY, G, CS, t_first, units, rows64, B, H, ok)
     for s in range(n_steps):
         t = t_first - s
-        at_t = (t * B + rows64)[None, :] * H + units[:, None]
-        dh = tl.load(DY + at_t, mask=ok, other=0.0).to(tl.float32)
-        dh += tl.where(t == T - 1, dh_n, 0.0)
+        if not PREFETCH:
+            dy, i, f, g, o, c, c_prev = _bwd_step_inputs(DY, G, CS, t, units, rows64, B, H, ok)
+        dh = dy + tl.where(t == T - 1, dh_n, 0.0)
         # dgates_{t+1}: slot (t+1) % 2, unmasked (its rows past H and columns past B are zeros).
         dgs_next = DGS + ((t + 1) % 2) * KS * NB + cols[None, :]
         if RESIDENT:
@@ -414,9 +430,6 @@ def lstm_seq_bwd_kernel(
                 dgs = tl.load(dgs_next + (k0 + ks)[:, None] * NB, cache_modifier=".cg")
                 product += dot(w_k, dgs, DOT)
         dh += _gate_diagonal(product, BLOCK_U, BLOCK_B, 1 + SPLIT)
-        i, f, g, o = _load_gates(G + (t * B + rows64)[None, :] * (4 * H) + units[:, None], H, ok)
-        c = tl.load(CS + at_t + B * H, mask=ok, other=0.0)
-        c_prev = tl.load(CS + at_t, mask=ok, other=0.0)
         d_i, d_f, d_g, d_o, dc = _cell_bwd(dh, dc, i, f, g, o, c, c_prev)
         _store_gates(DG + (t * B + rows64)[None, :] * (4 * H) + units[:, None], d_i, d_f, d_g, d_o, H, ok)
         # Slot t % 2: the one step t-1 reads while no program writes it (a program writes it again at
@@ -429,6 +442,10 @@ def lstm_seq_bwd_kernel(
                 _rounding_left(d_i, w_dtype), _rounding_left(d_f, w_dtype),
                 _rounding_left(d_g, w_dtype), _rounding_left(d_o, w_dtype), NB, BLOCK_B,
             )  # fmt: skip
+        if PREFETCH:
+            # Past the launch's last step, a row bound of 0 masks the loads off.
+            next_ok = u_ok[:, None] & (rows < tl.where(s + 1 < n_steps, B, 0))[None, :]
+            dy, i, f, g, o, c, c_prev = _bwd_step_inputs(DY, G, CS, t - 1, units, rows64, B, H, next_ok)
         if PERSISTENT:
             _grid_barrier(Counter, (s + 1) * programs)
     tl.store(DC + state, dc, mask=ok)

@@ -12,9 +12,8 @@ The recurrence runs one of two ways (`_persistent_tiles` picks):
 - sequence kernels (`lstm_seq_fwd_kernel`, `lstm_seq_bwd_kernel`), when the grid fits on the GPU at
   once (B <= 64, at most one program per SM): on CUDA ONE launch runs the whole sequence, the
   programs meeting at a grid-wide barrier between steps, each keeping its slice of w_hh on chip
-  where it fits (hfai's H = 985, B = 4 on 132 SMs: 124 forward programs of 8 units, 62 backward ones
-  of 16). Under the interpreter, whose programs run one after another, the same kernels run one
-  step per launch.
+  where it fits (hfai's H = 985, B = 4 on 132 SMs: 124 programs of 8 units each way). Under the
+  interpreter, whose programs run one after another, the same kernels run one step per launch.
 - step kernels (`lstm_step_fwd_kernel`, `lstm_step_bwd_kernel`) otherwise: one launch per step, on
   CUDA captured once as a CUDA graph and replayed (see `_StepGraphs`), except while the caller is
   capturing a graph itself, where the launches land in the caller's graph.
@@ -74,11 +73,19 @@ NUM_WARPS = 4
 # [4*BLOCK_U, next_pow2(H)] layout, on chip by the same rule, its dgates operand [next_pow2(H), NB]
 # (NB = 4*BLOCK_B, twice that with SPLIT's head and tail) in the h tile's place and held to
 # MAX_RESIDENT_SLICE elements like the slice; otherwise it reads the slice from L2 at every step, at
-# most SEQ_BWD_BLOCK_K rows and MAX_STREAMED_DGATES dgates elements at a time. SEQ_BWD_SPLIT: the
-# backward of 16-bit weights carries dgates as a 16-bit head and tail (see `lstm_seq_bwd_kernel`).
-# At hfai's H = 985, B = 4 on sm_90 (ptxas, 8 warps): bfloat16 both on chip (forward 181 registers;
-# backward 206 with SPLIT, 176 without), float32 forward on chip with one TF32 product and streamed
-# with three, the backward likewise (158 and 226 registers); none spills.
+# most SEQ_BWD_BLOCK_K rows and MAX_STREAMED_DGATES dgates elements at a time. SEQ_BWD_PREFETCH: the
+# backward loads a step's inputs from the forward one step ahead (see `lstm_seq_bwd_kernel`).
+# SEQ_BWD_SPLIT: the backward of 16-bit weights carries dgates into the product as a 16-bit head and
+# tail (about float32) rather than rounded to w_hh's dtype once a step, as cuDNN does in bfloat16. Off:
+# the rounding does not compound over the sequence. At hfai's size (T = 1000, B = 4, H = 985, torch's
+# init, bfloat16 values) the backward recurrence in float64 with dgates rounded to bfloat16 a step is
+# within 2.5e-4 (relative L2) of the exact one in dgates, dx and dw_hh, where torch's own bfloat16
+# nn.LSTM is 3.7e-3 from float64; the kernels end to end (T = 200, H = 64, interpreter) are within
+# 2.6e-3 of float64 in dx either way (torch bfloat16: 3.7e-3), 4.4e-3 (split 4.2e-3) in dw_hh, where
+# the forward's rounding of h dominates (torch: 3.8e-3).
+# At hfai's H = 985, B = 4 on sm_90 (ptxas, 8 warps, PREFETCH): bfloat16 both on chip (forward 181
+# registers; backward 200, 198 with SPLIT), float32 forward on chip with one TF32 product and streamed
+# with three, the backward likewise; none spills.
 SEQ_NUM_WARPS = 8
 SEQ_RESIDENT_BYTES = 192 * 1024
 MAX_RESIDENT_SLICE = 32768
@@ -86,7 +93,8 @@ MAX_RESIDENT_H = 16384
 SEQ_FWD_BLOCK_K = 64
 SEQ_BWD_BLOCK_K = 64
 MAX_STREAMED_DGATES = 4096
-SEQ_BWD_SPLIT = True
+SEQ_BWD_SPLIT = False
+SEQ_BWD_PREFETCH = True
 MIN_SEQ_FWD_BLOCK_U = 4
 MAX_SEQ_FWD_BLOCK_U = 32
 MIN_SEQ_BWD_BLOCK_U = 4
@@ -146,7 +154,10 @@ def lstm_layer(
     x: [T, B, I] (time-major) in float32, bfloat16 or float16 (float64 runs the reference); h0, c0:
     [B, H] or None (zeros); w_ih: [4H, I], w_hh: [4H, H], b_ih, b_hh: [4H] or None, in x's dtype
     (gates in torch's order i, f, g, o). Any H and B. The cell state and every gate are float32 inside;
-    h is rounded to x's dtype at each step, as it feeds the next step's matmul. Returns y [T, B, H]
+    h is rounded to x's dtype at each step, as it feeds the next step's matmul, and in the backward on
+    the sequence kernels (B <= 64, as cuDNN does) so are the gates' gradients as they feed the previous
+    step's (`SEQ_BWD_SPLIT`: within 2.5e-4 of exact at hfai's size, under a tenth of bfloat16's own
+    error). Returns y [T, B, H]
     (every step's h), h_n and c_n [B, H], in x's dtype; differentiable in every tensor argument.
     Raises ValueError naming the argument on a wrong shape, dtype or device.
     """
@@ -216,7 +227,8 @@ class _SeqTiles(NamedTuple):
     sequence when `resident` (fwd_block_k = next_pow2(H)) or read fwd_block_k columns at a time at
     every step. The backward: one batch tile of bwd_block_b rows, programs of bwd_block_u units, their
     column slice on chip when `bwd_resident` (bwd_block_k = next_pow2(H)) or read bwd_block_k rows at
-    a time, dgates carried as a 16-bit head and tail when `bwd_split`, bwd_num_warps warps a program.
+    a time, dgates carried as a 16-bit head and tail when `bwd_split`, a step's inputs from the forward
+    loaded one step ahead when `bwd_prefetch`, bwd_num_warps warps a program.
     A sweep may `_replace` the backward's fields (with a grid of cdiv(H, bwd_block_u) programs, at most
     one per SM) as long as `bwd_split` only with 16-bit weights and bwd_block_k = next_pow2(H) with
     `bwd_resident`."""
@@ -232,6 +244,7 @@ class _SeqTiles(NamedTuple):
     bwd_resident: bool
     bwd_block_b: int
     bwd_split: bool
+    bwd_prefetch: bool
     bwd_num_warps: int
 
 
@@ -300,6 +313,7 @@ def _persistent_tiles(
         bwd_resident=bwd_resident,
         bwd_block_b=bwd_block_b,
         bwd_split=bwd_split,
+        bwd_prefetch=SEQ_BWD_PREFETCH,
         bwd_num_warps=SEQ_NUM_WARPS,
     )
 
@@ -367,7 +381,8 @@ def _bwd_seq(
     for t_first, n_steps in spans:
         launch(lstm_seq_bwd_kernel, tiles.bwd_grid,
             dy, dh_n, w_hh, gates, cs, dc, dg, dgates, counter, t_first, n_steps, t_len, batch, hidden,
-            PERSISTENT=persistent, RESIDENT=tiles.bwd_resident, SPLIT=tiles.bwd_split, DOT=dot_mode(w_hh),
+            PERSISTENT=persistent, RESIDENT=tiles.bwd_resident, SPLIT=tiles.bwd_split,
+            PREFETCH=tiles.bwd_prefetch, DOT=dot_mode(w_hh),
             BLOCK_B=tiles.bwd_block_b, BLOCK_U=tiles.bwd_block_u, BLOCK_K=tiles.bwd_block_k, KS=rows,
             num_warps=tiles.bwd_num_warps,
         )  # fmt: skip
