@@ -810,3 +810,25 @@ def test_persistent_launch_matches_reference_cuda(dtype, t_len, batch, n_in, hid
             assert actual[name].dtype == dtype and actual[name].shape == truth[name].shape, name
             err, ref_err = rel_err(actual[name], truth[name]), rel_err(expected[name], truth[name])
             assert err <= max(tol, 1.25 * ref_err + slack), (name, err, ref_err)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("split", [True, False], ids=["split", "rounded"])
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "in-step"])
+@pytest.mark.parametrize("t_len,batch,hidden", [(37, 5, 130), (300, 4, 985)])
+def test_persistent_backward_variants_cuda(monkeypatch, split, prefetch, t_len, batch, hidden):
+    """On CUDA, the one-launch backward's variants (dgates split or rounded once, a step's inputs
+    loaded one step ahead or in the step), bfloat16: outputs and every gradient as `check_bf16`
+    against the reference in bfloat16, both against the reference in float64."""
+    monkeypatch.setattr(lstm_op, "SEQ_BWD_SPLIT", split)
+    monkeypatch.setattr(lstm_op, "SEQ_BWD_PREFETCH", prefetch)
+    args = layer_args(t_len, batch, 7, hidden, torch.bfloat16)
+    scale = 1 / (0.3 * hidden**0.5)
+    args = {
+        k: ((v.float() * scale).to(torch.bfloat16) if k[0] in "wb" else v).cuda() for k, v in args.items()
+    }
+    tiles = lstm_op._seq_tiles(args["x"], args["w_hh"])
+    assert tiles is not None and (tiles.bwd_split, tiles.bwd_prefetch) == (split, prefetch)
+    truth = outputs_and_grads(lstm_reference, {k: v.double() for k, v in args.items()})
+    check_bf16(outputs_and_grads(lstm_layer, args), outputs_and_grads(lstm_reference, args), truth)

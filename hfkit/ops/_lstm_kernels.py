@@ -192,8 +192,8 @@ def lstm_step_bwd_kernel(
             )
             if SPLIT:
                 # 16-bit weights: dgates (float32) as a 16-bit head plus a 16-bit tail, two 16-bit
-                # products (w is exact in its dtype): about float32 accuracy where rounding dgates
-                # to 16 bits at every step would compound over the sequence.
+                # products (w is exact in its dtype): about float32 accuracy (the sequence kernel
+                # rounds dgates once by default instead: SEQ_BWD_SPLIT in `hfkit.ops.lstm`).
                 head = dg.to(w.dtype)
                 tail = (dg - head.to(tl.float32)).to(w.dtype)
                 dh += dot(head, w, DOT) + dot(tail, w, DOT)

@@ -76,13 +76,13 @@ NUM_WARPS = 4
 # most SEQ_BWD_BLOCK_K rows and MAX_STREAMED_DGATES dgates elements at a time. SEQ_BWD_PREFETCH: the
 # backward loads a step's inputs from the forward one step ahead (see `lstm_seq_bwd_kernel`).
 # SEQ_BWD_SPLIT: the backward of 16-bit weights carries dgates into the product as a 16-bit head and
-# tail (about float32) rather than rounded to w_hh's dtype once a step, as cuDNN does in bfloat16. Off:
-# the rounding does not compound over the sequence. At hfai's size (T = 1000, B = 4, H = 985, torch's
-# init, bfloat16 values) the backward recurrence in float64 with dgates rounded to bfloat16 a step is
-# within 2.5e-4 (relative L2) of the exact one in dgates, dx and dw_hh, where torch's own bfloat16
-# nn.LSTM is 3.7e-3 from float64; the kernels end to end (T = 200, H = 64, interpreter) are within
-# 2.6e-3 of float64 in dx either way (torch bfloat16: 3.7e-3), 4.4e-3 (split 4.2e-3) in dw_hh, where
-# the forward's rounding of h dominates (torch: 3.8e-3).
+# tail (about float32: two products, twice the dgates traffic a step) rather than rounded to w_hh's
+# dtype once a step, as cuDNN does in bfloat16. Off, because the rounding does not compound over the
+# sequence: at hfai's size (T = 1000, B = 4, H = 985, torch's init, bfloat16 values) the backward
+# recurrence in float64 with dgates rounded to bfloat16 a step is within 2.5e-4 (relative L2) of the
+# exact one in dgates, dx and dw_hh, where torch's own bfloat16 nn.LSTM is 3.7e-3 from float64. The
+# kernels end to end (T = 200, H = 64, interpreter) are 2.6e-3 from float64 in dx either way (torch
+# bfloat16: 3.7e-3), 4.4e-3 in dw_hh (split 4.2e-3, torch 3.8e-3: the forward's rounding of h).
 # At hfai's H = 985, B = 4 on sm_90 (ptxas, 8 warps, PREFETCH): bfloat16 both on chip (forward 181
 # registers; backward 200, 198 with SPLIT), float32 forward on chip with one TF32 product and streamed
 # with three, the backward likewise; none spills.
@@ -154,12 +154,11 @@ def lstm_layer(
     x: [T, B, I] (time-major) in float32, bfloat16 or float16 (float64 runs the reference); h0, c0:
     [B, H] or None (zeros); w_ih: [4H, I], w_hh: [4H, H], b_ih, b_hh: [4H] or None, in x's dtype
     (gates in torch's order i, f, g, o). Any H and B. The cell state and every gate are float32 inside;
-    h is rounded to x's dtype at each step, as it feeds the next step's matmul, and in the backward on
-    the sequence kernels (B <= 64, as cuDNN does) so are the gates' gradients as they feed the previous
-    step's (`SEQ_BWD_SPLIT`: within 2.5e-4 of exact at hfai's size, under a tenth of bfloat16's own
-    error). Returns y [T, B, H]
-    (every step's h), h_n and c_n [B, H], in x's dtype; differentiable in every tensor argument.
-    Raises ValueError naming the argument on a wrong shape, dtype or device.
+    h is rounded to x's dtype at each step, as it feeds the next step's matmul, and so are, in the
+    backward on the sequence kernels (B <= 64), the gates' gradients as they feed the previous step's,
+    as cuDNN does (`SEQ_BWD_SPLIT`: within 2.5e-4 of exact at hfai's size, a tenth of bfloat16's own
+    error). Returns y [T, B, H] (every step's h), h_n and c_n [B, H], in x's dtype; differentiable in
+    every tensor argument. Raises ValueError naming the argument on a wrong shape, dtype or device.
     """
     _check_inputs(x, h0, c0, w_ih, w_hh, b_ih, b_hh)
     if not uses_triton(x):
