@@ -158,21 +158,33 @@ def test_layer_float16_matches_reference():
 
 
 def test_persistent_tiles_rule():
-    """The sequence kernels' tiles: at hfai's config (B = 4, H = 985, 132 SMs) 124 forward programs of 8
-    units, the bfloat16 slice on chip, float32's three-TF32 slice (twice the bytes) streamed from L2,
-    62 backward programs of 16 units; every grid fits on the SMs with the smallest power-of-two
-    BLOCK_U that does; None (the step kernels) past one batch tile or the largest BLOCK_U."""
+    """The sequence kernels' tiles: at hfai's config (B = 4, H = 985, 132 SMs) 124 forward and 124
+    backward programs of 8 units, the bfloat16 slices on chip (the backward's with or without SPLIT),
+    float32's three-TF32 slices (twice the bytes) streamed from L2, one-TF32 ones on chip; the
+    backward's batch tile of 4 rows; every grid fits on the SMs with the smallest power-of-two BLOCK_U
+    that does; None (the step kernels) past one batch tile or the largest BLOCK_U."""
     bf16 = lstm_op._persistent_tiles(4, 985, 2, 0, 132)
     assert bf16 is not None
     assert (bf16.fwd_grid, bf16.fwd_block_u, bf16.block_b) == ((124, 1), 8, 16)
     assert bf16.resident and bf16.fwd_block_k == 1024
-    assert (bf16.bwd_grid, bf16.bwd_block_u) == ((62, 1), 16)
-    assert bf16.bwd_resident and bf16.bwd_block_k == 1024
+    assert (bf16.bwd_grid, bf16.bwd_block_u, bf16.bwd_block_b) == ((124, 1), 8, 4)
+    assert bf16.bwd_resident and bf16.bwd_block_k == 1024 and bf16.bwd_split == lstm_op.SEQ_BWD_SPLIT
+    assert bf16.bwd_num_warps == lstm_op.SEQ_NUM_WARPS
+    for split in (True, False):
+        tiles = lstm_op._persistent_tiles(4, 985, 2, 0, 132, bwd_split=split)
+        assert tiles is not None and tiles.bwd_split == split and tiles.bwd_resident, split
     fp32 = lstm_op._persistent_tiles(4, 985, 4, 3, 132)
     assert fp32 is not None and not fp32.resident and fp32.fwd_block_k == lstm_op.SEQ_FWD_BLOCK_K
-    assert not fp32.bwd_resident and fp32.bwd_block_k == lstm_op.SEQ_BWD_BLOCK_K
+    assert not fp32.bwd_resident and fp32.bwd_block_k == lstm_op.SEQ_BWD_BLOCK_K and not fp32.bwd_split
     one_tf32 = lstm_op._persistent_tiles(4, 985, 4, 4, 132)
-    assert one_tf32 is not None and one_tf32.resident and not one_tf32.bwd_resident
+    assert one_tf32 is not None and one_tf32.resident and one_tf32.bwd_resident
+    with pytest.raises(ValueError, match="bwd_split"):
+        lstm_op._persistent_tiles(4, 985, 4, 4, 132, bwd_split=True)
+    # B = 64: the backward's dgates operand [1024, 8*64] off chip, streamed in chunks of at most
+    # MAX_STREAMED_DGATES elements.
+    wide = lstm_op._persistent_tiles(64, 985, 2, 0, 132, bwd_split=True)
+    assert wide is not None and not wide.bwd_resident and wide.bwd_block_b == 64
+    assert wide.bwd_block_k == max(16, lstm_op.MAX_STREAMED_DGATES // (8 * 64))
     assert not lstm_op._persistent_tiles(4, 985, 2, 0, 132, resident_bytes=64 * 1024).resident
     assert not lstm_op._persistent_tiles(64, 985, 2, 0, 132).resident  # the h tile [1024, 64] too
     assert lstm_op._persistent_tiles(lstm_op.MAX_BLOCK_B + 1, 985, 2, 0, 132) is None
@@ -198,25 +210,32 @@ def test_persistent_tiles_rule():
         assert not lstm_op._one_launch(x)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+# (dtype, split): the backward's dgates as a 16-bit head and tail or rounded once (16-bit weights only).
+DTYPE_SPLITS = [(torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False)]
+
+
+@pytest.mark.parametrize("dtype,split", DTYPE_SPLITS, ids=["float32", "bfloat16-split", "bfloat16-rounded"])
 @pytest.mark.parametrize(
     "t_len,batch,hidden,resident",
     [(1, 1, 33, True), (37, 5, 33, True), (37, 5, 33, False), (7, 1, 130, True), (1, 5, 130, False)],
 )
-def test_sequence_kernels_match_reference(monkeypatch, dtype, resident, t_len, batch, hidden):
-    """The sequence kernels (one step a launch under the interpreter) on odd sizes, the forward's w_hh
-    slice on chip or streamed, outputs and every gradient: float32 within 1e-5 relative L2 of the
-    reference in float64 (over 37 steps the float32 reference itself drifts past assert_close's 1e-5
-    elementwise); bfloat16 as `check_bf16` against the step kernels (the general path, checked against
-    the reference above) on the same values, both against the reference in float32. 16 "SMs" put
-    the H = 130 layer on the sequence kernels (9 programs), 1 "SM" every layer on the step kernels."""
+def test_sequence_kernels_match_reference(monkeypatch, dtype, split, resident, t_len, batch, hidden):
+    """The sequence kernels (one step a launch under the interpreter) on odd sizes, the w_hh slices on
+    chip or streamed, the backward's dgates split or not, outputs and every gradient: float32 within
+    1e-5 relative L2 of the reference in float64 (over 37 steps the float32 reference itself drifts
+    past assert_close's 1e-5 elementwise); bfloat16 as `check_bf16` against the step kernels (the
+    general path, checked against the reference above) on the same values, both against the reference
+    in float32. 16 "SMs" put the H = 130 layer on the sequence kernels (9 programs), 1 "SM" every
+    layer on the step kernels."""
     args = layer_args(t_len, batch, 7, hidden, dtype)
     monkeypatch.setattr(lstm_op, "num_sms", lambda device: 16)
+    monkeypatch.setattr(lstm_op, "SEQ_BWD_SPLIT", split)
     if not resident:
         monkeypatch.setattr(lstm_op, "MAX_RESIDENT_H", 0)
+        monkeypatch.setattr(lstm_op, "MAX_RESIDENT_SLICE", 0)
     tiles = lstm_op._seq_tiles(args["x"], args["w_hh"])
     assert tiles is not None and tiles.resident == resident
-    assert tiles.bwd_resident == (resident and dtype != torch.float32)
+    assert tiles.bwd_resident == resident and tiles.bwd_split == split
     actual = outputs_and_grads(lstm_layer, args)
     wide = torch.float64 if dtype == torch.float32 else torch.float32
     truth = outputs_and_grads(lstm_reference, {k: v.to(wide) for k, v in args.items()})
@@ -231,16 +250,18 @@ def test_sequence_kernels_match_reference(monkeypatch, dtype, resident, t_len, b
     check_bf16(actual, outputs_and_grads(lstm_layer, args), truth)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype,split", DTYPE_SPLITS, ids=["float32", "bfloat16-split", "bfloat16-rounded"])
 @pytest.mark.parametrize("resident", [True, False], ids=["resident", "streamed"])
-def test_sequence_in_one_launch_interpreted(dtype, resident):
+def test_sequence_in_one_launch_interpreted(dtype, split, resident):
     """The whole sequence in one launch (PERSISTENT: the time loop inside the kernel, c and dc carried
     in registers, the grid barrier after each step) with a single program, where the barrier passes at
     once: the same buffers as one step a launch."""
     t_len, batch, hidden = 37, 5, 30
-    tiles = lstm_op._persistent_tiles(batch, hidden, dtype.itemsize, 1, 1, 1 << 30 if resident else 0)
+    tiles = lstm_op._persistent_tiles(
+        batch, hidden, dtype.itemsize, 1, 1, 1 << 30 if resident else 0, bwd_split=split
+    )
     assert tiles is not None and tiles.fwd_grid == tiles.bwd_grid == (1, 1) and tiles.resident == resident
-    assert tiles.bwd_resident == (resident and dtype != torch.float32)
+    assert tiles.bwd_resident == resident and tiles.bwd_split == split
     args = layer_args(t_len, batch, 7, hidden, dtype)
     xp = (args["x"] @ args["w_ih"].t()).contiguous()
     bias = args["b_ih"].float() + args["b_hh"].float()
@@ -261,6 +282,33 @@ def test_sequence_in_one_launch_interpreted(dtype, resident):
         assert torch.equal(one_launch[name], per_step[name]), name
     if dtype == torch.float32:
         assert_close(one_launch["y"], lstm_reference(**args)[0], msg="y")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_backward_prefetch_changes_nothing(dtype):
+    """The sequence backward loading each step's inputs from the forward one step ahead (PREFETCH) or
+    in the step: the same dgates and dc, bit for bit, in one launch (a single program) and one step a
+    launch."""
+    t_len, batch, hidden = 9, 3, 30
+    tiles = lstm_op._persistent_tiles(batch, hidden, dtype.itemsize, 1, 1)
+    assert tiles is not None and tiles.bwd_grid == (1, 1) and tiles.bwd_prefetch == lstm_op.SEQ_BWD_PREFETCH
+    args = layer_args(t_len, batch, 7, hidden, dtype)
+    xp = (args["x"] @ args["w_ih"].t()).contiguous()
+    bias = args["b_ih"].float() + args["b_hh"].float()
+    y, gates = torch.empty(t_len, batch, hidden, dtype=dtype), torch.empty(t_len, batch, 4 * hidden)
+    cs = torch.empty(t_len + 1, batch, hidden)
+    cs[0] = args["c0"]
+    lstm_op._fwd_seq(xp, bias, args["h0"], args["w_hh"], cs, y, gates, tiles, False)
+    dy, dh_n, dc_n = torch.randn(t_len, batch, hidden).to(dtype), *torch.randn(2, batch, hidden)
+    results = []
+    for prefetch, persistent in ((True, True), (False, True), (True, False), (False, False)):
+        dg, dc = torch.empty(t_len, batch, 4 * hidden), dc_n.clone()
+        step_tiles = tiles._replace(bwd_prefetch=prefetch)
+        lstm_op._bwd_seq(dy, dh_n.to(dtype), args["w_hh"], gates, cs, dc, dg, step_tiles, persistent)
+        results.append((dg, dc))
+    for dg, dc in results[1:]:
+        assert torch.equal(dg, results[0][0]) and torch.equal(dc, results[0][1])
+    assert results[0][0].abs().sum() > 0
 
 
 def test_reference_matches_torch_and_float64_runs_it():
@@ -618,21 +666,33 @@ def test_step_kernels_compile_for_hopper():
 
 
 # Compiles both sequence kernels for sm_90 as the CUDA path launches them (one launch for the sequence)
-# at hfai's B = 4, H = 985 on 132 SMs: bfloat16 and float16 with the w_hh slices on chip, float32
-# streaming the backward's (and with three TF32 products the forward's), float32 with one TF32 product
-# holding the forward's on chip at the largest the rule allows (its shared memory within sm_90's
-# 227 KB a block); the grid barrier's release-acquire atomics are in every PTX.
+# at hfai's B = 4, H = 985 on 132 SMs: bfloat16 and float16 with the w_hh slices on chip (the
+# backward's dgates split and rounded once), float32 streaming both slices with three TF32 products
+# and holding them on chip with one, at the largest the rule allows (shared memory within sm_90's
+# 227 KB a block); the grid barrier's release-acquire atomics are in every PTX. ptxas (the one Triton
+# runs, with its options) allocates every backward, with and without PREFETCH, without spilling registers.
 _COMPILE_SEQ_KERNELS = """
-import importlib
+import importlib, re, subprocess, tempfile
 import triton
 from triton.compiler import ASTSource
+from triton.backends.nvidia.compiler import get_ptxas
 import compile_sm90 as c
 from hfkit.ops import _lstm_kernels as k
 op = importlib.import_module("hfkit.ops.lstm")
 warps = op.SEQ_NUM_WARPS
+def spills(ptx):
+    with tempfile.TemporaryDirectory() as tmp:
+        open(tmp + "/k.ptx", "w").write(ptx)
+        cmd = [get_ptxas(90).path, "-v", "--regAllocOptLevel=2", "--gpu-name=sm_90a", tmp + "/k.ptx"]
+        log = subprocess.run(cmd + ["-o", tmp + "/k.cubin"], capture_output=True, text=True, check=True)
+    return re.search(r"(\\d+) bytes spill stores", log.stderr).group(1), log.stderr
+def bwd_tiles(tiles):
+    ks = -(-985 // tiles.bwd_block_k) * tiles.bwd_block_k
+    return {"BLOCK_B": tiles.bwd_block_b, "BLOCK_U": tiles.bwd_block_u, "BLOCK_K": tiles.bwd_block_k,
+            "KS": ks}
 for dt, size, dot in (("bf16", 2, 0), ("fp16", 2, 0), ("fp32", 4, 3), ("fp32", 4, 4)):
     tiles = op._persistent_tiles(4, 985, size, dot, 132)
-    assert tiles.resident == (dot != 3) and tiles.bwd_resident == (size == 2), tiles
+    assert tiles.resident == tiles.bwd_resident == (dot != 3), tiles
     fwd = {"XP": dt, "Bias": "fp32", "H0": dt, "W": dt, "CS": "fp32", "Y": dt, "G": "fp32"}
     bwd = {"DY": dt, "DHN": dt, "W": dt, "G": "fp32", "CS": "fp32", "DC": "fp32", "DG": "fp32", "DGS": dt}
     fwd["Counter"] = bwd["Counter"] = "i32"
@@ -642,10 +702,15 @@ for dt, size, dot in (("bf16", 2, 0), ("fp16", 2, 0), ("fp32", 4, 3), ("fp32", 4
         flags.update(fwd_tiles)
         asm = c.compile_sm90(k.lstm_seq_fwd_kernel, fwd, flags, num_warps=warps)
         assert "cubin" in asm and "atom.global.gpu.acq_rel.add" in asm["ptx"]
-    flags = {"PERSISTENT": True, "RESIDENT": tiles.bwd_resident, "SPLIT": dt != "fp32", "DOT": dot,
-             "BLOCK_B": tiles.block_b, "BLOCK_U": tiles.bwd_block_u, "BLOCK_K": tiles.bwd_block_k}
-    asm = c.compile_sm90(k.lstm_seq_bwd_kernel, bwd, flags, num_warps=warps)
-    assert "cubin" in asm and "atom.global.gpu.acq_rel.add" in asm["ptx"]
+    for split in ((True, False) if size == 2 else (False,)):
+        tiles = op._persistent_tiles(4, 985, size, dot, 132, bwd_split=split)
+        for prefetch in (True, False):
+            flags = {"PERSISTENT": True, "RESIDENT": tiles.bwd_resident, "SPLIT": split, "PREFETCH": prefetch}
+            flags.update(DOT=dot, **bwd_tiles(tiles))
+            asm = c.compile_sm90(k.lstm_seq_bwd_kernel, bwd, flags, num_warps=tiles.bwd_num_warps)
+            assert "cubin" in asm and "atom.global.gpu.acq_rel.add" in asm["ptx"]
+            spilled, log = spills(asm["ptx"])
+            assert spilled == "0", (dt, dot, split, prefetch, log)
 def shared_bytes(fn, pointers, constexprs):
     signature = {}
     for p in fn.params:
@@ -658,14 +723,14 @@ flags = {"HAS_BIAS": True, "PERSISTENT": True, "RESIDENT": True, "DOT": 4, **fwd
 resident_bytes = (4 * tiles.fwd_block_u + tiles.block_b) * tiles.fwd_block_k * 4
 assert tiles.resident and resident_bytes == op.SEQ_RESIDENT_BYTES
 assert shared_bytes(k.lstm_seq_fwd_kernel, fwd, flags) <= 227 * 1024
-# bf16 backward on chip: (4*16 + 2*16) * 1024 * 2 bytes, SEQ_RESIDENT_BYTES too.
-tiles = op._persistent_tiles(4, 985, 2, 0, 132)
-resident_bytes = (4 * tiles.bwd_block_u + 2 * tiles.block_b) * tiles.bwd_block_k * 2
-assert tiles.bwd_resident and resident_bytes == op.SEQ_RESIDENT_BYTES
+# The backward on chip: float32 with one TF32 product (4*8 + 4*4) * 1024 * 4 bytes, bfloat16 with the
+# split (4*8 + 8*4) * 1024 * 2.
+flags = {"PERSISTENT": True, "RESIDENT": True, "SPLIT": False, "PREFETCH": True, "DOT": 4, **bwd_tiles(tiles)}
+assert tiles.bwd_resident and shared_bytes(k.lstm_seq_bwd_kernel, bwd, flags) <= 227 * 1024
+tiles = op._persistent_tiles(4, 985, 2, 0, 132, bwd_split=True)
 bwd.update({k: "bf16" for k in ("DY", "DHN", "W", "DGS")})
-flags = {"PERSISTENT": True, "RESIDENT": True, "SPLIT": True, "DOT": 0, "BLOCK_B": tiles.block_b,
-         "BLOCK_U": tiles.bwd_block_u, "BLOCK_K": tiles.bwd_block_k}
-assert shared_bytes(k.lstm_seq_bwd_kernel, bwd, flags) <= 227 * 1024
+flags = {"PERSISTENT": True, "RESIDENT": True, "SPLIT": True, "PREFETCH": True, "DOT": 0, **bwd_tiles(tiles)}
+assert tiles.bwd_resident and shared_bytes(k.lstm_seq_bwd_kernel, bwd, flags) <= 227 * 1024
 print(len(c.COMPILED))
 """
 
@@ -678,7 +743,7 @@ def test_sequence_kernels_compile_for_hopper():
         [sys.executable, "-c", _COMPILE_SEQ_KERNELS], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.split()[-1] == "12", done.stdout
+    assert done.stdout.split()[-1] == "20", done.stdout
 
 
 @pytest.mark.cuda
@@ -745,3 +810,25 @@ def test_persistent_launch_matches_reference_cuda(dtype, t_len, batch, n_in, hid
             assert actual[name].dtype == dtype and actual[name].shape == truth[name].shape, name
             err, ref_err = rel_err(actual[name], truth[name]), rel_err(expected[name], truth[name])
             assert err <= max(tol, 1.25 * ref_err + slack), (name, err, ref_err)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("split", [True, False], ids=["split", "rounded"])
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "in-step"])
+@pytest.mark.parametrize("t_len,batch,hidden", [(37, 5, 130), (300, 4, 985)])
+def test_persistent_backward_variants_cuda(monkeypatch, split, prefetch, t_len, batch, hidden):
+    """On CUDA, the one-launch backward's variants (dgates split or rounded once, a step's inputs
+    loaded one step ahead or in the step), bfloat16: outputs and every gradient as `check_bf16`
+    against the reference in bfloat16, both against the reference in float64."""
+    monkeypatch.setattr(lstm_op, "SEQ_BWD_SPLIT", split)
+    monkeypatch.setattr(lstm_op, "SEQ_BWD_PREFETCH", prefetch)
+    args = layer_args(t_len, batch, 7, hidden, torch.bfloat16)
+    scale = 1 / (0.3 * hidden**0.5)
+    args = {
+        k: ((v.float() * scale).to(torch.bfloat16) if k[0] in "wb" else v).cuda() for k, v in args.items()
+    }
+    tiles = lstm_op._seq_tiles(args["x"], args["w_hh"])
+    assert tiles is not None and (tiles.bwd_split, tiles.bwd_prefetch) == (split, prefetch)
+    truth = outputs_and_grads(lstm_reference, {k: v.double() for k, v in args.items()})
+    check_bf16(outputs_and_grads(lstm_layer, args), outputs_and_grads(lstm_reference, args), truth)

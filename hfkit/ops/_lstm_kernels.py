@@ -192,8 +192,8 @@ def lstm_step_bwd_kernel(
             )
             if SPLIT:
                 # 16-bit weights: dgates (float32) as a 16-bit head plus a 16-bit tail, two 16-bit
-                # products (w is exact in its dtype): about float32 accuracy where rounding dgates
-                # to 16 bits at every step would compound over the sequence.
+                # products (w is exact in its dtype): about float32 accuracy (the sequence kernel
+                # rounds dgates once by default instead: SEQ_BWD_SPLIT in `hfkit.ops.lstm`).
                 head = dg.to(w.dtype)
                 tail = (dg - head.to(tl.float32)).to(w.dtype)
                 dh += dot(head, w, DOT) + dot(tail, w, DOT)
@@ -307,38 +307,45 @@ def lstm_seq_fwd_kernel(
 
 
 @triton.jit
-def _dgates_product(acc, dg_cols, ks, ok, w_t, SPLIT: tl.constexpr, DOT: tl.constexpr):
-    # acc [BLOCK_U, BLOCK_B] + w_t [BLOCK_U, BLOCK_K] @ dgates^T [BLOCK_K, BLOCK_B], dgates^T element
-    # (k, b) at dg_cols[0, b] + ks[k] (masked rows of w_t are zero). Transposed, as in the forward, so
-    # that the dgates tile (staged through shared memory) is the dot's second operand.
-    dg = tl.load(dg_cols + ks[:, None], mask=ok, other=0.0, cache_modifier=".cg")
-    if SPLIT:
-        # 16-bit weights: dgates (float32) as a 16-bit head plus a 16-bit tail, two 16-bit products (w is
-        # exact in its dtype): about float32 accuracy where rounding dgates to 16 bits at every step
-        # would compound over the sequence.
-        head = dg.to(w_t.dtype)
-        tail = (dg - head.to(tl.float32)).to(w_t.dtype)
-        acc += dot(w_t, head, DOT) + dot(w_t, tail, DOT)
-    else:
-        acc += dot(w_t, dg, DOT)
-    return acc
+def _gate_diagonal(product, BLOCK_U: tl.constexpr, BLOCK_B: tl.constexpr, PARTS: tl.constexpr):
+    # product [4*BLOCK_U, PARTS*4*BLOCK_B], row u*4 + q (gate q of unit u's column of w_hh), column
+    # (p*4 + q')*BLOCK_B + b (part p of gate q' of batch row b's dgates) -> [BLOCK_U, BLOCK_B]: the sum
+    # over q and p of the blocks where q' = q (the others pair one gate's weights with another gate's
+    # gradients).
+    rows = tl.arange(0, 4 * BLOCK_U)
+    cols = tl.arange(0, PARTS * 4 * BLOCK_B)
+    same_gate = (rows % 4)[:, None] == ((cols // BLOCK_B) % 4)[None, :]
+    by_gate = tl.reshape(tl.where(same_gate, product, 0.0), [BLOCK_U, 4, PARTS * 4 * BLOCK_B])
+    return tl.sum(tl.reshape(tl.sum(by_gate, axis=1), [BLOCK_U, PARTS * 4, BLOCK_B]), axis=1)
 
 
 @triton.jit
-def _split_dgates_product(acc, heads, tails, ks, ok, w_t, DOT: tl.constexpr):
-    # `_dgates_product` with SPLIT's head and tail of dgates already in w_t's dtype, in memory (heads,
-    # tails: row pointers [1, BLOCK_B]): loaded as they enter the dot, with no conversion after.
-    head = tl.load(heads + ks[:, None], mask=ok, other=0.0, cache_modifier=".cg")
-    tail = tl.load(tails + ks[:, None], mask=ok, other=0.0, cache_modifier=".cg")
-    return acc + dot(w_t, head, DOT) + dot(w_t, tail, DOT)
+def _store_dgates(DGS, units, rows, ok, d_i, d_f, d_g, d_o, NB: tl.constexpr, BLOCK_B: tl.constexpr):
+    # The four gate gradients [BLOCK_U, BLOCK_B] (units along dim 0), rounded to DGS's dtype, into
+    # rows `units` of a DGS slot [KS, NB] at columns q*BLOCK_B + rows (from DGS on).
+    ptrs = DGS + units[:, None] * NB + rows[None, :]
+    tl.store(ptrs, d_i.to(DGS.dtype.element_ty), mask=ok)
+    tl.store(ptrs + BLOCK_B, d_f.to(DGS.dtype.element_ty), mask=ok)
+    tl.store(ptrs + 2 * BLOCK_B, d_g.to(DGS.dtype.element_ty), mask=ok)
+    tl.store(ptrs + 3 * BLOCK_B, d_o.to(DGS.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _store_split(Heads, Tails, x, ok):
-    # x (float32) as a head in the pointers' dtype and the tail that remains (see `_dgates_product`).
-    head = x.to(Heads.dtype.element_ty)
-    tl.store(Heads, head, mask=ok)
-    tl.store(Tails, (x - head.to(tl.float32)).to(Tails.dtype.element_ty), mask=ok)
+def _bwd_step_inputs(DY, G, CS, t, units, rows64, B, H, ok):
+    # What step t of the backward reads that the forward wrote, [BLOCK_U, BLOCK_B] tiles (units along
+    # dim 0): dy[t] (float32), the activated gates i, f, g, o of step t, c_t and c_{t-1}.
+    at_t = (t * B + rows64)[None, :] * H + units[:, None]
+    dy = tl.load(DY + at_t, mask=ok, other=0.0).to(tl.float32)
+    i, f, g, o = _load_gates(G + (t * B + rows64)[None, :] * (4 * H) + units[:, None], H, ok)
+    c = tl.load(CS + at_t + B * H, mask=ok, other=0.0)
+    c_prev = tl.load(CS + at_t, mask=ok, other=0.0)
+    return dy, i, f, g, o, c, c_prev
+
+
+@triton.jit
+def _rounding_left(x, dtype: tl.constexpr):
+    # What rounding x (float32) to `dtype` leaves: SPLIT's tail.
+    return x - x.to(dtype).to(tl.float32)
 
 
 # do_not_specialize: the first step and the step count take every value; one compiled kernel serves them.
@@ -346,90 +353,99 @@ def _store_split(Heads, Tails, x, ok):
 def lstm_seq_bwd_kernel(
     DY, DHN, W, G, CS, DC, DG, DGS, Counter,
     t_first, n_steps, T, B, H,
-    PERSISTENT: tl.constexpr, RESIDENT: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
+    PERSISTENT: tl.constexpr, RESIDENT: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
+    DOT: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr, KS: tl.constexpr,
 ):  # fmt: skip
     # Steps t_first, t_first - 1, .., t_first - n_steps + 1 of the backward recurrence over a grid of
-    # (unit tiles, batch tiles): a program owns BLOCK_U units j for BLOCK_B batch rows. dh_t = dy[t] +
+    # unit tiles: a program owns BLOCK_U units j for the whole batch (BLOCK_B >= B rows). dh_t = dy[t] +
     # dgates_{t+1} @ w_hh[:, j] (the product over all 4H rows; dh_n instead at t = T-1), dc_t = dc
     # carried + dh_t*o*(1 - tanh(c_t)^2); the gate gradients (before activation) -> DG[t]. dc*f is
-    # carried in float32 registers (read from DC on entry, written back on exit). RESIDENT (BLOCK_K >=
-    # H, 16-bit w_hh): the [4H, BLOCK_U] column slice of w_hh is loaded once, as four [BLOCK_U,
-    # BLOCK_K] gate slices that stay on chip (shared memory, as dot operands), eight products a step
-    # (SPLIT's head and tail, which each step also writes to DGS in w_hh's dtype, so that the next
-    # step loads them as they enter the dot); otherwise it is read from L2 at every step, BLOCK_K of
-    # the 4H rows at a time. PERSISTENT: the grid barrier
-    # after each step (dgates_t is read by every program, through L2: .cg); otherwise one step a
-    # launch. Traffic per step: dgates_{t+1} once per program, dy[t], the gates and c once each; w_hh
-    # once per launch (RESIDENT) or once per step over the grid.
+    # carried in float32 registers (read from DC on entry, written back on exit).
+    # The product is one dot a step (a BLOCK_K chunk of it without RESIDENT): the program's columns of
+    # w_hh as a [4*BLOCK_U, H] slice (row u*4 + q, element k: w_hh[q*H + k, j_u]; the forward's slice
+    # layout) times dgates_{t+1} as [H, NB] (column (p*4 + q)*BLOCK_B + b, element k: part p of
+    # dgates[b, q*H + k]); of the [4*BLOCK_U, NB] result the blocks where the two gates agree sum to
+    # the [BLOCK_U, BLOCK_B] product (`_gate_diagonal`). The dot's dims are >= 16 from BLOCK_U = 4 and
+    # BLOCK_B = 4, and at B = 4 the dgates operand holds no padding. Each step writes its dgates to DGS
+    # in that operand layout (read by every program the step after, through L2: .cg), in w_hh's dtype:
+    # with SPLIT (16-bit w_hh) as a head and a tail side by side (NB = 8*BLOCK_B: w is exact in its
+    # dtype, so the product is about float32-accurate), otherwise rounded to w_hh's dtype once (NB =
+    # 4*BLOCK_B; the default, SEQ_BWD_SPLIT in `hfkit.ops.lstm` says why). RESIDENT (BLOCK_K = KS):
+    # the slice is loaded once and stays on chip for every step; otherwise it is read from L2 at
+    # every step, BLOCK_K columns at a time. PERSISTENT: the grid barrier after each step; otherwise
+    # one step a launch. PREFETCH: what a step reads that the forward wrote (dy, the gates, c) is
+    # loaded one step ahead, before the barrier, whose wait hides the latency (otherwise at the top of
+    # the step, beside the dgates). Traffic per step: dgates_{t+1} once per program, dy[t], the gates
+    # and c once each; w_hh once per launch (RESIDENT) or once per step over the grid.
     # DY: [T, B, H]; DHN: [B, H]; W: w_hh [4H, H]; G: [T, B, 4H] activated gates float32; CS: [T+1, B,
     # H] float32; DC: [B, H] float32 (dc carried into step t_first; dc_t*f_t of the last step run on
-    # exit); DG: [T, B, 4H] float32; DGS: [2 (step parity), 2 (head, tail), B, 4H] in w_hh's dtype
-    # (RESIDENT only); Counter: int32, zero on entry to a PERSISTENT launch. SPLIT: w_hh is 16-bit
-    # (see `_dgates_product`).
-    units = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
-    rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
-    u_ok = units < H
-    b_ok = rows < B
-    ok = b_ok[:, None] & u_ok[None, :]
-    rows64 = rows.to(tl.int64)
-    state = rows64[:, None] * H + units[None, :]
-    dc = tl.load(DC + state, mask=ok, other=0.0)
-    dh_n = tl.load(DHN + state, mask=ok, other=0.0).to(tl.float32)
+    # exit); DG: [T, B, 4H] float32; DGS: [2 (step parity), KS, NB] in w_hh's dtype (KS: H rounded up
+    # to BLOCK_K), zeros on entry to a sequence's first launch (step T-1 reads zeros: no dgates_T);
+    # Counter: int32, zero on entry to a PERSISTENT launch.
+    NB: tl.constexpr = (1 + SPLIT) * 4 * BLOCK_B
+    rows_w = tl.arange(0, 4 * BLOCK_U)
+    unit_of_row = tl.program_id(0) * BLOCK_U + rows_w // 4
+    row_ok = unit_of_row < H
+    # Element (row, k) of the slice at w_cols + k*H (64-bit: 4H*H may pass 2^31). tl.cast, not H.to:
+    # torch.compile's analysis of the kernel passes H as a Python int.
+    w_cols = W + ((rows_w % 4) * tl.cast(H, tl.int64) * H + unit_of_row)[:, None]
     ks = tl.arange(0, BLOCK_K)
     if RESIDENT:
-        # Gate q's slice, transposed [BLOCK_U, BLOCK_K]: element (u, k) is w_hh[q*H + k, units[u]]
-        # (64-bit: 4H*H may pass 2^31).
-        w_ok = u_ok[:, None] & (ks < H)[None, :]
-        w_cols = W + ks.to(tl.int64)[None, :] * H + units[:, None]
-        w_i = tl.load(w_cols, mask=w_ok, other=0.0)
-        # tl.cast, not H.to: torch.compile's analysis of the kernel passes H as a Python int.
-        gate_rows = tl.cast(H, tl.int64) * H
-        w_f = tl.load(w_cols + gate_rows, mask=w_ok, other=0.0)
-        w_g = tl.load(w_cols + 2 * gate_rows, mask=w_ok, other=0.0)
-        w_o = tl.load(w_cols + 3 * gate_rows, mask=w_ok, other=0.0)
-    programs = tl.num_programs(0) * tl.num_programs(1)
+        w = tl.load(
+            w_cols + ks[None, :].to(tl.int64) * H, mask=row_ok[:, None] & (ks < H)[None, :], other=0.0
+        )
+    cols = tl.arange(0, NB)
+    units = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
+    rows = tl.arange(0, BLOCK_B)
+    rows64 = rows.to(tl.int64)
+    u_ok = units < H
+    b_ok = rows < B
+    ok = u_ok[:, None] & b_ok[None, :]  # [BLOCK_U, BLOCK_B]
+    # Everything below is transposed (units along dim 0), as in the forward.
+    state = rows64[None, :] * H + units[:, None]
+    dc = tl.load(DC + state, mask=ok, other=0.0)
+    dh_n = tl.load(DHN + state, mask=ok, other=0.0).to(tl.float32)
+    programs = tl.num_programs(0)
+    if PREFETCH:
+        dy, i, f, g, o, c, c_prev = _bwd_step_inputs(DY, G, CS, t_first, units, rows64, B, H, ok)
     for s in range(n_steps):
         t = t_first - s
-        at_t = (t * B + rows64)[:, None] * H + units[None, :]
-        dh = tl.load(DY + at_t, mask=ok, other=0.0).to(tl.float32)
-        dh += tl.where(t == T - 1, dh_n, 0.0)
-        # dgates_{t+1}: none at the last step (a row bound of 0 masks the loads off: the product is 0).
-        next_ok = (rows < tl.where(t < T - 1, B, 0))[None, :]
-        dg_next = DG + ((t + 1) * B + rows64)[None, :] * (4 * H)
-        product = tl.zeros([BLOCK_U, BLOCK_B], dtype=tl.float32)  # (dgates_{t+1} @ w_hh[:, units])^T
+        if not PREFETCH:
+            dy, i, f, g, o, c, c_prev = _bwd_step_inputs(DY, G, CS, t, units, rows64, B, H, ok)
+        dh = dy + tl.where(t == T - 1, dh_n, 0.0)
+        # dgates_{t+1}: slot (t+1) % 2, unmasked (its rows past H and columns past B are zeros).
+        dgs_next = DGS + ((t + 1) % 2) * KS * NB + cols[None, :]
         if RESIDENT:
-            gate_ok = (ks < H)[:, None] & next_ok
-            heads = DGS + ((((t + 1) % 2) * 2 * B) + rows64)[None, :] * (4 * H)
-            tails = heads + B * 4 * H
-            product = _split_dgates_product(product, heads, tails, ks, gate_ok, w_i, DOT)
-            product = _split_dgates_product(product, heads + H, tails + H, ks, gate_ok, w_f, DOT)
-            product = _split_dgates_product(product, heads + 2 * H, tails + 2 * H, ks, gate_ok, w_g, DOT)
-            product = _split_dgates_product(product, heads + 3 * H, tails + 3 * H, ks, gate_ok, w_o, DOT)
+            dgs = tl.load(dgs_next + ks[:, None] * NB, cache_modifier=".cg")
+            product = dot(w, dgs, DOT)
         else:
-            for k0 in range(0, 4 * H, BLOCK_K):
-                k_ok = k0 + ks < 4 * H
-                w_t = tl.load(
-                    W + (k0 + ks).to(tl.int64)[None, :] * H + units[:, None],
-                    mask=u_ok[:, None] & k_ok[None, :],
+            product = tl.zeros([4 * BLOCK_U, NB], dtype=tl.float32)
+            for k0 in range(0, KS, BLOCK_K):
+                k_ok = k0 + ks < H
+                w_k = tl.load(
+                    w_cols + (k0 + ks)[None, :].to(tl.int64) * H,
+                    mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0,
                 )
-                product = _dgates_product(product, dg_next, k0 + ks, k_ok[:, None] & next_ok, w_t, SPLIT, DOT)
-        dh += tl.trans(product)
-        i, f, g, o = _load_gates(G + (t * B + rows64)[:, None] * (4 * H) + units[None, :], H, ok)
-        c = tl.load(CS + at_t + B * H, mask=ok, other=0.0)
-        c_prev = tl.load(CS + at_t, mask=ok, other=0.0)
+                dgs = tl.load(dgs_next + (k0 + ks)[:, None] * NB, cache_modifier=".cg")
+                product += dot(w_k, dgs, DOT)
+        dh += _gate_diagonal(product, BLOCK_U, BLOCK_B, 1 + SPLIT)
         d_i, d_f, d_g, d_o, dc = _cell_bwd(dh, dc, i, f, g, o, c, c_prev)
-        _store_gates(DG + (t * B + rows64)[:, None] * (4 * H) + units[None, :], d_i, d_f, d_g, d_o, H, ok)
-        if RESIDENT:
-            # Parity t % 2: the slot step t-1 reads while no program writes it (a program writes it
-            # again at step t-2, past the barrier that every program reaches after reading it).
-            heads = DGS + ((t % 2) * 2 * B + rows64)[:, None] * (4 * H) + units[None, :]
-            tails = heads + B * 4 * H
-            _store_split(heads, tails, d_i, ok)
-            _store_split(heads + H, tails + H, d_f, ok)
-            _store_split(heads + 2 * H, tails + 2 * H, d_g, ok)
-            _store_split(heads + 3 * H, tails + 3 * H, d_o, ok)
+        _store_gates(DG + (t * B + rows64)[None, :] * (4 * H) + units[:, None], d_i, d_f, d_g, d_o, H, ok)
+        # Slot t % 2: the one step t-1 reads while no program writes it (a program writes it again at
+        # step t-2, past the barrier that every program reaches after reading it).
+        dgs_t = DGS + (t % 2) * KS * NB
+        _store_dgates(dgs_t, units, rows, ok, d_i, d_f, d_g, d_o, NB, BLOCK_B)
+        if SPLIT:
+            w_dtype: tl.constexpr = DGS.dtype.element_ty
+            _store_dgates(dgs_t + 4 * BLOCK_B, units, rows, ok,
+                _rounding_left(d_i, w_dtype), _rounding_left(d_f, w_dtype),
+                _rounding_left(d_g, w_dtype), _rounding_left(d_o, w_dtype), NB, BLOCK_B,
+            )  # fmt: skip
+        if PREFETCH:
+            # Past the launch's last step, a row bound of 0 masks the loads off.
+            next_ok = u_ok[:, None] & (rows < tl.where(s + 1 < n_steps, B, 0))[None, :]
+            dy, i, f, g, o, c, c_prev = _bwd_step_inputs(DY, G, CS, t - 1, units, rows64, B, H, next_ok)
         if PERSISTENT:
             _grid_barrier(Counter, (s + 1) * programs)
     tl.store(DC + state, dc, mask=ok)

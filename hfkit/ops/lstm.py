@@ -12,9 +12,8 @@ The recurrence runs one of two ways (`_persistent_tiles` picks):
 - sequence kernels (`lstm_seq_fwd_kernel`, `lstm_seq_bwd_kernel`), when the grid fits on the GPU at
   once (B <= 64, at most one program per SM): on CUDA ONE launch runs the whole sequence, the
   programs meeting at a grid-wide barrier between steps, each keeping its slice of w_hh on chip
-  where it fits (hfai's H = 985, B = 4 on 132 SMs: 124 forward programs of 8 units, 62 backward ones
-  of 16). Under the interpreter, whose programs run one after another, the same kernels run one
-  step per launch.
+  where it fits (hfai's H = 985, B = 4 on 132 SMs: 124 programs of 8 units each way). Under the
+  interpreter, whose programs run one after another, the same kernels run one step per launch.
 - step kernels (`lstm_step_fwd_kernel`, `lstm_step_bwd_kernel`) otherwise: one launch per step, on
   CUDA captured once as a CUDA graph and replayed (see `_StepGraphs`), except while the caller is
   capturing a graph itself, where the launches land in the caller's graph.
@@ -70,23 +69,36 @@ NUM_WARPS = 4
 # in shared memory as the dot's operands; the slice twice for float32's three-TF32 products) take at
 # most SEQ_RESIDENT_BYTES (H200: 227 KB a block) and, as they pass through registers into the dot, at
 # most MAX_RESIDENT_SLICE and MAX_RESIDENT_H elements; otherwise it reads the slice from L2 at every
-# step, SEQ_FWD_BLOCK_K columns at a time. The backward (BLOCK_U >= 16 there, as tl.dot's M) keeps
-# its [4H, BLOCK_U] column slice of a 16-bit w_hh on chip by the same rule, the dgates head and tail
-# tiles [next_pow2(H), BLOCK_B] (16-bit) staged beside it; otherwise (float32 at hfai's size) it reads
-# the slice from L2 at every step, SEQ_BWD_BLOCK_K rows at a time (larger chunks spill registers).
-# At hfai's H = 985, B = 4 on sm_90: bfloat16 both on chip (forward 97 KB of shared memory, backward
-# 192 KB with a small register spill), float32 forward on chip with one TF32 product (194 KB) and
-# streamed with three; the streamed tiles compile without spills.
+# step, SEQ_FWD_BLOCK_K columns at a time. The backward keeps its column slice of w_hh, in the same
+# [4*BLOCK_U, next_pow2(H)] layout, on chip by the same rule, its dgates operand [next_pow2(H), NB]
+# (NB = 4*BLOCK_B, twice that with SPLIT's head and tail) in the h tile's place and held to
+# MAX_RESIDENT_SLICE elements like the slice; otherwise it reads the slice from L2 at every step, at
+# most SEQ_BWD_BLOCK_K rows and MAX_STREAMED_DGATES dgates elements at a time. SEQ_BWD_PREFETCH: the
+# backward loads a step's inputs from the forward one step ahead (see `lstm_seq_bwd_kernel`).
+# SEQ_BWD_SPLIT: the backward of 16-bit weights carries dgates into the product as a 16-bit head and
+# tail (about float32: two products, twice the dgates traffic a step) rather than rounded to w_hh's
+# dtype once a step, as cuDNN does in bfloat16. Off, because the rounding does not compound over the
+# sequence: at hfai's size (T = 1000, B = 4, H = 985, torch's init, bfloat16 values) the backward
+# recurrence in float64 with dgates rounded to bfloat16 a step is within 2.5e-4 (relative L2) of the
+# exact one in dgates, dx and dw_hh, where torch's own bfloat16 nn.LSTM is 3.7e-3 from float64. The
+# kernels end to end (T = 200, H = 64, interpreter) are 2.6e-3 from float64 in dx either way (torch
+# bfloat16: 3.7e-3), 4.4e-3 in dw_hh (split 4.2e-3, torch 3.8e-3: the forward's rounding of h).
+# At hfai's H = 985, B = 4 on sm_90 (ptxas, 8 warps, PREFETCH): bfloat16 both on chip (forward 181
+# registers; backward 200, 198 with SPLIT), float32 forward on chip with one TF32 product and streamed
+# with three, the backward likewise; none spills.
 SEQ_NUM_WARPS = 8
 SEQ_RESIDENT_BYTES = 192 * 1024
 MAX_RESIDENT_SLICE = 32768
 MAX_RESIDENT_H = 16384
 SEQ_FWD_BLOCK_K = 64
 SEQ_BWD_BLOCK_K = 64
+MAX_STREAMED_DGATES = 4096
+SEQ_BWD_SPLIT = False
+SEQ_BWD_PREFETCH = True
 MIN_SEQ_FWD_BLOCK_U = 4
 MAX_SEQ_FWD_BLOCK_U = 32
-MIN_SEQ_BWD_BLOCK_U = 16
-MAX_SEQ_BWD_BLOCK_U = 64
+MIN_SEQ_BWD_BLOCK_U = 4
+MAX_SEQ_BWD_BLOCK_U = 32
 
 
 def lstm_reference(
@@ -142,9 +154,11 @@ def lstm_layer(
     x: [T, B, I] (time-major) in float32, bfloat16 or float16 (float64 runs the reference); h0, c0:
     [B, H] or None (zeros); w_ih: [4H, I], w_hh: [4H, H], b_ih, b_hh: [4H] or None, in x's dtype
     (gates in torch's order i, f, g, o). Any H and B. The cell state and every gate are float32 inside;
-    h is rounded to x's dtype at each step, as it feeds the next step's matmul. Returns y [T, B, H]
-    (every step's h), h_n and c_n [B, H], in x's dtype; differentiable in every tensor argument.
-    Raises ValueError naming the argument on a wrong shape, dtype or device.
+    h is rounded to x's dtype at each step, as it feeds the next step's matmul, and so are, in the
+    backward on the sequence kernels (B <= 64), the gates' gradients as they feed the previous step's,
+    as cuDNN does (`SEQ_BWD_SPLIT`: within 2.5e-4 of exact at hfai's size, a tenth of bfloat16's own
+    error). Returns y [T, B, H] (every step's h), h_n and c_n [B, H], in x's dtype; differentiable in
+    every tensor argument. Raises ValueError naming the argument on a wrong shape, dtype or device.
     """
     _check_inputs(x, h0, c0, w_ih, w_hh, b_ih, b_hh)
     if not uses_triton(x):
@@ -207,11 +221,16 @@ def _tiles(x: Tensor, w_hh: Tensor) -> _Tiles:
 
 
 class _SeqTiles(NamedTuple):
-    """Grids and tiles of the sequence kernels for one (B, H, dtype, SM count): one batch tile of
-    block_b rows; the forward's programs own fwd_block_u units each, its slice of w_hh on chip for the
-    whole sequence when `resident` (fwd_block_k = next_pow2(H)) or read fwd_block_k columns at a time
-    at every step; the backward's programs own bwd_block_u units, their column slice on chip when
-    `bwd_resident` (bwd_block_k = next_pow2(H)) or read bwd_block_k rows at a time."""
+    """Grids and tiles of the sequence kernels for one (B, H, dtype, SM count). The forward: one batch
+    tile of block_b rows, programs of fwd_block_u units, their slice of w_hh on chip for the whole
+    sequence when `resident` (fwd_block_k = next_pow2(H)) or read fwd_block_k columns at a time at
+    every step. The backward: one batch tile of bwd_block_b rows, programs of bwd_block_u units, their
+    column slice on chip when `bwd_resident` (bwd_block_k = next_pow2(H)) or read bwd_block_k rows at
+    a time, dgates carried as a 16-bit head and tail when `bwd_split`, a step's inputs from the forward
+    loaded one step ahead when `bwd_prefetch`, bwd_num_warps warps a program.
+    A sweep may `_replace` the backward's fields (with a grid of cdiv(H, bwd_block_u) programs, at most
+    one per SM) as long as `bwd_split` only with 16-bit weights and bwd_block_k = next_pow2(H) with
+    `bwd_resident`."""
 
     fwd_grid: tuple[int, int]
     bwd_grid: tuple[int, int]
@@ -222,6 +241,10 @@ class _SeqTiles(NamedTuple):
     bwd_block_u: int
     bwd_block_k: int
     bwd_resident: bool
+    bwd_block_b: int
+    bwd_split: bool
+    bwd_prefetch: bool
+    bwd_num_warps: int
 
 
 def _smallest_block_u(hidden: int, smallest: int, sms: int) -> int:
@@ -233,19 +256,26 @@ def _smallest_block_u(hidden: int, smallest: int, sms: int) -> int:
 
 
 def _persistent_tiles(
-    batch: int, hidden: int, element_size: int, dot: int, sms: int, resident_bytes: int = SEQ_RESIDENT_BYTES
+    batch: int,
+    hidden: int,
+    element_size: int,
+    dot: int,
+    sms: int,
+    resident_bytes: int = SEQ_RESIDENT_BYTES,
+    bwd_split: bool | None = None,
 ) -> _SeqTiles | None:
     """Tiles of the sequence kernels for batch B, hidden H, weights and h of `element_size` bytes and
     the `dot` mode (`dot_mode`) on a device of `sms` SMs, or None where the step kernels run instead.
 
-    Each kernel takes the smallest BLOCK_U (a power of two, >= 4 forward, >= 16 backward) whose grid
-    has at most `sms` programs, so that every program is resident at once (what makes the grid
+    Each kernel takes the smallest BLOCK_U (a power of two, >= 4: the dots' M = 4*BLOCK_U >= 16) whose
+    grid has at most `sms` programs, so that every program is resident at once (what makes the grid
     barrier safe) and the grid is as wide as that allows. None when B > MAX_BLOCK_B (one batch tile)
     or that BLOCK_U passes MAX_SEQ_FWD_BLOCK_U / MAX_SEQ_BWD_BLOCK_U. The forward keeps its w_hh slice
     on chip (`resident`) when the slice (twice for dot mode 3) and the h tile take at most
     `resident_bytes`, the slice at most MAX_RESIDENT_SLICE elements and the h tile MAX_RESIDENT_H; the
-    backward its column slice when w_hh is 16-bit, the slice and the dgates head and tail tiles take at
-    most `resident_bytes` and a tile at most MAX_RESIDENT_H elements."""
+    backward its column slice when the slice (twice for dot mode 3) and the dgates operand take at
+    most `resident_bytes` and each at most MAX_RESIDENT_SLICE elements. `bwd_split` (16-bit weights
+    only; None: SEQ_BWD_SPLIT for 16-bit weights) carries the backward's dgates as a head and a tail."""
     if batch > MAX_BLOCK_B:
         return None
     block_b = max(16, next_power_of_2(batch))
@@ -253,6 +283,10 @@ def _persistent_tiles(
     bwd_u = _smallest_block_u(hidden, MIN_SEQ_BWD_BLOCK_U, sms)
     if fwd_u > MAX_SEQ_FWD_BLOCK_U or bwd_u > MAX_SEQ_BWD_BLOCK_U:
         return None
+    if bwd_split is None:
+        bwd_split = SEQ_BWD_SPLIT and element_size == 2
+    elif bwd_split and element_size != 2:
+        raise ValueError(f"bwd_split: expected False for {element_size}-byte weights (16-bit only), got True")
     full_k = next_power_of_2(hidden)
     slice_copies = 2 if dot == 3 else 1
     resident = (
@@ -260,11 +294,12 @@ def _persistent_tiles(
         and 4 * fwd_u * full_k <= MAX_RESIDENT_SLICE
         and block_b * full_k <= MAX_RESIDENT_H
     )
-    bwd_resident = (
-        element_size == 2
-        and (4 * bwd_u + 2 * block_b) * full_k * element_size <= resident_bytes
-        and block_b * full_k <= MAX_RESIDENT_H
-    )
+    # The backward's batch tile: the dgates operand's NB = 4*bwd_block_b columns (8* with the split) >= 16.
+    bwd_block_b = max(4, next_power_of_2(batch))
+    dgates_cols = (2 if bwd_split else 1) * 4 * bwd_block_b
+    bwd_bytes = (4 * bwd_u * slice_copies + dgates_cols) * full_k * element_size
+    bwd_resident = bwd_bytes <= resident_bytes and max(4 * bwd_u, dgates_cols) * full_k <= MAX_RESIDENT_SLICE
+    streamed_k = min(SEQ_BWD_BLOCK_K, max(16, MAX_STREAMED_DGATES // dgates_cols))
     return _SeqTiles(
         fwd_grid=(cdiv(hidden, fwd_u), 1),
         bwd_grid=(cdiv(hidden, bwd_u), 1),
@@ -273,8 +308,12 @@ def _persistent_tiles(
         fwd_block_k=full_k if resident else SEQ_FWD_BLOCK_K,
         resident=resident,
         bwd_block_u=bwd_u,
-        bwd_block_k=full_k if bwd_resident else SEQ_BWD_BLOCK_K,
+        bwd_block_k=full_k if bwd_resident else streamed_k,
         bwd_resident=bwd_resident,
+        bwd_block_b=bwd_block_b,
+        bwd_split=bwd_split,
+        bwd_prefetch=SEQ_BWD_PREFETCH,
+        bwd_num_warps=SEQ_NUM_WARPS,
     )
 
 
@@ -332,15 +371,19 @@ def _bwd_seq(
     when `persistent`, else one a step; dc holds dc_n on entry and dc0 on exit."""
     t_len, batch, hidden = dy.shape
     counter = torch.zeros(1, device=dy.device, dtype=torch.int32)
-    # The dgates head and tail of the last two steps, in w_hh's dtype (read by the on-chip variant).
-    split = w_hh.new_empty((2, 2, batch, 4 * hidden) if tiles.bwd_resident else (1,))
+    # dgates of the last two steps in the dot's operand layout, in w_hh's dtype (see the kernel); zeros,
+    # which the kernel's unmasked loads read past H and B, and step T-1 as its dgates_T.
+    rows = cdiv(hidden, tiles.bwd_block_k) * tiles.bwd_block_k
+    cols = (2 if tiles.bwd_split else 1) * 4 * tiles.bwd_block_b
+    dgates = w_hh.new_zeros(2, rows, cols)
     spans = [(t_len - 1, t_len)] if persistent else [(t, 1) for t in range(t_len - 1, -1, -1)]
     for t_first, n_steps in spans:
         launch(lstm_seq_bwd_kernel, tiles.bwd_grid,
-            dy, dh_n, w_hh, gates, cs, dc, dg, split, counter, t_first, n_steps, t_len, batch, hidden,
-            PERSISTENT=persistent, RESIDENT=tiles.bwd_resident, SPLIT=w_hh.dtype != torch.float32,
-            DOT=dot_mode(w_hh), BLOCK_B=tiles.block_b, BLOCK_U=tiles.bwd_block_u, BLOCK_K=tiles.bwd_block_k,
-            num_warps=SEQ_NUM_WARPS,
+            dy, dh_n, w_hh, gates, cs, dc, dg, dgates, counter, t_first, n_steps, t_len, batch, hidden,
+            PERSISTENT=persistent, RESIDENT=tiles.bwd_resident, SPLIT=tiles.bwd_split,
+            PREFETCH=tiles.bwd_prefetch, DOT=dot_mode(w_hh),
+            BLOCK_B=tiles.bwd_block_b, BLOCK_U=tiles.bwd_block_u, BLOCK_K=tiles.bwd_block_k, KS=rows,
+            num_warps=tiles.bwd_num_warps,
         )  # fmt: skip
 
 
