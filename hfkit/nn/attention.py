@@ -78,21 +78,41 @@ def fused_gated_attention(
     q_x: torch.Tensor,
     kv_x: torch.Tensor,
     mapped: tuple[torch.Tensor | None, torch.Tensor | None],
+    *,
+    transposed: bool = False,
 ) -> torch.Tensor:
     """OpenFold's gated attention of `module` (an `Attention` of hfkit or of OpenFold: `linear_q`,
     `linear_k`, `linear_v`, `linear_g` or None, `linear_o`, `no_heads`) on q_x [*, Q, c_q],
     kv_x [*, K, c_k] with the biases `mapped` by `map_attention_biases`, through
-    `hfkit.ops.evoformer_attention` and `gated_output` -> [*, Q, c_q]."""
+    `hfkit.ops.evoformer_attention` and `gated_output` -> [*, Q, c_q].
+
+    With `transposed`, q_x [*, R, N, c_q] and kv_x [*, R, N, c_k] (at most one leading dim) are
+    attended within columns: the result equals the call on `q_x.transpose(-2, -3)` and
+    `kv_x.transpose(-2, -3)` (biases mapped for those views: pair bias [B, N, H, R, R], key bias
+    [B, N, R]), transposed back, but no input is copied: the projections and the gated output run on
+    the inputs as laid out, the op reads strided views of them, and the result [*, R, N, c_q] is
+    laid out like q_x (contiguous for a contiguous q_x).
+    """
+    if transposed and q_x.dim() not in (3, 4):
+        raise ValueError(f"q_x: expected [*, R, N, c] with at most one leading dim, got {list(q_x.shape)}")
     h = module.no_heads
     q = module.linear_q(q_x).unflatten(-1, (h, -1))
     k = module.linear_k(kv_x).unflatten(-1, (h, -1))
     v = module.linear_v(kv_x).unflatten(-1, (h, -1))
     lead = q_x.dim() - 2
     pair, key = mapped
-    # [*, N, H, C] -> [B, S, H, N, C]: a strided view, the kernels take any strides.
-    to5 = lambda t: t.reshape((1,) * (2 - lead) + tuple(t.shape)).transpose(-2, -3)
+    pad = (1,) * (2 - lead)
+    # Strided views, no copies (the kernels take any strides, and the op lays its output and the
+    # gradients of q, k, v out like them, so the views back are dense again):
+    # rows [*, N, H, C] -> [B, S, H, N, C]; columns [*, R, N, H, C] -> [B, N, H, R, C].
+    if transposed:
+        to5 = lambda t: t.reshape(pad + tuple(t.shape)).permute(0, 2, 3, 1, 4)
+        from5 = lambda o: o.permute(0, 3, 1, 2, 4)
+    else:
+        to5 = lambda t: t.reshape(pad + tuple(t.shape)).transpose(-2, -3)
+        from5 = lambda o: o.transpose(-2, -3)
     o = evoformer_attention(to5(q), to5(k), to5(v), pair, key_bias=key)
-    o = o.transpose(-2, -3).reshape(q.shape)
+    o = from5(o).reshape(q.shape)
     return gated_output(module, o, q_x)
 
 
