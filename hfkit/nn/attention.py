@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from hfkit.model.primitives import Attention
+from hfkit.model.primitives import Attention, mask_bias
 from hfkit.nn.convert import register_swap
 from hfkit.ops.evoformer_attention import evoformer_attention, uses_triton
 from hfkit.ops.gated_linear import gated_linear
@@ -22,6 +22,7 @@ from hfkit.ops.linear import linear
 
 __all__ = [
     "EvoformerAttention",
+    "attend_columns",
     "fused_gated_attention",
     "gated_output",
     "map_attention_biases",
@@ -114,6 +115,38 @@ def fused_gated_attention(
     o = evoformer_attention(to5(q), to5(k), to5(v), pair, key_bias=key)
     o = from5(o).reshape(q.shape)
     return gated_output(module, o, q_x)
+
+
+def attend_columns(
+    mha: nn.Module,
+    layer_norm: nn.Module,
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    inf: float,
+    bias_projection: nn.Module | None = None,
+) -> torch.Tensor | None:
+    """The update of gated self-attention `mha` within the columns of `layer_norm(x)`, x [*, R, N, C]
+    (at most one leading dim), mask [*, R, N] (None: all kept), with the key mask bias
+    `inf * (mask - 1)` and, with `bias_projection` (C -> heads), the triangle bias of the ending node:
+    the bias of query row i and key row k in column j is `bias_projection(layer_norm(x))[k, i]`.
+    Returns the update [*, R, N, C] laid out like x (contiguous for a contiguous x), equal to the row
+    attention on the transposed x, transposed back, through `fused_gated_attention` with `transposed`
+    (the caller has checked that the op runs Triton for x); None where the biases do not map (more
+    leading dims, a mask that requires grad): the caller runs its plain forward then."""
+    if x.dim() not in (3, 4) or (mask is not None and mask.requires_grad):
+        return None
+    xn = layer_norm(x)
+    if mask is None:
+        mask = xn.new_ones(xn.shape[:-1])
+    # The biases of the model's row attention on the transposed x: views, no copies.
+    biases = [mask_bias(mask.to(xn.dtype).transpose(-1, -2), inf)]
+    if bias_projection is not None:
+        biases.append(bias_projection(xn).transpose(-2, -3).movedim(-1, -3).unsqueeze(-4))
+    xn_t = xn.transpose(-2, -3)
+    mapped = map_attention_biases(xn_t, xn_t, biases)
+    if mapped is None:
+        return None
+    return fused_gated_attention(mha, xn, xn, mapped, transposed=True)
 
 
 def gated_output(module: nn.Module, o: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
