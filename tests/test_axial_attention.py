@@ -5,7 +5,8 @@ Outputs and the gradients of the input and of every parameter equal the plain mo
 odd sizes, masks with zeros, a fully masked row, no mask, chunked and unchunked, with and without a
 batch dim); the update comes back contiguous in the input's layout; the profiler sees no copy of an
 input-sized tensor any more (it does without these swaps); inputs the fast path does not take run
-the model's forward; `to_hfkit` / `to_torch` swap the classes and keep the state_dict. On CPU the
+the model's forward; `to_hfkit` / `to_torch` swap the classes and keep the state_dict; OpenFold's own
+ending-node and column attentions likewise (skipped where OpenFold's source is absent). On CPU the
 kernels run under TRITON_INTERPRET=1 (conftest.py); a GPU machine also runs them on CUDA.
 """
 
@@ -18,6 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import hfkit.nn as hnn
+from hfkit.bench.peers import load_openfold
 from hfkit.model import (
     EvoformerBlock,
     MSAColumnAttention,
@@ -126,22 +128,24 @@ def test_chunked_calls(chunk_size, fast, device, seed):
     assert_matches_plain(col, m, make_mask(m.shape[:-1], "zeros", device), chunk_size, fast)
 
 
+def input_sized_copies(module: torch.nn.Module, x: torch.Tensor) -> list[tuple[str, list]]:
+    """The copies of tensors shaped like x or its transpose that the profiler sees in one forward and
+    backward of module(x)."""
+    x = x.detach().clone().requires_grad_(True)
+    sizes = {tuple(x.shape), tuple(x.transpose(-2, -3).shape)}
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        module(x).backward(torch.ones_like(x))
+    copies = ("aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy")
+    return [
+        (e.name, e.input_shapes)
+        for e in prof.events()
+        if e.name in copies and any(tuple(s) in sizes for s in e.input_shapes)
+    ]
+
+
 def test_fast_path_makes_no_input_sized_copy(seed):
     """The profiler sees input-sized copies (of x or its transpose) in the model's ending-node and
     column attention after `to_hfkit` without these swaps, and none with them (forward and backward)."""
-
-    def input_sized_copies(module, x):
-        x = x.detach().clone().requires_grad_(True)
-        sizes = {tuple(x.shape), tuple(x.transpose(-2, -3).shape)}
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            module(x).backward(torch.ones_like(x))
-        copies = ("aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy")
-        return [
-            (e.name, e.input_shapes)
-            for e in prof.events()
-            if e.name in copies and any(tuple(s) in sizes for s in e.input_shapes)
-        ]
-
     cases = [
         (
             TriangleAttentionEndingNode(C, C_HIDDEN, HEADS),
@@ -241,3 +245,33 @@ def test_block_matches_the_model(device, seed):
         got = swapped(m, z, msa_mask, pair_mask)
     for g, w in zip(got, want, strict=True):
         assert rel_err(g, w) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("kind", ["triangle", "column"])
+def test_openfold_column_attentions(kind, seed):
+    """OpenFold's ending-node `TriangleAttention(starting=False)` and `MSAColumnAttention` after
+    `to_hfkit`: OpenFold's output and gradients, the update contiguous, no input-sized copy (there is
+    one without these swaps), and `to_torch` gives OpenFold's class back."""
+    of, reason = load_openfold()
+    if of is None:
+        pytest.skip(reason)
+    if kind == "triangle":
+        plain, x, op = (
+            of.evoformer.TriangleAttention(C, C_HIDDEN, HEADS, starting=False),
+            (1, 13, 13, C),
+            "TriangleAttention",
+        )
+    else:
+        plain, x, op = (
+            of.evoformer.MSAColumnAttention(C, C_HIDDEN, HEADS),
+            (1, 5, 13, C),
+            "MSAColumnAttention",
+        )
+    plain = randomized(plain, "cpu")
+    x = torch.randn(x)
+    assert_matches_plain(plain, x, make_mask(x.shape[:-1], "zeros", "cpu"))
+    swapped, report = hnn.to_hfkit(plain, inplace=False, report=True)
+    assert report.counts()[f"openfold.{op}"] == 1
+    assert input_sized_copies(swapped, x) == []
+    assert input_sized_copies(hnn.to_hfkit(plain, inplace=False, exclude={f"openfold.{op}"}), x)
+    assert type(hnn.to_torch(swapped)) is type(plain)
