@@ -296,9 +296,11 @@ def test_package_to_hfkit_registers_every_fused_module() -> None:
                 "DropoutColumnwise",
                 "DropoutRowwise",
                 "LayerNorm",
+                "MSAColumnAttention",
                 "MSATransition",
                 "OuterProductMean",
                 "PairTransition",
+                "TriangleAttentionEndingNode",
                 "TriangleMultiplicationIncoming",
                 "TriangleMultiplicationOutgoing",
             ]

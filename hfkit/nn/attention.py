@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from hfkit.model.primitives import Attention
+from hfkit.model.primitives import Attention, mask_bias
 from hfkit.nn.convert import register_swap
 from hfkit.ops.evoformer_attention import evoformer_attention, uses_triton
 from hfkit.ops.gated_linear import gated_linear
@@ -22,6 +22,7 @@ from hfkit.ops.linear import linear
 
 __all__ = [
     "EvoformerAttention",
+    "attend_columns",
     "fused_gated_attention",
     "gated_output",
     "map_attention_biases",
@@ -78,22 +79,74 @@ def fused_gated_attention(
     q_x: torch.Tensor,
     kv_x: torch.Tensor,
     mapped: tuple[torch.Tensor | None, torch.Tensor | None],
+    *,
+    transposed: bool = False,
 ) -> torch.Tensor:
     """OpenFold's gated attention of `module` (an `Attention` of hfkit or of OpenFold: `linear_q`,
     `linear_k`, `linear_v`, `linear_g` or None, `linear_o`, `no_heads`) on q_x [*, Q, c_q],
     kv_x [*, K, c_k] with the biases `mapped` by `map_attention_biases`, through
-    `hfkit.ops.evoformer_attention` and `gated_output` -> [*, Q, c_q]."""
+    `hfkit.ops.evoformer_attention` and `gated_output` -> [*, Q, c_q].
+
+    With `transposed`, q_x [*, R, N, c_q] and kv_x [*, R, N, c_k] (at most one leading dim) are
+    attended within columns: the result equals the call on `q_x.transpose(-2, -3)` and
+    `kv_x.transpose(-2, -3)` (biases mapped for those views: pair bias [B, N, H, R, R], key bias
+    [B, N, R]), transposed back, but no input is copied: the projections and the gated output run on
+    the inputs as laid out, the op reads strided views of them, and the result [*, R, N, c_q] is
+    laid out like q_x (contiguous for a contiguous q_x).
+    """
+    if transposed and q_x.dim() not in (3, 4):
+        raise ValueError(f"q_x: expected [*, R, N, c] with at most one leading dim, got {list(q_x.shape)}")
     h = module.no_heads
     q = module.linear_q(q_x).unflatten(-1, (h, -1))
     k = module.linear_k(kv_x).unflatten(-1, (h, -1))
     v = module.linear_v(kv_x).unflatten(-1, (h, -1))
     lead = q_x.dim() - 2
     pair, key = mapped
-    # [*, N, H, C] -> [B, S, H, N, C]: a strided view, the kernels take any strides.
-    to5 = lambda t: t.reshape((1,) * (2 - lead) + tuple(t.shape)).transpose(-2, -3)
+    pad = (1,) * (2 - lead)
+    # Strided views, no copies (the kernels take any strides, and the op lays its output and the
+    # gradients of q, k, v out like them, so the views back are dense again):
+    # rows [*, N, H, C] -> [B, S, H, N, C]; columns [*, R, N, H, C] -> [B, N, H, R, C].
+    if transposed:
+        to5 = lambda t: t.reshape(pad + tuple(t.shape)).permute(0, 2, 3, 1, 4)
+        from5 = lambda o: o.permute(0, 3, 1, 2, 4)
+    else:
+        to5 = lambda t: t.reshape(pad + tuple(t.shape)).transpose(-2, -3)
+        from5 = lambda o: o.transpose(-2, -3)
     o = evoformer_attention(to5(q), to5(k), to5(v), pair, key_bias=key)
-    o = o.transpose(-2, -3).reshape(q.shape)
+    o = from5(o).reshape(q.shape)
     return gated_output(module, o, q_x)
+
+
+def attend_columns(
+    mha: nn.Module,
+    layer_norm: nn.Module,
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    inf: float,
+    bias_projection: nn.Module | None = None,
+) -> torch.Tensor | None:
+    """The update of gated self-attention `mha` within the columns of `layer_norm(x)`, x [*, R, N, C]
+    (at most one leading dim), mask [*, R, N] (None: all kept), with the key mask bias
+    `inf * (mask - 1)` and, with `bias_projection` (C -> heads), the triangle bias of the ending node:
+    the bias of query row i and key row k in column j is `bias_projection(layer_norm(x))[k, i]`.
+    Returns the update [*, R, N, C] laid out like x (contiguous for a contiguous x), equal to the row
+    attention on the transposed x, transposed back, through `fused_gated_attention` with `transposed`
+    (the caller has checked that the op runs Triton for x); None where the biases do not map (more
+    leading dims, a mask that requires grad): the caller runs its plain forward then."""
+    if x.dim() not in (3, 4) or (mask is not None and mask.requires_grad):
+        return None
+    xn = layer_norm(x)
+    if mask is None:
+        mask = xn.new_ones(xn.shape[:-1])
+    # The biases of the model's row attention on the transposed x: views, no copies.
+    biases = [mask_bias(mask.to(xn.dtype).transpose(-1, -2), inf)]
+    if bias_projection is not None:
+        biases.append(bias_projection(xn).transpose(-2, -3).movedim(-1, -3).unsqueeze(-4))
+    xn_t = xn.transpose(-2, -3)
+    mapped = map_attention_biases(xn_t, xn_t, biases)
+    if mapped is None:
+        return None
+    return fused_gated_attention(mha, xn, xn, mapped, transposed=True)
 
 
 def gated_output(module: nn.Module, o: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,10 @@ classes. Covered (op names as in the swap report):
   `use_memory_efficient_kernel` / `use_deepspeed_evo_attention` / `use_lma` flags select other
   implementations of the same function in OpenFold, so all of them run the fused kernel here;
   `use_flash` runs OpenFold's own forward.
+- `openfold.TriangleAttention` (the ending node, `starting=False`) and `openfold.MSAColumnAttention`:
+  attention along columns without transposing copies (`hfkit.nn.attention.attend_columns`) where
+  their `mha` is swapped and its op runs Triton, unchunked (or chunks of at least the columns
+  attended), no `use_flash`; otherwise, and for the starting node, OpenFold's forward.
 - `openfold.GlobalAttention`: the attention core through `evoformer_attention` (one query per column,
   the shared key/value head broadcast over heads) and the gated output through `gated_linear`.
 - `openfold.TriangleMultiplication{Outgoing,Incoming}` and their `Fused...` variants (one
@@ -33,12 +37,12 @@ from torch import nn
 
 from hfkit.model.outer_product_mean import OuterProductMean as _PlainOuterProductMean
 from hfkit.model.pair_transition import Transition as _PlainTransition
-from hfkit.nn.attention import fused_gated_attention, map_attention_biases
+from hfkit.nn.attention import attend_columns, fused_gated_attention, map_attention_biases
 from hfkit.nn.convert import register_foreign_swap
 from hfkit.nn.triangle_multiplication import triangle_update_from_parts
 from hfkit.ops import layer_norm
 from hfkit.ops.elementwise import bias_dropout_add
-from hfkit.ops.evoformer_attention import evoformer_attention
+from hfkit.ops.evoformer_attention import evoformer_attention, uses_triton
 from hfkit.ops.gated_linear import gated_linear
 from hfkit.ops.outer_product_linear import outer_product_linear
 from hfkit.ops.relu_mlp import relu_mlp
@@ -165,6 +169,19 @@ def _check_transition(module: nn.Module) -> str:
     )
 
 
+def _check_triangle_attention(module: nn.Module) -> str:
+    return _first(
+        _norm_layout(module, "layer_norm", module.c_in),
+        _linear_layout(module, "linear", (module.no_heads, module.c_in), False),
+    )
+
+
+def _check_msa_column_attention(module: nn.Module) -> str:
+    att = module._msa_att
+    reason = "_msa_att.pair_bias: expected False" if att.pair_bias else ""
+    return _first(reason, _norm_layout(att, "layer_norm_m", module.c_m))
+
+
 def _check_dropout(module: nn.Module) -> str:
     dims = module.batch_dim
     if dims is not None and len(dims) != 1:
@@ -217,6 +234,67 @@ def _attention_forward(
             **kwargs,
         )
     return fused_gated_attention(self, q_x, kv_x, mapped)
+
+
+def _takes_column_path(mha: nn.Module, x: torch.Tensor, chunk_size: int | None, flags: tuple) -> bool:
+    """Whether an OpenFold column attention on x [*, R, N, C] runs `attend_columns`: its `mha` swapped
+    (`_attention_forward`), the op running Triton for x, at most one of OpenFold's attention flags
+    (all run the fused kernel here), and no chunks smaller than N (the fused op keeps no logits)."""
+    if type(mha).forward is not _attention_forward or not uses_triton(x.new_empty((1, mha.c_hidden))):
+        return False
+    return sum(flags) <= 1 and (chunk_size is None or chunk_size >= x.shape[-2])
+
+
+def _triangle_attention_forward(
+    self: nn.Module,
+    x: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    use_memory_efficient_kernel: bool = False,
+    use_deepspeed_evo_attention: bool = False,
+    use_lma: bool = False,
+    inplace_safe: bool = False,
+) -> torch.Tensor:
+    """OpenFold's TriangleAttention; the ending node along columns (`attend_columns`) where it can."""
+    flags = (use_memory_efficient_kernel, use_deepspeed_evo_attention, use_lma)
+    if not self.starting and _takes_column_path(self.mha, x, chunk_size, flags):
+        update = attend_columns(self.mha, self.layer_norm, x, mask, self.inf, bias_projection=self.linear)
+        if update is not None:
+            return update
+    return _openfold_forward(self)(
+        x,
+        mask,
+        chunk_size,
+        use_memory_efficient_kernel=use_memory_efficient_kernel,
+        use_deepspeed_evo_attention=use_deepspeed_evo_attention,
+        use_lma=use_lma,
+        inplace_safe=inplace_safe,
+    )
+
+
+def _msa_column_attention_forward(
+    self: nn.Module,
+    m: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    use_deepspeed_evo_attention: bool = False,
+    use_lma: bool = False,
+    use_flash: bool = False,
+) -> torch.Tensor:
+    """OpenFold's MSAColumnAttention; along columns (`attend_columns`) where it can."""
+    att = self._msa_att
+    if not use_flash and _takes_column_path(att.mha, m, chunk_size, (use_deepspeed_evo_attention, use_lma)):
+        update = attend_columns(att.mha, att.layer_norm_m, m, mask, att.inf)
+        if update is not None:
+            return update
+    return _openfold_forward(self)(
+        m,
+        mask,
+        chunk_size,
+        use_deepspeed_evo_attention=use_deepspeed_evo_attention,
+        use_lma=use_lma,
+        use_flash=use_flash,
+    )
 
 
 def _global_attention_forward(
@@ -321,12 +399,17 @@ def _register() -> None:
         (f"{_MODEL}.outer_product_mean.OuterProductMean", "OuterProductMean", _check_outer_product_mean, opm),
         (f"{_MODEL}.evoformer.MSATransition", "MSATransition", _check_transition, transition),
         (f"{_MODEL}.pair_transition.PairTransition", "PairTransition", _check_transition, transition),
+        (f"{_MODEL}.msa.MSAColumnAttention", "MSAColumnAttention", _check_msa_column_attention,
+         {"forward": _msa_column_attention_forward}),
     ]  # fmt: skip
     for fused in (False, True):
         for side in ("Outgoing", "Incoming"):
             name = f"{'Fused' if fused else ''}TriangleMultiplication{side}"
             check = lambda module, fused=fused: _check_triangle(module, fused)
             swaps.append((f"{tri}.{name}", name, check, {"forward": _triangle_forward}))
+    for name in ("TriangleAttention", "TriangleAttentionEndingNode"):
+        methods = {"forward": _triangle_attention_forward}
+        swaps.append((f"{_MODEL}.triangular_attention.{name}", name, _check_triangle_attention, methods))
     for name in ("Dropout", "DropoutRowwise", "DropoutColumnwise"):
         swaps.append((f"{_MODEL}.dropout.{name}", name, _check_dropout, {"forward": _dropout_forward}))
     for qualname, name, check, methods in swaps:

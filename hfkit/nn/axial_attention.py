@@ -1,0 +1,75 @@
+"""`hfkit.nn.TriangleAttentionEndingNode` and `hfkit.nn.MSAColumnAttention`: the attentions along the
+columns of a representation (the ending-node triangle attention, AF2 Algorithm 14, and the MSA column
+attention, Algorithm 8) without transposing copies of it.
+
+The model's modules attend along columns by transposing the pair or MSA representation, which
+`LayerNorm` then copies (its rows need one stride), and return a transposed update that the block's
+residual add meets as a strided tensor. LayerNorm and every projection are pointwise over the (row,
+column) positions, so here they run on the representation as it is laid out; only
+`hfkit.ops.evoformer_attention` reads transposed views of the projections (it takes any strides), and
+its output is laid out like them, so the update comes back [*, R, N, C] contiguous, for a plain
+contiguous residual add (`hfkit.nn.attention.attend_columns`).
+
+The classes subclass the model's, so constructor, parameters and state_dict are the model's; only
+`forward` changes. They take this path where the gated attention `mha` (`_msa_att.mha`) is hfkit's
+`EvoformerAttention` (swapped by `to_hfkit` as op "Attention") and its op runs Triton for the input;
+everything else runs the model's forward. Importing this file registers both swaps used by
+`hfkit.to_hfkit`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hfkit.model.msa import MSAColumnAttention as _PlainMSAColumnAttention
+from hfkit.model.triangular_attention import TriangleAttentionEndingNode as _PlainEndingNode
+from hfkit.nn.attention import EvoformerAttention, attend_columns
+from hfkit.nn.convert import register_swap
+
+__all__ = ["MSAColumnAttention", "TriangleAttentionEndingNode", "takes_column_path"]
+
+
+def takes_column_path(mha: nn.Module, x: torch.Tensor, chunk_size: int | None) -> bool:
+    """Whether a column attention with gated attention `mha` runs `attend_columns` on x [*, R, N, C]:
+    where `mha` is hfkit's `EvoformerAttention` whose op runs Triton for x, and `chunk_size` is None or
+    at least N, the columns attended (chunks would only bound the [*, R, N, C] projections: the fused
+    op keeps no logits)."""
+    if not isinstance(mha, EvoformerAttention) or mha.holds_logits(x):
+        return False
+    return chunk_size is None or chunk_size >= x.shape[-2]
+
+
+class TriangleAttentionEndingNode(_PlainEndingNode):
+    """`hfkit.model.TriangleAttentionEndingNode` (AF2 Algorithm 14) attending along the columns of the
+    pair representation without transposing copies (`attend_columns`); inputs that path does not
+    take, and chunked calls (`chunk_size` below N), run the model's forward."""
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, chunk_size: int | None = None
+    ) -> torch.Tensor:
+        """x: [*, N, N, C_z], mask: [*, N, N] -> update [*, N, N, C_z] (contiguous on the fast path)."""
+        update = None
+        if takes_column_path(self.mha, x, chunk_size):
+            update = attend_columns(self.mha, self.layer_norm, x, mask, self.inf, bias_projection=self.linear)
+        return super().forward(x, mask, chunk_size) if update is None else update
+
+
+class MSAColumnAttention(_PlainMSAColumnAttention):
+    """`hfkit.model.MSAColumnAttention` (AF2 Algorithm 8) attending along the MSA's columns without
+    transposing copies (`attend_columns`); inputs that path does not take, and chunked calls
+    (`chunk_size` below N), run the model's forward."""
+
+    def forward(
+        self, m: torch.Tensor, mask: torch.Tensor | None = None, chunk_size: int | None = None
+    ) -> torch.Tensor:
+        """m: [*, S, N, C_m], mask: [*, S, N] -> update [*, S, N, C_m] (contiguous on the fast path)."""
+        att = self._msa_att
+        update = None
+        if takes_column_path(att.mha, m, chunk_size):
+            update = attend_columns(att.mha, att.layer_norm_m, m, mask, att.inf)
+        return super().forward(m, mask, chunk_size) if update is None else update
+
+
+register_swap(_PlainEndingNode, TriangleAttentionEndingNode)
+register_swap(_PlainMSAColumnAttention, MSAColumnAttention)
