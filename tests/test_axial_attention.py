@@ -143,19 +143,24 @@ def input_sized_copies(module: torch.nn.Module, x: torch.Tensor) -> list[tuple[s
     ]
 
 
-def test_fast_path_makes_no_input_sized_copy(seed):
+@pytest.mark.parametrize("device", DEVICES)
+def test_fast_path_makes_no_input_sized_copy(device, seed):
     """The profiler sees input-sized copies (of x or its transpose) in the model's ending-node and
     column attention after `to_hfkit` without these swaps, and none with them (forward and backward)."""
     cases = [
         (
             TriangleAttentionEndingNode(C, C_HIDDEN, HEADS),
-            torch.randn(1, 13, 13, C),
+            torch.randn(1, 13, 13, C, device=device),
             "TriangleAttentionEndingNode",
         ),
-        (MSAColumnAttention(C, C_HIDDEN, HEADS), torch.randn(1, 5, 13, C), "MSAColumnAttention"),
+        (
+            MSAColumnAttention(C, C_HIDDEN, HEADS),
+            torch.randn(1, 5, 13, C, device=device),
+            "MSAColumnAttention",
+        ),
     ]
     for plain, x, op in cases:
-        plain = randomized(plain, "cpu")
+        plain = randomized(plain, device)
         without = hnn.to_hfkit(plain, inplace=False, exclude={op})
         assert type(without) is type(plain)
         assert input_sized_copies(without, x), op  # the check sees the copies it looks for
@@ -247,8 +252,9 @@ def test_block_matches_the_model(device, seed):
         assert rel_err(g, w) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["triangle", "column"])
-def test_openfold_column_attentions(kind, seed):
+def test_openfold_column_attentions(kind, device, seed):
     """OpenFold's ending-node `TriangleAttention(starting=False)` and `MSAColumnAttention` after
     `to_hfkit`: OpenFold's output and gradients, the update contiguous, no input-sized copy (there is
     one without these swaps), and `to_torch` gives OpenFold's class back."""
@@ -267,9 +273,9 @@ def test_openfold_column_attentions(kind, seed):
             (1, 5, 13, C),
             "MSAColumnAttention",
         )
-    plain = randomized(plain, "cpu")
-    x = torch.randn(x)
-    assert_matches_plain(plain, x, make_mask(x.shape[:-1], "zeros", "cpu"))
+    plain = randomized(plain, device)
+    x = torch.randn(x, device=device)
+    assert_matches_plain(plain, x, make_mask(x.shape[:-1], "zeros", device))
     swapped, report = hnn.to_hfkit(plain, inplace=False, report=True)
     assert report.counts()[f"openfold.{op}"] == 1
     assert input_sized_copies(swapped, x) == []
