@@ -47,7 +47,9 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 # Pipeline chunk. Fewer, larger chunks pay the per-chunk barrier, stream waits and launches less often;
 # larger ones fill the pipeline longer. An H200 shared by 2 ranks: 64 MB took 7.9/4.7/4.6/6.3 ms and
-# 1 GB 106/67/56/60 ms with 4/8/16/32 MB chunks; by 4 ranks, 1 GB took 178/122/104/123 ms.
+# 1 GB 106/67/56/60 ms with 4/8/16/32 MB chunks; by 4 ranks, 1 GB took 178/122/104/123 ms. Another run
+# (data/results/h200/tuning/hfreduce_chunk_*.json), 64 MB with 16/8 MB chunks: 4.6/5.2 ms by 2 ranks,
+# 8.9/9.2 ms by 4.
 DEFAULT_CHUNK_MB = 16.0
 # Messages up to this size on one node take the one-barrier small path. On the 2-core CPU machine (2
 # ranks, interleaved medians) it took 0.63/0.33/0.42/0.92 ms at 4 KB/64 KB/256 KB/1 MB against
