@@ -106,8 +106,10 @@ def attention_kernels(even: bool, dtype: str = "bf16", dot: int = 0) -> None:
     assert "cubin" in compile_sm90(eak._evo_fwd_kernel, ptrs, {**flags, "BLOCK_M": bm, "BLOCK_N": bn}, warps)
     for mode, pass_ in ((1, "dq"), (0, "dkdv"), (2, "dbias"), (3, "dkdv_dbias")):
         bm, bn, warps, stages = ea.CONFIGS_SMALL_D[pass_]
-        tiles = {**flags, "MODE": mode, "BLOCK_M": bm, "BLOCK_N": bn}
+        tiles = {**flags, "MODE": mode, "BLOCK_M": bm, "BLOCK_N": bn, "ROWS": 1}
         assert "cubin" in compile_sm90(eak._evo_bwd_kernel, ptrs, tiles, warps)
+    # The fused pass walking two rows side by side.
+    assert "cubin" in compile_sm90(eak._evo_bwd_kernel, ptrs, {**tiles, "ROWS": 2}, warps)
 
 
 def norm_and_softmax_kernels() -> None:

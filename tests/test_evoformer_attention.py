@@ -160,13 +160,16 @@ def _backward_inputs(bias_shape, dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("splits", [1, 2, 3, 5], ids=str)
-def test_bias_gradient_summed_in_the_dkdv_pass(splits, dtype, device, seed):
+@pytest.mark.parametrize("rows", [1, 2], ids=str)
+def test_bias_gradient_summed_in_the_dkdv_pass(rows, splits, dtype, device, seed):
     """The fused dk/dv + dbias pass: a pair bias [B, 1, H, Q, K] gets dlogits summed over the S = 5
-    rows it is broadcast over, in 1, 2, 3 (ragged: 2 + 2 + 1 rows) or 5 splits of the rows; odd Q and
-    K, masked keys and a fully masked row. dq, dk, dv, dbias against the reference, and the same as
-    the three-pass backward's up to float32 summation order."""
+    rows it is broadcast over, in 1, 2, 3 (ragged: 2 + 2 + 1 rows) or 5 splits of the rows, walked
+    one or two at a time (an odd count leaves a lone last row); odd Q and K, masked keys and a fully
+    masked row. dq, dk, dv, dbias against the reference, and the same as the three-pass backward's up
+    to float32 summation order."""
     evo, args, expected = _backward_inputs((2, 1, 2, 19, 37), dtype, device)
-    fused = evo.backward_passes(*args, True, fuse_dbias=True, splits=splits)
+    cfg = evo._config("dkdv_dbias", 16, args[1].device)._replace(rows=rows)
+    fused = evo.backward_passes(*args, True, fuse_dbias=True, configs={"dkdv_dbias": cfg}, splits=splits)
     passes = evo.backward_passes(*args, True, fuse_dbias=False, splits=splits)
     assert fused[3].shape == (2, 1, 2, 19, 37) and fused[3].dtype == torch.float32
     for name, got, old, want in zip(("dq", "dk", "dv", "dbias"), fused, passes, expected, strict=True):

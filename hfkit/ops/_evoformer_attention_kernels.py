@@ -169,6 +169,48 @@ def _probs_and_dlogits(
 
 
 @triton.jit
+def _broadcast_row(r, tile_a, S, H, nb_s, nb_h):
+    # (b, s, h, b*S*H + s*H + h) of the r-th row that bias row `tile_a` ([nb_b, nb_s, nb_h] order) is
+    # broadcast over: the bias row covers every (b, s, h) equal to it where the bias is not
+    # broadcast; r counts through the broadcast ones, h fastest.
+    rh = H // nb_h
+    rs = S // nb_s
+    h = (tile_a % nb_h + r % rh).to(tl.int64)
+    s_ = ((tile_a // nb_h) % nb_s + (r // rh) % rs).to(tl.int64)
+    b = (tile_a // (nb_h * nb_s) + r // (rh * rs)).to(tl.int64)
+    return b, s_, h, (b * S + s_) * H + h
+
+
+@triton.jit
+def _dkdv_tile(
+    k, v, kbias, b_ptrs, bt, q_base, do_base, row0, Mx, Lg, Delta, offs_m, m_ok, n_ok, offs_d, d_ok,
+    qk_scale, sqn, sdon,
+    HAS_BIAS: tl.constexpr, BIAS_PRELOADED: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
+    EVEN_MN: tl.constexpr,
+):  # fmt: skip
+    # pᵀ and dsᵀ of one (key block, query block) tile of one row, transposed ([keys, queries]) so
+    # that they come out of the softmax in the layout the dv and dk products take (no register
+    # transposes), with the q and do tiles those products read and the bias tile (float32, base-2
+    # units; `bt` when BIAS_PRELOADED, else loaded from b_ptrs). kbias: the key bias, base 2.
+    qt = _ld(q_base + offs_m[None, :] * sqn + offs_d[:, None], d_ok[:, None] & m_ok[None, :], EVEN)
+    do = _ld(do_base + offs_m[:, None] * sdon + offs_d[None, :], m_ok[:, None] & d_ok[None, :], EVEN)
+    mx = _ld(Mx + row0 + offs_m, m_ok, EVEN_MN)
+    lg = _ld(Lg + row0 + offs_m, m_ok, EVEN_MN)
+    delta = _ld(Delta + row0 + offs_m, m_ok, EVEN_MN)
+    st = (dot(k, qt, DOT) * qk_scale).to(tl.float32) + kbias[:, None]
+    if HAS_BIAS:
+        if not BIAS_PRELOADED:
+            bt = _ld(b_ptrs, n_ok[:, None] & m_ok[None, :], EVEN_MN).to(tl.float32) * 1.4426950408889634
+        st += bt
+    pt = tl.exp2((st - mx[None, :]) - lg[None, :])
+    if not EVEN_MN:
+        pt = tl.where(n_ok[:, None] & m_ok[None, :], pt, 0.0)
+    dpt = dot(v, tl.trans(do), DOT)
+    dst = pt * (dpt - delta[None, :])
+    return pt, dst, qt, do, bt
+
+
+@triton.jit
 def _evo_bwd_kernel(
     Q, K, V, Bias, KeyBias, O, DO, Mx, Lg, Delta, DQ, DK, DV, DB,
     B, S, H, n_q, n_k, d, qk_scale, sm_scale, reps_per_split,
@@ -179,7 +221,7 @@ def _evo_bwd_kernel(
     nb_b, nb_s, nb_h,
     MODE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr,
     EVEN: tl.constexpr, EVEN_MN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     # MODE 1 (dq):     grid (query blocks, B*S*H); walks the key blocks. Runs first: it also writes
     #                  delta = rowsum(do * o), which the other passes read.
@@ -194,6 +236,8 @@ def _evo_bwd_kernel(
     #                  dlogits tiles it makes anyway into its own [Q, BLOCK_N] slice of the split's
     #                  float32 partial sum (the first row stores, the others load, add and store: no
     #                  other program touches the slice, so no atomics; the host adds the splits).
+    #                  ROWS = 2 walks two rows side by side (two dk/dv accumulators): one bias tile
+    #                  load and one partial-sum load and store per two rows' dlogits.
     # Traffic: dq reads q, do, o once and k, v once per query block; dk/dv reads k, v once and q, do
     # once per key block; dbias reads q, k, v, do once per bias tile and writes float32 partials;
     # MODE 3 adds a load and a store of float32 partials per logit to MODE 0 (from L2 while the
@@ -237,18 +281,13 @@ def _evo_bwd_kernel(
         r_lo = 0
         r_hi = 1
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for r in range(r_lo, r_hi):
+    for r in range(r_lo, r_hi, ROWS):
         if MODE == 2 or MODE == 3:
-            # Bias row (bb, sb, hb) covers every (b, s, h) equal to it where the bias is not
-            # broadcast; r counts through the broadcast ones.
-            hb = tile_a % nb_h
-            sb = (tile_a // nb_h) % nb_s
-            bb = tile_a // (nb_h * nb_s)
             rh = H // nb_h
             rs = S // nb_s
-            h = (hb + r % rh).to(tl.int64)
-            s_ = (sb + (r // rh) % rs).to(tl.int64)
-            b = bb + r // (rh * rs)
+            h = (tile_a % nb_h + r % rh).to(tl.int64)
+            s_ = ((tile_a // nb_h) % nb_s + (r // rh) % rs).to(tl.int64)
+            b = (tile_a // (nb_h * nb_s) + r // (rh * rs)).to(tl.int64)
             bsh = (b * S + s_) * H + h
         else:
             bsh = tile_a
@@ -269,42 +308,56 @@ def _evo_bwd_kernel(
                 tl.debug_barrier()
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < n_k
-            dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-            dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-            # Transposed tiles [keys, queries] throughout, so that pᵀ and dsᵀ come out of the
-            # softmax in the layout the dv and dk products take (no register transposes).
             nd = n_ok[:, None] & d_ok[None, :]
             k = _ld(k_base + offs_n[:, None] * skn + offs_d[None, :], nd, EVEN)
             v = _ld(v_base + offs_n[:, None] * svn + offs_d[None, :], nd, EVEN)
             kbias = tl.zeros([BLOCK_N], dtype=tl.float32)
             if HAS_KEY_BIAS:
                 kbias = _ld(KeyBias + kb_off + offs_n * skb_k, n_ok, EVEN_MN) * 1.4426950408889634
+            dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+            dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+            if ROWS == 2:
+                # The second row; past the split's end it repeats the first, its dlogits weighted 0
+                # and its dk, dv not stored.
+                has1 = (tl.zeros([BLOCK_N], dtype=tl.int32) + r + 1) < r_hi
+                b1, s1, h1, bsh1 = _broadcast_row(tl.minimum(r + 1, r_hi - 1), tile_a, S, H, nb_s, nb_h)
+                q_base1 = Q + b1 * sqb + s1 * sqs + h1 * sqh
+                do_base1 = DO + b1 * sdob + s1 * sdos + h1 * sdoh
+                k1 = _ld(
+                    K + b1 * skb + s1 * sks + h1 * skh + offs_n[:, None] * skn + offs_d[None, :], nd, EVEN
+                )
+                v1 = _ld(
+                    V + b1 * svb + s1 * svs + h1 * svh + offs_n[:, None] * svn + offs_d[None, :], nd, EVEN
+                )
+                kbias1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+                if HAS_KEY_BIAS:
+                    kb_ptrs1 = KeyBias + b1 * skb_b + s1 * skb_s + offs_n * skb_k
+                    kbias1 = _ld(kb_ptrs1, n_ok, EVEN_MN) * 1.4426950408889634
+                w1 = tl.where(has1, 1.0, 0.0)[:, None]
+                dk1 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+                dv1 = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
             for start in range(0, n_q, BLOCK_M):
                 offs_m = start + tl.arange(0, BLOCK_M)
                 m_ok = offs_m < n_q
-                qt = _ld(
-                    q_base + offs_m[None, :] * sqn + offs_d[:, None], d_ok[:, None] & m_ok[None, :], EVEN
-                )
-                do = _ld(
-                    do_base + offs_m[:, None] * sdon + offs_d[None, :],
-                    m_ok[:, None] & d_ok[None, :],
-                    EVEN,
-                )
-                mx = _ld(Mx + row0 + offs_m, m_ok, EVEN_MN)
-                lg = _ld(Lg + row0 + offs_m, m_ok, EVEN_MN)
-                delta = _ld(Delta + row0 + offs_m, m_ok, EVEN_MN)
-                st = (dot(k, qt, DOT) * qk_scale).to(tl.float32) + kbias[:, None]
+                b_ptrs = Bias
                 if HAS_BIAS:
-                    ok = n_ok[:, None] & m_ok[None, :]
                     b_ptrs = Bias + b_off + offs_n[:, None] * sbk + offs_m[None, :] * sbq
-                    st += _ld(b_ptrs, ok, EVEN_MN).to(tl.float32) * 1.4426950408889634
-                pt = tl.exp2((st - mx[None, :]) - lg[None, :])
-                if not EVEN_MN:
-                    pt = tl.where(n_ok[:, None] & m_ok[None, :], pt, 0.0)
-                dpt = dot(v, tl.trans(do), DOT)
-                dst = pt * (dpt - delta[None, :])
+                pt, dst, qt, do, bt = _dkdv_tile(
+                    k, v, kbias, b_ptrs, 0.0, q_base, do_base, row0, Mx, Lg, Delta, offs_m, m_ok, n_ok,
+                    offs_d, d_ok, qk_scale, sqn, sdon, HAS_BIAS, False, DOT, EVEN, EVEN_MN,
+                )  # fmt: skip
                 dv += dot(pt.to(do.dtype), do, DOT)
                 dk += dot(dst.to(do.dtype), tl.trans(qt), DOT)
+                if ROWS == 2:
+                    # Every row a MODE 3 program walks shares the bias tile (the bias strides are 0
+                    # along the dims it is broadcast over).
+                    pt1, dst1, qt1, do1, _ = _dkdv_tile(
+                        k1, v1, kbias1, b_ptrs, bt, q_base1, do_base1, bsh1 * n_q, Mx, Lg, Delta, offs_m,
+                        m_ok, n_ok, offs_d, d_ok, qk_scale, sqn, sdon, HAS_BIAS, True, DOT, EVEN, EVEN_MN,
+                    )  # fmt: skip
+                    dv1 += dot(pt1.to(do1.dtype), do1, DOT)
+                    dk1 += dot(dst1.to(do1.dtype), tl.trans(qt1), DOT)
+                    dst += dst1 * w1
                 if MODE == 3:
                     db_ptrs = db_base + offs_m[None, :] * n_k + offs_n[:, None]
                     # The split's first row stores (its load is masked off: the slice starts unset).
@@ -320,6 +373,12 @@ def _evo_bwd_kernel(
             dv_ptrs = DV + b.to(tl.int64) * sdvb + s_ * sdvs + h * sdvh + offs_n[:, None] * sdvn
             _st(dk_ptrs + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), nd, EVEN)
             _st(dv_ptrs + offs_d[None, :], dv.to(DV.dtype.element_ty), nd, EVEN)
+            if ROWS == 2:
+                nd1 = nd & has1[:, None]
+                dk_ptrs1 = DK + b1 * sdkb + s1 * sdks + h1 * sdkh + offs_n[:, None] * sdkn + offs_d[None, :]
+                dv_ptrs1 = DV + b1 * sdvb + s1 * sdvs + h1 * sdvh + offs_n[:, None] * sdvn + offs_d[None, :]
+                tl.store(dk_ptrs1, (dk1 * sm_scale).to(DK.dtype.element_ty), mask=nd1)
+                tl.store(dv_ptrs1, dv1.to(DV.dtype.element_ty), mask=nd1)
         else:
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             m_ok = offs_m < n_q

@@ -59,13 +59,15 @@ MAX_GRID_Y = 65535
 
 
 class Config(NamedTuple):
-    """Tiles of one kernel pass: rows of queries and keys per tile, padded head dim, warps, stages."""
+    """Tiles of one kernel pass: rows of queries and keys per tile, padded head dim, warps, stages;
+    rows: the broadcast rows the fused dk/dv + dbias pass walks side by side (1 or 2)."""
 
     block_m: int
     block_n: int
     block_d: int
     warps: int
     stages: int
+    rows: int = 1
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per pass on CUDA, for padded head dims <= 32 and above;
@@ -348,7 +350,7 @@ if HAS_TRITON:
             MODE=_MODES[pass_], HAS_BIAS=bias is not None, HAS_KEY_BIAS=key_bias is not None,
             DOT=dot_mode(q), EVEN=_even(n_q, n_k, d, cfg), EVEN_MN=_even_mn(n_q, n_k, cfg),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
-            num_warps=cfg.warps, num_stages=cfg.stages,
+            ROWS=cfg.rows if pass_ == "dkdv_dbias" else 1, num_warps=cfg.warps, num_stages=cfg.stages,
         )  # fmt: skip
 
     def dbias_splits(reps: int, tiles: int, device: torch.device) -> int:
