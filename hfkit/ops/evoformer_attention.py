@@ -10,8 +10,8 @@ query block) and one for dk/dv (a program per key block) that, when the bias nee
 sums the logits' gradient over the rows the bias was broadcast over: a program walks a range of those
 rows (a split) and adds into a float32 partial sum of its own, and the host adds the splits
 (deterministic, no atomics). The three-pass backward, with a separate dbias kernel (a program per bias
-tile that recomputes the probabilities of every row), stays selectable (`backward_passes`) and is used
-where the fused pass's partial sums would not fit in L2. The kernels are in
+tile that recomputes the probabilities of every row), stays selectable (`backward_passes`); on CUDA it
+runs for broadcast biases (`fuses_dbias`). The kernels are in
 `hfkit.ops._evoformer_attention_kernels`. Registered as the custom ops `hfkit::evoformer_attention_fwd`
 / `_bwd`; on CPU without `TRITON_INTERPRET=1` it runs `evoformer_attention_reference`.
 """
@@ -377,15 +377,15 @@ if HAS_TRITON:
             want = max(1, programs // max(1, programs_per_split))
         return cdiv(reps, cdiv(reps, max(1, min(reps, want))))
 
-    def fuses_dbias(reps: int, n_q: int, d: int, device: torch.device) -> bool:
+    def fuses_dbias(reps: int, device: torch.device) -> bool:
         """Whether the backward sums dbias inside the dk/dv pass for a bias broadcast over `reps` rows
         (B x S x H over the bias's rows): yes under the interpreter and for an unbroadcast bias (each
-        program stores its slice once); else where one program per SM keeps its partial-sum slices
-        within DBIAS_PARTIALS_L2_BYTES."""
-        if device.type != "cuda" or reps == 1:
-            return True
-        cfg = _config("dkdv_dbias", d, device)
-        return n_q * cfg.block_n * 4 * num_sms(device) <= DBIAS_PARTIALS_L2_BYTES
+        program stores its slice once, no partial sums). On CUDA a broadcast bias takes the three-pass
+        backward, the one the H200 tile measurements cover (the fused pass adds a float32 load and
+        store of its partial sums per logit and row, against the dbias pass's recomputation: which
+        costs less there is measured by neither yet); `backward_passes(fuse_dbias=True)` runs the fused
+        pass there, split within DBIAS_PARTIALS_L2_BYTES (`dkdv_dbias_splits`)."""
+        return device.type != "cuda" or reps == 1
 
     @hfkit_op("evoformer_attention_fwd")
     def _evo_fwd(
@@ -448,7 +448,7 @@ if HAS_TRITON:
         nb = list(bias.shape[:3])
         reps = (b // nb[0]) * (s // nb[1]) * (h // nb[2])
         if fuse_dbias is None:
-            fuse_dbias = fuses_dbias(reps, n_q, d, q.device)
+            fuse_dbias = fuses_dbias(reps, q.device)
         if fuse_dbias:
             pass_, c = "dkdv_dbias", cfg("dkdv_dbias")
             per_split = cdiv(n_k, c.block_n) * nb[0] * nb[1] * nb[2]
