@@ -7,6 +7,8 @@ rows, H=8, D=32). Inputs: q/k/v [B, S, H, N, D], a pair bias [B, 1, H, N, N] tha
 key mask [B, S, 1, 1, N] of ones with the last few keys zero (padding). Providers:
 
 - `hfkit`: `hfkit.ops.evoformer_attention(q, k, v, bias, mask)`;
+- `hfkit_fused_dbias`: the same forward, its backward with the bias gradient summed inside the dk/dv
+  pass (`backward_passes(fuse_dbias=True)`) whatever `fuses_dbias` picks: the comparison that sets it;
 - `eager`: OpenFold's attention in the input dtype, the [B, S, H, N, N] logits materialized;
 - `compile`: `torch.compile` of `eager`;
 - `sdpa`: `F.scaled_dot_product_attention` on [B·S, H, N, D] views with an additive float mask: the
@@ -192,11 +194,39 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+class _FusedDbias(torch.autograd.Function):
+    """hfkit's attention op whose backward always takes the fused dk/dv + dbias pass."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, key_bias):
+        o, mx, lg = torch.ops.hfkit.evoformer_attention_fwd(q, k, v, bias, key_bias)
+        ctx.save_for_backward(q, k, v, bias, key_bias, o, mx, lg)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, bias, key_bias, o, mx, lg = ctx.saved_tensors
+        passes = _kernels().backward_passes
+        dq, dk, dv, db = passes(do, q, k, v, bias, key_bias, o, mx, lg, True, fuse_dbias=True)
+        return dq, dk, dv, db.to(bias.dtype), None
+
+
+def fused_dbias_attention(q, k, v, bias, mask):
+    """`hfkit.ops.evoformer_attention(q, k, v, bias, mask)` (bias [B, 1, H, N, N], mask [B, S, 1, 1, N]
+    of 0/1) with the fused dk/dv + dbias backward on CUDA (`_kernels().backward_passes`)."""
+    key_bias = (mask[:, :, 0, 0, :].detach().float() - 1.0) * MASK_INF
+    return _FusedDbias.apply(q, k, v, bias, key_bias)
+
+
 def _provider(provider: str, case: AttentionCase, device: torch.device) -> _Impl:
     if provider == "hfkit":
         from hfkit.ops import evoformer_attention
 
         return _Impl(evoformer_attention, _same_layout, _identity, {})
+    if provider == "hfkit_fused_dbias":
+        if device.type != "cuda":
+            raise Skip("the fused dk/dv + dbias backward is compared with the default on CUDA")
+        return _Impl(fused_dbias_attention, _same_layout, _identity, {"backward": "dkdv_dbias"})
     if provider == "eager":
         return _Impl(eager_attention, _same_layout, _identity, {})
     if provider == "compile":
@@ -377,7 +407,7 @@ BENCHMARK = op_benchmark(
     "triangle / MSA-row attention: hfkit vs eager, compile, SDPA, trifast, cuEquivariance",
     attention_cases,
     (_prepare, _provider, _build, _cost),
-    providers=("hfkit", "eager", "compile", "sdpa", "trifast", "cuequivariance"),
+    providers=("hfkit", "hfkit_fused_dbias", "eager", "compile", "sdpa", "trifast", "cuequivariance"),
     default_dtypes=("bf16",),
     options=(
         Option("ops", "names", "which attention", tuple(OPS)),
