@@ -119,6 +119,18 @@ def test_cli_comms_runs(tmp_path, capsys):
     assert ddp_path(out) == tmp_path / "c.ddp.json" and not ddp_path(out).exists()  # --no-ddp
 
 
+def test_cli_comms_chunk_mb_sets_hfreduce_chunk(tmp_path):
+    """`--chunk-mb` reaches every rank's HostReduce: a 1 MiB message in 0.5 MiB chunks runs the pipeline
+    (not the small path) and its row records the chunk; the bound is computed for that chunk."""
+    out = tmp_path / "c.json"
+    argv = ["bench", "comms", "--backends", "hfreduce", "--min-bytes", "1M", "--max-bytes", "1M", "--no-ddp",
+            "--chunk-mb", "0.5", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["extra"]["chunk_bytes"] == 512 << 10 and row["extra"]["path"] == "pipelined"
+    assert "--chunk-mb 0.5" in row["command"]
+
+
 def test_load_comms_results_reads_both_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="comms.json"):
         load_comms_results(tmp_path)
