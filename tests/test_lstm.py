@@ -654,15 +654,20 @@ print(len(c.COMPILED))
 """
 
 
-def test_step_kernels_compile_for_hopper():
+def _compiled_count(script: str) -> str:
+    """Run a compile script in a fresh interpreter with compiled (not interpreted) Triton and the tests'
+    folder on the path; returns the last word it prints (the number of kernels it compiled)."""
     pytest.importorskip("triton.backends.nvidia", reason="this Triton build has no NVIDIA backend")
     tests = Path(__file__).parent
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent)]))
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE_STEP_KERNELS], env=env, capture_output=True, text=True, timeout=600
-    )
+    cmd = [sys.executable, "-c", script]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.split()[-1] == "16", done.stdout
+    return done.stdout.split()[-1]
+
+
+def test_step_kernels_compile_for_hopper():
+    assert _compiled_count(_COMPILE_STEP_KERNELS) == "16"
 
 
 # Compiles both sequence kernels for sm_90 as the CUDA path launches them (one launch for the sequence)
@@ -736,14 +741,7 @@ print(len(c.COMPILED))
 
 
 def test_sequence_kernels_compile_for_hopper():
-    pytest.importorskip("triton.backends.nvidia", reason="this Triton build has no NVIDIA backend")
-    tests = Path(__file__).parent
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent)]))
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SEQ_KERNELS], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.split()[-1] == "20", done.stdout
+    assert _compiled_count(_COMPILE_SEQ_KERNELS) == "20"
 
 
 @pytest.mark.cuda
