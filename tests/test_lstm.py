@@ -169,7 +169,7 @@ def test_persistent_tiles_rule():
     assert bf16.resident and bf16.fwd_block_k == 1024
     assert (bf16.bwd_grid, bf16.bwd_block_u, bf16.bwd_block_b) == ((124, 1), 8, 4)
     assert bf16.bwd_resident and bf16.bwd_block_k == 1024 and bf16.bwd_split == lstm_op.SEQ_BWD_SPLIT
-    assert bf16.bwd_num_warps == lstm_op.SEQ_NUM_WARPS
+    assert bf16.bwd_num_warps == lstm_op.SEQ_BWD_NUM_WARPS
     for split in (True, False):
         tiles = lstm_op._persistent_tiles(4, 985, 2, 0, 132, bwd_split=split)
         assert tiles is not None and tiles.bwd_split == split and tiles.bwd_resident, split
@@ -675,7 +675,9 @@ def test_step_kernels_compile_for_hopper():
 # backward's dgates split and rounded once), float32 streaming both slices with three TF32 products
 # and holding them on chip with one, at the largest the rule allows (shared memory within sm_90's
 # 227 KB a block); the grid barrier's release-acquire atomics are in every PTX. ptxas (the one Triton
-# runs, with its options) allocates every backward, with and without PREFETCH, without spilling registers.
+# runs, with its options) allocates every backward, with and without PREFETCH, at its 4 warps with at
+# most 128 bytes of spill stores (84 in bfloat16 with Triton 3.9: the 4 warps measured 10% faster on
+# the H200 than 8 without spills; see SEQ_BWD_NUM_WARPS).
 _COMPILE_SEQ_KERNELS = """
 import importlib, re, subprocess, tempfile
 import triton
@@ -715,7 +717,7 @@ for dt, size, dot in (("bf16", 2, 0), ("fp16", 2, 0), ("fp32", 4, 3), ("fp32", 4
             asm = c.compile_sm90(k.lstm_seq_bwd_kernel, bwd, flags, num_warps=tiles.bwd_num_warps)
             assert "cubin" in asm and "atom.global.gpu.acq_rel.add" in asm["ptx"]
             spilled, log = spills(asm["ptx"])
-            assert spilled == "0", (dt, dot, split, prefetch, log)
+            assert int(spilled) <= 128, (dt, dot, split, prefetch, log)
 def shared_bytes(fn, pointers, constexprs):
     signature = {}
     for p in fn.params:
