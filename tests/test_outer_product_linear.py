@@ -10,6 +10,7 @@ name the argument.
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -23,13 +24,23 @@ from hfkit.model import EvoformerStack, ModelConfig, OuterProductMean
 from hfkit.ops import outer_product_linear, outer_product_linear_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+opl = importlib.import_module("hfkit.ops.outer_product_linear")
+
+
+@pytest.fixture(params=["batched", "rows"])
+def layout(request, monkeypatch):
+    """Both ways the op builds the outer product: stride-0 batched matmuls (S <= STRIDE0_MAX_ROWS, the
+    test sizes) and one matmul plus a swapping copy (forced here by a limit of 0 rows)."""
+    if request.param == "rows":
+        monkeypatch.setattr(opl, "STRIDE0_MAX_ROWS", 0)
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("batch", [(), (2,)], ids=["nobatch", "batch"])
 @pytest.mark.parametrize("e", [4, 5], ids=["e4", "e5"])
-def test_matches_reference(dtype, with_bias, batch, e, seed):
+def test_matches_reference(dtype, with_bias, batch, e, layout, seed):
     s, i, j, c, n = 5, 7, 6, 3, 9
     a = torch.randn(*batch, s, i, c, dtype=dtype)
     b = torch.randn(*batch, s, j, e, dtype=dtype)
@@ -59,7 +70,7 @@ def test_matches_reference(dtype, with_bias, batch, e, seed):
     ids=["odd", "batch2d", "ones", "onecol", "onerow"],
 )
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
-def test_float64_output_and_gradients_equal_the_reference(batch, s, i, j, c, e, with_bias, seed):
+def test_float64_output_and_gradients_equal_the_reference(batch, s, i, j, c, e, with_bias, layout, seed):
     # The outer product is built as [*, I, J, E, C] and its gradient as [*, I, J, E, C] and
     # [*, J, I, C, E]: a mix-up of c and e or of i and j shows at float64 precision whenever C != E or
     # I != J.
@@ -89,7 +100,7 @@ def test_gradcheck(seed):
     assert torch.autograd.gradcheck(outer_product_linear, [t.requires_grad_() for t in args])
 
 
-def test_strided_operands_equal_the_reference(seed):
+def test_strided_operands_equal_the_reference(layout, seed):
     # a as the model's row chunks pass it (a narrow over i), b with e outermost in memory; the weight
     # transposed in memory.
     f64 = torch.float64
@@ -108,9 +119,10 @@ def test_strided_operands_equal_the_reference(seed):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_no_outer_product_sized_copy(dtype, seed):
-    # The forward and the backward build the outer product and its gradient directly in the layouts
-    # their matmuls read: no copy anywhere as large as the [I, J, C*E] outer product (dy's one copy, in
-    # the backward, is N / (C*E) of it). The reference's flatten copies it once, as the check must see.
+    # Up to STRIDE0_MAX_ROWS rows (here 9) the forward and the backward build the outer product and its
+    # gradient directly in the layouts their matmuls read: no copy anywhere as large as the [I, J, C*E]
+    # outer product (dy's one copy, in the backward, is N / (C*E) of it). The reference's flatten copies
+    # it once, as the check must see.
     s, i, j, c, e, n = 9, 16, 12, 4, 3, 4  # S > C, E as in the model: a copy of a or b per pair row is big
     outer_size = i * j * c * e
     for fn, copies_outer in ((outer_product_linear, False), (outer_product_linear_reference, True)):
@@ -139,7 +151,7 @@ def test_compiles_as_one_graph(seed):
         assert_close(actual, expected, msg=f"gradient {k}")
 
 
-def test_only_the_needed_gradients(seed):
+def test_only_the_needed_gradients(layout, seed):
     a, b = torch.randn(3, 4, 2, requires_grad=True), torch.randn(3, 5, 2)
     w = torch.randn(6, 4)
     (grad_a,) = torch.autograd.grad(outer_product_linear(a, b, w).sum(), [a])
@@ -147,7 +159,7 @@ def test_only_the_needed_gradients(seed):
     torch.testing.assert_close(grad_a, want)
 
 
-def test_autocast_matches_einsum_and_linear(seed):
+def test_autocast_matches_einsum_and_linear(layout, seed):
     lin = nn.Linear(12, 5)
     a, b = torch.randn(4, 6, 3, requires_grad=True), torch.randn(4, 7, 4, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):

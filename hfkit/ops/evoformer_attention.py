@@ -11,9 +11,10 @@ sums the logits' gradient over the rows the bias was broadcast over: a program w
 rows (a split) and adds into a float32 partial sum of its own, and the host adds the splits
 (deterministic, no atomics). The three-pass backward, with a separate dbias kernel (a program per bias
 tile that recomputes the probabilities of every row), stays selectable (`backward_passes`); on CUDA it
-runs for broadcast biases (`fuses_dbias`). The kernels are in
-`hfkit.ops._evoformer_attention_kernels`. Registered as the custom ops `hfkit::evoformer_attention_fwd`
-/ `_bwd`; on CPU without `TRITON_INTERPRET=1` it runs `evoformer_attention_reference`.
+runs for broadcast biases past the sizes the fused pass was measured to win at (`fuses_dbias`). The
+kernels are in `hfkit.ops._evoformer_attention_kernels`. Registered as the custom ops
+`hfkit::evoformer_attention_fwd` / `_bwd`; on CPU without `TRITON_INTERPRET=1` it runs
+`evoformer_attention_reference`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ GROUP_ROWS = 16
 # its own [Q, BLOCK_N] slice once per row it walks): about two thirds of an H100/H200's 50 MB L2, so
 # that those loads and stores stay in L2. Above it the three-pass backward runs.
 DBIAS_PARTIALS_L2_BYTES = 32 * 2**20
+# The largest Q x K a broadcast bias's rows may have for the fused dk/dv + dbias pass on CUDA (see
+# `fuses_dbias`): the largest measured, N = 512.
+FUSED_DBIAS_MAX_LOGITS = 512 * 512
 # Programs per SM the fused pass aims for when it splits the rows a bias was broadcast over.
 DKDV_DBIAS_PROGRAMS_PER_SM = 2
 # CUDA's limit on a grid's y dimension: calls with more (batch, row, head) programs than this are
@@ -73,15 +77,18 @@ class Config(NamedTuple):
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per pass on CUDA, for padded head dims <= 32 and above;
 # from `hfkit bench evoformer_attention --tiles` on an H200 (data/results/h200/tuning/attention.json).
 # "dkdv_dbias" (the fused pass) is the largest tile that compiles for sm_90 without spills at D = 32
-# (8 warps) and D = 64.
-CONFIGS_SMALL_D: dict[str, tuple[int, int, int, int]] = {
+# (8 warps) and D = 64; at D <= 32 it runs 4 warps and two broadcast rows side by side (`Config.rows`),
+# the fastest of the tiles measured as CUDA graphs on the H200 (session 11, `.gpu`-style probe): 12%
+# below the three-pass backward at N = 256 and 384, 29% in the extra-MSA stack (S 1024, D 8), 4% at
+# N = 512. (BLOCK_M, BLOCK_N, warps, stages[, rows]).
+CONFIGS_SMALL_D: dict[str, tuple[int, ...]] = {
     "fwd": (128, 32, 4, 3),
     "dkdv": (32, 128, 4, 3),
     "dq": (64, 32, 4, 3),
     "dbias": (128, 64, 4, 2),
-    "dkdv_dbias": (32, 64, 8, 2),
+    "dkdv_dbias": (32, 64, 4, 2, 2),
 }
-CONFIGS_LARGE_D: dict[str, tuple[int, int, int, int]] = {
+CONFIGS_LARGE_D: dict[str, tuple[int, ...]] = {
     "fwd": (64, 64, 4, 2),
     "dkdv": (32, 32, 4, 2),
     "dq": (32, 32, 4, 2),
@@ -246,8 +253,8 @@ if HAS_TRITON:
         if device.type != "cuda":
             return Config(32, 32, block_d, 4, 1)  # small tiles so that tests cross block edges cheaply
         table = CONFIGS_SMALL_D if block_d <= 32 else CONFIGS_LARGE_D
-        bm, bn, warps, stages = table[pass_]
-        return Config(bm, bn, block_d, warps, stages)
+        bm, bn, warps, stages, *rows = table[pass_]
+        return Config(bm, bn, block_d, warps, stages, *rows)
 
     def _qkv_strides(t: torch.Tensor) -> list[int]:
         return list(t.stride()[:4])
@@ -377,15 +384,18 @@ if HAS_TRITON:
             want = max(1, programs // max(1, programs_per_split))
         return cdiv(reps, cdiv(reps, max(1, min(reps, want))))
 
-    def fuses_dbias(reps: int, device: torch.device) -> bool:
+    def fuses_dbias(reps: int, n_q: int, n_k: int, d: int, device: torch.device) -> bool:
         """Whether the backward sums dbias inside the dk/dv pass for a bias broadcast over `reps` rows
-        (B x S x H over the bias's rows): yes under the interpreter and for an unbroadcast bias (each
-        program stores its slice once, no partial sums). On CUDA a broadcast bias takes the three-pass
-        backward, the one the H200 tile measurements cover (the fused pass adds a float32 load and
-        store of its partial sums per logit and row, against the dbias pass's recomputation: which
-        costs less there is measured by neither yet); `backward_passes(fuse_dbias=True)` runs the fused
-        pass there, split within DBIAS_PARTIALS_L2_BYTES (`dkdv_dbias_splits`)."""
-        return device.type != "cuda" or reps == 1
+        (B x S x H over the bias's rows) with n_q x n_k logits and head dim d: yes under the
+        interpreter and for an unbroadcast bias (each program stores its slice once, no partial sums).
+        On CUDA yes for head dims up to 32 and at most FUSED_DBIAS_MAX_LOGITS logits a row, where the
+        H200 measured it faster than the three-pass backward (the fused pass adds a float32 load and
+        store of its partial sums per logit and row, the dbias pass recomputes the probabilities; the
+        gain shrinks with N: 12% at 256 and 384, 4% at 512); beyond them the three-pass backward.
+        `backward_passes(fuse_dbias=...)` overrides it."""
+        if device.type != "cuda" or reps == 1:
+            return True
+        return next_power_of_2(d) <= 32 and n_q * n_k <= FUSED_DBIAS_MAX_LOGITS
 
     @hfkit_op("evoformer_attention_fwd")
     def _evo_fwd(
@@ -448,7 +458,7 @@ if HAS_TRITON:
         nb = list(bias.shape[:3])
         reps = (b // nb[0]) * (s // nb[1]) * (h // nb[2])
         if fuse_dbias is None:
-            fuse_dbias = fuses_dbias(reps, q.device)
+            fuse_dbias = fuses_dbias(reps, n_q, n_k, d, q.device)
         if fuse_dbias:
             pass_, c = "dkdv_dbias", cfg("dkdv_dbias")
             per_split = cdiv(n_k, c.block_n) * nb[0] * nb[1] * nb[2]

@@ -7,8 +7,8 @@ rows, H=8, D=32). Inputs: q/k/v [B, S, H, N, D], a pair bias [B, 1, H, N, N] tha
 key mask [B, S, 1, 1, N] of ones with the last few keys zero (padding). Providers:
 
 - `hfkit`: `hfkit.ops.evoformer_attention(q, k, v, bias, mask)`;
-- `hfkit_fused_dbias`: the same forward, its backward with the bias gradient summed inside the dk/dv
-  pass (`backward_passes(fuse_dbias=True)`) whatever `fuses_dbias` picks: the comparison that sets it;
+- `hfkit_three_pass`: the same forward, its backward with a separate dbias pass
+  (`backward_passes(fuse_dbias=False)`) whatever `fuses_dbias` picks: the comparison that sets it;
 - `eager`: OpenFold's attention in the input dtype, the [B, S, H, N, N] logits materialized;
 - `compile`: `torch.compile` of `eager`;
 - `sdpa`: `F.scaled_dot_product_attention` on [B·S, H, N, D] views with an additive float mask: the
@@ -194,8 +194,8 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class _FusedDbias(torch.autograd.Function):
-    """hfkit's attention op whose backward always takes the fused dk/dv + dbias pass."""
+class _ThreePass(torch.autograd.Function):
+    """hfkit's attention op whose backward always takes the three passes (dq, dk/dv, dbias)."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, key_bias):
@@ -207,15 +207,15 @@ class _FusedDbias(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, bias, key_bias, o, mx, lg = ctx.saved_tensors
         passes = _kernels().backward_passes
-        dq, dk, dv, db = passes(do, q, k, v, bias, key_bias, o, mx, lg, True, fuse_dbias=True)
+        dq, dk, dv, db = passes(do, q, k, v, bias, key_bias, o, mx, lg, True, fuse_dbias=False)
         return dq, dk, dv, db.to(bias.dtype), None
 
 
-def fused_dbias_attention(q, k, v, bias, mask):
+def three_pass_attention(q, k, v, bias, mask):
     """`hfkit.ops.evoformer_attention(q, k, v, bias, mask)` (bias [B, 1, H, N, N], mask [B, S, 1, 1, N]
-    of 0/1) with the fused dk/dv + dbias backward on CUDA (`_kernels().backward_passes`)."""
+    of 0/1) with the three-pass backward on CUDA (`_kernels().backward_passes`)."""
     key_bias = (mask[:, :, 0, 0, :].detach().float() - 1.0) * MASK_INF
-    return _FusedDbias.apply(q, k, v, bias, key_bias)
+    return _ThreePass.apply(q, k, v, bias, key_bias)
 
 
 def _provider(provider: str, case: AttentionCase, device: torch.device) -> _Impl:
@@ -223,10 +223,10 @@ def _provider(provider: str, case: AttentionCase, device: torch.device) -> _Impl
         from hfkit.ops import evoformer_attention
 
         return _Impl(evoformer_attention, _same_layout, _identity, {})
-    if provider == "hfkit_fused_dbias":
+    if provider == "hfkit_three_pass":
         if device.type != "cuda":
-            raise Skip("the fused dk/dv + dbias backward is compared with the default on CUDA")
-        return _Impl(fused_dbias_attention, _same_layout, _identity, {"backward": "dkdv_dbias"})
+            raise Skip("the three-pass backward is compared with the default on CUDA")
+        return _Impl(three_pass_attention, _same_layout, _identity, {"backward": "three_pass"})
     if provider == "eager":
         return _Impl(eager_attention, _same_layout, _identity, {})
     if provider == "compile":
@@ -407,7 +407,7 @@ BENCHMARK = op_benchmark(
     "triangle / MSA-row attention: hfkit vs eager, compile, SDPA, trifast, cuEquivariance",
     attention_cases,
     (_prepare, _provider, _build, _cost),
-    providers=("hfkit", "hfkit_fused_dbias", "eager", "compile", "sdpa", "trifast", "cuequivariance"),
+    providers=("hfkit", "hfkit_three_pass", "eager", "compile", "sdpa", "trifast", "cuequivariance"),
     default_dtypes=("bf16",),
     options=(
         Option("ops", "names", "which attention", tuple(OPS)),
