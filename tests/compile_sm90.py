@@ -102,7 +102,6 @@ def attention_kernels(even: bool, dtype: str = "bf16", dot: int = 0) -> None:
     ptrs = {k: dtype for k in ("Q", "K", "V", "Bias", "O", "DO", "DQ", "DK", "DV")}
     ptrs.update({k: "fp32" for k in ("KeyBias", "Mx", "Lg", "Delta", "DB")})
     flags = {"HAS_BIAS": True, "HAS_KEY_BIAS": True, "DOT": dot, "EVEN": even, "EVEN_MN": even, "BLOCK_D": 32}
-    flags["FAST_EXP"] = dot == 0  # the half-precision exponentials of 16-bit inputs (inline PTX)
     bm, bn, warps, stages = ea.CONFIGS_SMALL_D["fwd"]
     assert "cubin" in compile_sm90(eak._evo_fwd_kernel, ptrs, {**flags, "BLOCK_M": bm, "BLOCK_N": bn}, warps)
     for mode, pass_ in ((1, "dq"), (0, "dkdv"), (2, "dbias"), (3, "dkdv_dbias")):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hfkit.ops._triton import dot, exp2
+from hfkit.ops._triton import dot
 
 
 @triton.jit
@@ -81,10 +81,9 @@ def _evo_fwd_kernel(
     sbb, sbs, sbh, sbq, sbk, skb_b, skb_s, skb_k,
     HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
     EVEN_MN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FAST_EXP: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    # Grid (query blocks, B*S*H). FAST_EXP: the probabilities by `exp2(..., FAST=True)` (16-bit inputs).
-    # Traffic: q and o once; k, v (and the bias rows) once per query
+    # Grid (query blocks, B*S*H). Traffic: q and o once; k, v (and the bias rows) once per query
     # block. Registers hold the q tile, the [BLOCK_M, BLOCK_D] float32 accumulator and one logits
     # tile; o has its own strides (the host lays it out like q), the statistics are [B*S*H, Q].
     # Program order: the GPU starts programs in launch order, so programs that run at the same time
@@ -126,7 +125,7 @@ def _evo_fwd_kernel(
             False,
         )  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = exp2(s - m_new[:, None], FAST_EXP)
+        p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         vt = _ld(
@@ -151,7 +150,7 @@ def _probs_and_dlogits(
     k_ok_d, b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta, btile,
     HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
     EVEN_MN: tl.constexpr,
-    BIAS_PRELOADED: tl.constexpr, FAST_EXP: tl.constexpr,
+    BIAS_PRELOADED: tl.constexpr,
 ):  # fmt: skip
     # p = softmax probabilities of one tile (0 outside the valid rows/keys) and ds = dL/dlogits
     # (of the natural logits; mx and lg are base-2 like the logits `_logits` returns).
@@ -160,7 +159,7 @@ def _probs_and_dlogits(
         k_ok_d, b_off, kb_off, sbq, sbk, skb_k, btile, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN,
         BIAS_PRELOADED,
     )  # fmt: skip
-    p = exp2((s - mx[:, None]) - lg[:, None], FAST_EXP)
+    p = tl.exp2((s - mx[:, None]) - lg[:, None])
     if not EVEN_MN:
         p = tl.where((offs_m < n_q)[:, None] & (offs_n < n_k)[None, :], p, 0.0)
     vt = _ld(vt_ptrs, (offs_n < n_k)[None, :] & k_ok_d, EVEN)
@@ -187,7 +186,7 @@ def _dkdv_tile(
     k, v, kbias, b_ptrs, bt, q_base, do_base, row0, Mx, Lg, Delta, offs_m, m_ok, n_ok, offs_d, d_ok,
     qk_scale, sqn, sdon,
     HAS_BIAS: tl.constexpr, BIAS_PRELOADED: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
-    EVEN_MN: tl.constexpr, FAST_EXP: tl.constexpr,
+    EVEN_MN: tl.constexpr,
 ):  # fmt: skip
     # pᵀ and dsᵀ of one (key block, query block) tile of one row, transposed ([keys, queries]) so
     # that they come out of the softmax in the layout the dv and dk products take (no register
@@ -203,7 +202,7 @@ def _dkdv_tile(
         if not BIAS_PRELOADED:
             bt = _ld(b_ptrs, n_ok[:, None] & m_ok[None, :], EVEN_MN).to(tl.float32) * 1.4426950408889634
         st += bt
-    pt = exp2((st - mx[None, :]) - lg[None, :], FAST_EXP)
+    pt = tl.exp2((st - mx[None, :]) - lg[None, :])
     if not EVEN_MN:
         pt = tl.where(n_ok[:, None] & m_ok[None, :], pt, 0.0)
     dpt = dot(v, tl.trans(do), DOT)
@@ -223,7 +222,6 @@ def _evo_bwd_kernel(
     MODE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr,
     EVEN: tl.constexpr, EVEN_MN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
-    FAST_EXP: tl.constexpr = False,
 ):  # fmt: skip
     # MODE 1 (dq):     grid (query blocks, B*S*H); walks the key blocks. Runs first: it also writes
     #                  delta = rowsum(do * o), which the other passes read.
@@ -346,7 +344,7 @@ def _evo_bwd_kernel(
                     b_ptrs = Bias + b_off + offs_n[:, None] * sbk + offs_m[None, :] * sbq
                 pt, dst, qt, do, bt = _dkdv_tile(
                     k, v, kbias, b_ptrs, 0.0, q_base, do_base, row0, Mx, Lg, Delta, offs_m, m_ok, n_ok,
-                    offs_d, d_ok, qk_scale, sqn, sdon, HAS_BIAS, False, DOT, EVEN, EVEN_MN, FAST_EXP,
+                    offs_d, d_ok, qk_scale, sqn, sdon, HAS_BIAS, False, DOT, EVEN, EVEN_MN,
                 )  # fmt: skip
                 dv += dot(pt.to(do.dtype), do, DOT)
                 dk += dot(dst.to(do.dtype), tl.trans(qt), DOT)
@@ -356,7 +354,6 @@ def _evo_bwd_kernel(
                     pt1, dst1, qt1, do1, _ = _dkdv_tile(
                         k1, v1, kbias1, b_ptrs, bt, q_base1, do_base1, bsh1 * n_q, Mx, Lg, Delta, offs_m,
                         m_ok, n_ok, offs_d, d_ok, qk_scale, sqn, sdon, HAS_BIAS, True, DOT, EVEN, EVEN_MN,
-                        FAST_EXP,
                     )  # fmt: skip
                     dv1 += dot(pt1.to(do1.dtype), do1, DOT)
                     dk1 += dot(dst1.to(do1.dtype), tl.trans(qt1), DOT)
@@ -406,7 +403,7 @@ def _evo_bwd_kernel(
                     p, ds = _probs_and_dlogits(
                         q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
                         d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta, 0,
-                        HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN, False, FAST_EXP,
+                        HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN, False,
                     )  # fmt: skip
                     kt = _ld(k_ptrs, (offs_n < n_k)[None, :] & d_ok[:, None], EVEN)
                     dq += dot(ds.to(kt.dtype), tl.trans(kt), DOT)
@@ -420,7 +417,7 @@ def _evo_bwd_kernel(
                 p, ds = _probs_and_dlogits(
                     q, do, k_ptrs, vt_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
                     d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, mx, lg, delta, btile,
-                    HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN, True, FAST_EXP,
+                    HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN, True,
                 )  # fmt: skip
                 acc += ds
     if MODE == 2:

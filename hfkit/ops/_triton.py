@@ -134,21 +134,6 @@ if HAS_TRITON:
         else:
             return tl.dot(a, b)
 
-    @triton.jit
-    def exp2(x, FAST: tl.constexpr):
-        # 2**x of a float32 tile. FAST (compiled kernels only: inline PTX): in half precision, two
-        # values an instruction (`ex2.approx.f16x2`, half the special-function work of `ex2.approx.f32`),
-        # for softmax probabilities that are rounded to 16 bits for their matmul anyway: x <= 0 rounded
-        # to float16 (an absolute error of at most 2**-12 * |x| * 2**x in the result, below 1.3e-4)
-        # and the result exact to about 2**-10 relative.
-        if FAST:
-            h = tl.inline_asm_elementwise(
-                "ex2.approx.f16x2 $0, $1;", "=r,r", [x.to(tl.float16)], dtype=tl.float16, is_pure=True, pack=2
-            )
-            return h.to(tl.float32)
-        else:
-            return tl.exp2(x)
-
 
 def _arg_key(arg: Any) -> Any:
     """What Triton specializes a kernel argument on, or finer: a tensor's dtype and 16-byte alignment;

@@ -30,7 +30,6 @@ from hfkit.ops._triton import (
     cdiv,
     dot_mode,
     hfkit_op,
-    interpreting,
     launch,
     next_power_of_2,
     num_sms,
@@ -49,9 +48,6 @@ LOG2E = 1.4426950408889634  # the kernels work in base 2: exp2(x * log2(e)) = ex
 MAX_HEAD_DIM = 128
 # Rows the forward kernel runs side by side when they share one bias (see `_group_rows`).
 GROUP_ROWS = 16
-# 16-bit inputs on CUDA: the softmax's exponentials in half precision, two an instruction (see
-# `hfkit.ops._triton.exp2`); the probabilities are rounded to the inputs' dtype for their matmuls anyway.
-FAST_EXP2 = True
 # Float32 dbias partial sums that the fused dk/dv + dbias pass may keep in flight (each program adds into
 # its own [Q, BLOCK_N] slice once per row it walks): about two thirds of an H100/H200's 50 MB L2, so
 # that those loads and stores stay in L2. Above it the three-pass backward runs.
@@ -266,11 +262,6 @@ if HAS_TRITON:
     def _unit_last(t: torch.Tensor) -> torch.Tensor:
         return t if t.stride(-1) == 1 else t.contiguous()
 
-    def _fast_exp(q: torch.Tensor) -> bool:
-        """Whether the kernels take the probabilities in half precision (`FAST_EXP2`): 16-bit inputs
-        on CUDA, compiled kernels."""
-        return FAST_EXP2 and q.is_cuda and dot_mode(q) == 0 and not interpreting()
-
     def _even_mn(n_q: int, n_k: int, cfg: Config) -> bool:
         return n_q % cfg.block_m == 0 and n_k % cfg.block_n == 0
 
@@ -321,7 +312,7 @@ if HAS_TRITON:
             *_bias_strides(bias), *_key_bias_strides(key_bias),
             HAS_BIAS=bias is not None, HAS_KEY_BIAS=key_bias is not None, DOT=dot_mode(q),
             EVEN=_even(n_q, n_k, d, cfg), EVEN_MN=_even_mn(n_q, n_k, cfg),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, FAST_EXP=_fast_exp(q),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
             num_warps=cfg.warps, num_stages=cfg.stages,
         )  # fmt: skip
 
@@ -366,8 +357,7 @@ if HAS_TRITON:
             MODE=_MODES[pass_], HAS_BIAS=bias is not None, HAS_KEY_BIAS=key_bias is not None,
             DOT=dot_mode(q), EVEN=_even(n_q, n_k, d, cfg), EVEN_MN=_even_mn(n_q, n_k, cfg),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
-            ROWS=cfg.rows if pass_ == "dkdv_dbias" else 1, FAST_EXP=_fast_exp(q),
-            num_warps=cfg.warps, num_stages=cfg.stages,
+            ROWS=cfg.rows if pass_ == "dkdv_dbias" else 1, num_warps=cfg.warps, num_stages=cfg.stages,
         )  # fmt: skip
 
     def dbias_splits(reps: int, tiles: int, device: torch.device) -> int:
