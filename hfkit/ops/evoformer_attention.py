@@ -50,7 +50,8 @@ MAX_HEAD_DIM = 128
 GROUP_ROWS = 16
 # Float32 dbias partial sums that the fused dk/dv + dbias pass may keep in flight (each program adds into
 # its own [Q, BLOCK_N] slice once per row it walks): about two thirds of an H100/H200's 50 MB L2, so
-# that those loads and stores stay in L2. Above it the three-pass backward runs.
+# that those loads and stores stay in L2: the pass runs fewer programs at once rather than pass it
+# (`dkdv_dbias_splits`).
 DBIAS_PARTIALS_L2_BYTES = 32 * 2**20
 # The largest Q x K a broadcast bias's rows may have for the fused dk/dv + dbias pass on CUDA (see
 # `fuses_dbias`): the largest measured, N = 512.
