@@ -64,7 +64,7 @@ test: $(STAMP) lint
 # Every benchmark on the current GPU, one process each (a failure stops the list). The kernel and
 # model benchmarks save their rows as they go, so a run cut short keeps what it measured. Peers
 # (trifast, cuEquivariance) are measured when installed and skipped with the reason otherwise.
-BENCHES := layer_norm softmax evoformer_attention triangle_multiplication elementwise model
+BENCHES := layer_norm softmax evoformer_attention triangle_multiplication elementwise outer_product_linear model
 
 bench: $(STAMP)
 	@for b in $(BENCHES); do echo "== hfkit bench $$b"; $(BIN)/hfkit bench $$b --no-progress || exit 1; done

@@ -227,3 +227,25 @@ def test_swapped_module_matches_the_model(chunk_size, seed):
 def test_evoformer_swaps_the_outer_product_mean():
     stack = hfkit.to_hfkit(EvoformerStack.from_config(ModelConfig.tiny()))
     assert any(type(m) is hnn.OuterProductMean for m in stack.modules())
+
+
+def test_benchmark_rows_on_cpu():
+    # `hfkit bench outer_product_linear` on CPU: every provider gives a row, each layout the same
+    # forward as eager within float32 rounding, the costs as the module docstring counts them.
+    from hfkit.bench.cases.outer_product_linear import BENCHMARK, OpmCase
+    from hfkit.bench.ceilings import Ceilings
+    from hfkit.bench.runner import run_benchmark
+
+    case = OpmCase("tiny", 5, 6, 3, 4)
+    ceilings = Ceilings(copy_gbps=10.0, matmul_tflops=1.0, device_name="cpu")
+    rows = run_benchmark(
+        BENCHMARK, [case], "cpu", dtypes=["fp32"], modes=["fwd", "fwd+bwd"],
+        providers=["hfkit", "hfkit_batched", "hfkit_rows", "eager"], progress=False, ceilings=ceilings,
+        warmup=1, reps=1,
+    ).rows  # fmt: skip
+    assert [(r.provider, r.mode) for r in rows] == [
+        (p, m) for p in ("hfkit", "hfkit_batched", "hfkit_rows", "eager") for m in ("fwd", "fwd+bwd")
+    ]
+    outer, linear = 2 * 5 * 6 * 6 * 3 * 3, 2 * 6 * 6 * 3 * 3 * 4
+    assert [r.flops for r in rows[:2]] == [outer + linear, 4 * outer + 3 * linear]
+    assert all(r.p50_ms > 0 and r.extra["max_rel_err"] < 1e-5 for r in rows), [r.extra for r in rows]

@@ -137,7 +137,16 @@ def outer_product_linear(
     naming the argument on bad shapes, dtypes or devices.
     """
     _check(a, b, weight, bias)
-    return _OuterProductLinear.apply(*autocast_operands(a.device.type, a, b, weight, bias))
+    return _by_layout(a, b, weight, bias, a.shape[-3] > STRIDE0_MAX_ROWS)
+
+
+def _by_layout(
+    a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, by_rows: bool
+) -> torch.Tensor:
+    """`outer_product_linear` (checked arguments) with the outer product built as one matmul and a
+    swapping copy (by_rows) or by stride-0 batched matmuls: `hfkit bench outer_product_linear` times
+    both."""
+    return _OuterProductLinear.apply(*autocast_operands(a.device.type, a, b, weight, bias), by_rows)
 
 
 class _OuterProductLinear(torch.autograd.Function):
@@ -146,18 +155,19 @@ class _OuterProductLinear(torch.autograd.Function):
     the layout whose contraction with the other operand is a batched matmul: [*, I, J, E, C] for a's
     (sum over j, e), [*, J, I, C, E] for b's (sum over i, c; from dy with i and j swapped, a copy
     C*E/N times the size of the outer product's). Every large temporary is freed before the next one
-    is made, and none is a permuting copy. Past STRIDE0_MAX_ROWS rows: `_outer_ijce` in the forward,
-    `_backward_by_rows` in the backward."""
+    is made, and none is a permuting copy. With `by_rows` (past STRIDE0_MAX_ROWS rows): `_outer_ijce`
+    in the forward, `_backward_by_rows` in the backward."""
 
     @staticmethod
-    def forward(ctx, a, b, weight, bias):
+    def forward(ctx, a, b, weight, bias, by_rows):
         ctx.save_for_backward(a, b, weight)
         ctx.has_bias = bias is not None
+        ctx.by_rows = by_rows
         s, i, c = a.shape[-3:]
         j, e = b.shape[-2:]
         batch = math.prod(a.shape[:-3])  # explicit: -1 is ambiguous when S or I is 0
         a3, b3 = a.reshape(batch, s, i, c), b.reshape(batch, s, j, e)
-        if s > STRIDE0_MAX_ROWS:
+        if by_rows:
             return F.linear(_outer_ijce(a3, b3).view(*a.shape[:-3], i, j, c * e), weight, bias)
         outer = _outer_ijec(a3, b3)
         weight_ec = _permute_weight_columns(weight, c, e)
@@ -174,8 +184,8 @@ class _OuterProductLinear(torch.autograd.Function):
         a3, b3 = a.reshape(batch, s, i, c), b.reshape(batch, s, j, e)
         dy2 = dy.reshape(batch * i * j, n)
         grad_w = grad_bias = grad_a = grad_b = None
-        if s > STRIDE0_MAX_ROWS:
-            return _backward_by_rows(a3, b3, weight, dy2, needs, ctx.has_bias, a.shape, b.shape)
+        if ctx.by_rows:
+            return *_backward_by_rows(a3, b3, weight, dy2, needs, ctx.has_bias, a.shape, b.shape), None
         if needs[2]:
             outer = _outer_ijec(a3, b3)  # recomputed: the forward did not keep it
             grad_w = _permute_weight_columns(dy2.t().mm(outer.view(dy2.shape[0], e * c)), e, c)
@@ -193,7 +203,7 @@ class _OuterProductLinear(torch.autograd.Function):
             d_outer = dy_ji.mm(weight).view(batch, j, i * c, e)
             del dy_ji
             grad_b = _contract_pairs(a3.reshape(batch, s, i * c), d_outer).reshape(b.shape)
-        return grad_a, grad_b, grad_w, grad_bias
+        return grad_a, grad_b, grad_w, grad_bias, None
 
 
 def _backward_by_rows(a3, b3, weight, dy2, needs, has_bias, a_shape, b_shape):

@@ -10,4 +10,5 @@ NAMES: tuple[str, ...] = (
     "elementwise",
     "multihead_attention",
     "lstm",
+    "outer_product_linear",
 )
