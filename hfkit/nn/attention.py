@@ -54,7 +54,7 @@ class EvoformerAttention(Attention):
         """Whether a call on inputs like x holds the logits: only where the op runs its reference
         (`hfkit.ops.evoformer_attention.uses_triton` false for x's device and dtype), or where its
         biases do not map (see the class docstring; the lean path's always do)."""
-        return not uses_triton(x.new_empty((1, self.c_hidden)))
+        return not uses_triton(x, self.c_hidden)
 
     def _wrap_up(self, o: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
         """`Attention._wrap_up` as `hfkit.ops.gated_linear` (see `gated_output`)."""
@@ -124,6 +124,7 @@ def attend_columns(
     mask: torch.Tensor | None,
     inf: float,
     bias_projection: nn.Module | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor | None:
     """The update of gated self-attention `mha` within the columns of `layer_norm(x)`, x [*, R, N, C]
     (at most one leading dim), mask [*, R, N] (None: all kept), with the key mask bias
@@ -132,8 +133,12 @@ def attend_columns(
     Returns the update [*, R, N, C] laid out like x (contiguous for a contiguous x), equal to the row
     attention on the transposed x, transposed back, through `fused_gated_attention` with `transposed`
     (the caller has checked that the op runs Triton for x); None where the biases do not map (more
-    leading dims, a mask that requires grad): the caller runs its plain forward then."""
+    leading dims, a mask that requires grad) or `chunk_size` is below N, the columns attended (chunks
+    would only bound the [*, R, N, C] projections: the fused op keeps no logits): the caller runs its
+    plain forward then."""
     if x.dim() not in (3, 4) or (mask is not None and mask.requires_grad):
+        return None
+    if chunk_size is not None and chunk_size < x.shape[-2]:
         return None
     xn = layer_norm(x)
     if mask is None:

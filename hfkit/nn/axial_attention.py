@@ -30,14 +30,10 @@ from hfkit.nn.convert import register_swap
 __all__ = ["MSAColumnAttention", "TriangleAttentionEndingNode", "takes_column_path"]
 
 
-def takes_column_path(mha: nn.Module, x: torch.Tensor, chunk_size: int | None) -> bool:
-    """Whether a column attention with gated attention `mha` runs `attend_columns` on x [*, R, N, C]:
-    where `mha` is hfkit's `EvoformerAttention` whose op runs Triton for x, and `chunk_size` is None or
-    at least N, the columns attended (chunks would only bound the [*, R, N, C] projections: the fused
-    op keeps no logits)."""
-    if not isinstance(mha, EvoformerAttention) or mha.holds_logits(x):
-        return False
-    return chunk_size is None or chunk_size >= x.shape[-2]
+def takes_column_path(mha: nn.Module, x: torch.Tensor) -> bool:
+    """Whether a column attention with gated attention `mha` tries `attend_columns` on x [*, R, N, C]:
+    where `mha` is hfkit's `EvoformerAttention` whose op runs Triton for x."""
+    return isinstance(mha, EvoformerAttention) and not mha.holds_logits(x)
 
 
 class TriangleAttentionEndingNode(_PlainEndingNode):
@@ -50,8 +46,16 @@ class TriangleAttentionEndingNode(_PlainEndingNode):
     ) -> torch.Tensor:
         """x: [*, N, N, C_z], mask: [*, N, N] -> update [*, N, N, C_z] (contiguous on the fast path)."""
         update = None
-        if takes_column_path(self.mha, x, chunk_size):
-            update = attend_columns(self.mha, self.layer_norm, x, mask, self.inf, bias_projection=self.linear)
+        if takes_column_path(self.mha, x):
+            update = attend_columns(
+                self.mha,
+                self.layer_norm,
+                x,
+                mask,
+                self.inf,
+                bias_projection=self.linear,
+                chunk_size=chunk_size,
+            )
         return super().forward(x, mask, chunk_size) if update is None else update
 
 
@@ -66,8 +70,8 @@ class MSAColumnAttention(_PlainMSAColumnAttention):
         """m: [*, S, N, C_m], mask: [*, S, N] -> update [*, S, N, C_m] (contiguous on the fast path)."""
         att = self._msa_att
         update = None
-        if takes_column_path(att.mha, m, chunk_size):
-            update = attend_columns(att.mha, att.layer_norm_m, m, mask, att.inf)
+        if takes_column_path(att.mha, m):
+            update = attend_columns(att.mha, att.layer_norm_m, m, mask, att.inf, chunk_size=chunk_size)
         return super().forward(m, mask, chunk_size) if update is None else update
 
 

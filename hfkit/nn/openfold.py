@@ -236,13 +236,11 @@ def _attention_forward(
     return fused_gated_attention(self, q_x, kv_x, mapped)
 
 
-def _takes_column_path(mha: nn.Module, x: torch.Tensor, chunk_size: int | None, flags: tuple) -> bool:
-    """Whether an OpenFold column attention on x [*, R, N, C] runs `attend_columns`: its `mha` swapped
-    (`_attention_forward`), the op running Triton for x, at most one of OpenFold's attention flags
-    (all run the fused kernel here), and no chunks smaller than N (the fused op keeps no logits)."""
-    if type(mha).forward is not _attention_forward or not uses_triton(x.new_empty((1, mha.c_hidden))):
-        return False
-    return sum(flags) <= 1 and (chunk_size is None or chunk_size >= x.shape[-2])
+def _takes_column_path(mha: nn.Module, x: torch.Tensor, flags: tuple) -> bool:
+    """Whether an OpenFold column attention on x [*, R, N, C] tries `attend_columns`: its `mha`
+    swapped (`_attention_forward`), the op running Triton for x, at most one of OpenFold's attention
+    flags (all run the fused kernel here)."""
+    return type(mha).forward is _attention_forward and uses_triton(x, mha.c_hidden) and sum(flags) <= 1
 
 
 def _triangle_attention_forward(
@@ -257,8 +255,10 @@ def _triangle_attention_forward(
 ) -> torch.Tensor:
     """OpenFold's TriangleAttention; the ending node along columns (`attend_columns`) where it can."""
     flags = (use_memory_efficient_kernel, use_deepspeed_evo_attention, use_lma)
-    if not self.starting and _takes_column_path(self.mha, x, chunk_size, flags):
-        update = attend_columns(self.mha, self.layer_norm, x, mask, self.inf, bias_projection=self.linear)
+    if not self.starting and _takes_column_path(self.mha, x, flags):
+        update = attend_columns(
+            self.mha, self.layer_norm, x, mask, self.inf, bias_projection=self.linear, chunk_size=chunk_size
+        )
         if update is not None:
             return update
     return _openfold_forward(self)(
@@ -283,8 +283,8 @@ def _msa_column_attention_forward(
 ) -> torch.Tensor:
     """OpenFold's MSAColumnAttention; along columns (`attend_columns`) where it can."""
     att = self._msa_att
-    if not use_flash and _takes_column_path(att.mha, m, chunk_size, (use_deepspeed_evo_attention, use_lma)):
-        update = attend_columns(att.mha, att.layer_norm_m, m, mask, att.inf)
+    if not use_flash and _takes_column_path(att.mha, m, (use_deepspeed_evo_attention, use_lma)):
+        update = attend_columns(att.mha, att.layer_norm_m, m, mask, att.inf, chunk_size=chunk_size)
         if update is not None:
             return update
     return _openfold_forward(self)(

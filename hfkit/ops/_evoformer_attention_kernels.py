@@ -283,12 +283,7 @@ def _evo_bwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for r in range(r_lo, r_hi, ROWS):
         if MODE == 2 or MODE == 3:
-            rh = H // nb_h
-            rs = S // nb_s
-            h = (tile_a % nb_h + r % rh).to(tl.int64)
-            s_ = ((tile_a // nb_h) % nb_s + (r // rh) % rs).to(tl.int64)
-            b = (tile_a // (nb_h * nb_s) + r // (rh * rs)).to(tl.int64)
-            bsh = (b * S + s_) * H + h
+            b, s_, h, bsh = _broadcast_row(r, tile_a, S, H, nb_s, nb_h)
         else:
             bsh = tile_a
             h = (bsh % H).to(tl.int64)

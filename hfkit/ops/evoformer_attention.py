@@ -79,9 +79,11 @@ class Config(NamedTuple):
 # from `hfkit bench evoformer_attention --tiles` on an H200 (data/results/h200/tuning/attention.json).
 # "dkdv_dbias" (the fused pass) is the largest tile that compiles for sm_90 without spills at D = 32
 # (8 warps) and D = 64; at D <= 32 it runs 4 warps and two broadcast rows side by side (`Config.rows`),
-# the fastest of the tiles measured as CUDA graphs on the H200 (session 11, `.gpu`-style probe): 12%
-# below the three-pass backward at N = 256 and 384, 29% in the extra-MSA stack (S 1024, D 8), 4% at
-# N = 512. (BLOCK_M, BLOCK_N, warps, stages[, rows]).
+# the fastest of seven tilings whose backward alone was timed as CUDA graphs on the H200 (a sweep, not
+# committed): 12% below the three-pass backward at N = 256 and 384, 29% in the extra-MSA stack (S 1024,
+# D 8), 4% at N = 512. Forward+backward, `hfkit bench evoformer_attention --providers
+# hfkit,hfkit_three_pass` (data/results/h200/evoformer_attention.json): 0.330 against 0.362 ms at
+# N = 256. (BLOCK_M, BLOCK_N, warps, stages[, rows]).
 CONFIGS_SMALL_D: dict[str, tuple[int, ...]] = {
     "fwd": (128, 32, 4, 3),
     "dkdv": (32, 128, 4, 3),
@@ -164,10 +166,11 @@ def _check_inputs(q, k, v, bias, mask) -> None:
             )
 
 
-def uses_triton(q: torch.Tensor) -> bool:
-    """Whether `evoformer_attention` takes the Triton path for q (CUDA, or CPU under
-    TRITON_INTERPRET=1 outside torch.compile; float32/bfloat16/float16; head dim ≤ `MAX_HEAD_DIM`)."""
-    return q.shape[-1] <= MAX_HEAD_DIM and triton_can_run(q)
+def uses_triton(q: torch.Tensor, head_dim: int | None = None) -> bool:
+    """Whether `evoformer_attention` takes the Triton path for q, or for queries of q's device and
+    dtype with `head_dim` channels (CUDA, or CPU under TRITON_INTERPRET=1 outside torch.compile;
+    float32/bfloat16/float16; head dim ≤ `MAX_HEAD_DIM`; default q's last dim)."""
+    return (q.shape[-1] if head_dim is None else head_dim) <= MAX_HEAD_DIM and triton_can_run(q)
 
 
 def evoformer_attention(
@@ -383,7 +386,12 @@ if HAS_TRITON:
                 DKDV_DBIAS_PROGRAMS_PER_SM * num_sms(device), DBIAS_PARTIALS_L2_BYTES // slice_bytes
             )
             want = max(1, programs // max(1, programs_per_split))
-        return cdiv(reps, cdiv(reps, max(1, min(reps, want))))
+        return _nonempty_splits(reps, want)
+
+    def _nonempty_splits(reps: int, splits: int) -> int:
+        """The split count nearest `splits` (1..reps) whose splits of cdiv(reps, count) rows each
+        leave none empty, as the fused pass needs."""
+        return cdiv(reps, cdiv(reps, max(1, min(reps, splits))))
 
     def fuses_dbias(reps: int, n_q: int, n_k: int, d: int, device: torch.device) -> bool:
         """Whether the backward sums dbias inside the dk/dv pass for a bias broadcast over `reps` rows
@@ -465,7 +473,8 @@ if HAS_TRITON:
             per_split = cdiv(n_k, c.block_n) * nb[0] * nb[1] * nb[2]
             if splits is None:
                 splits = dkdv_dbias_splits(reps, per_split, n_q * c.block_n * 4, q.device)
-            splits = cdiv(reps, cdiv(reps, max(1, min(reps, splits))))
+            else:
+                splits = _nonempty_splits(reps, splits)
         else:
             launch_bwd("dkdv", *args, dummy, cfg("dkdv"))
             pass_, c = "dbias", cfg("dbias")

@@ -85,9 +85,10 @@ NUM_WARPS = 4
 # bfloat16: 3.7e-3), 4.4e-3 in dw_hh (split 4.2e-3, torch 3.8e-3: the forward's rounding of h).
 # At hfai's H = 985, B = 4 on sm_90 (ptxas, 8 warps, PREFETCH): bfloat16 both on chip (forward 181
 # registers; backward 200, 198 with SPLIT), float32 forward on chip with one TF32 product and streamed
-# with three, the backward likewise; none spills. The backward runs 4 warps a program: at that size
-# on the H200 (`.gpu`-style sweep, session 11) fwd+bwd took 10.1 ms in bfloat16 and 47.3 ms in float32
-# with 4, 11.2 and 53.4 ms with 8, the same gradients bit for bit.
+# with three, the backward likewise; none spills. The backward runs 4 warps a program (a few bytes of
+# spills in bfloat16): at that size on the H200 (a sweep of the backward's tiles, not committed)
+# fwd+bwd took 10.1 ms in bfloat16 and 47.3 ms in float32 with 4, 11.2 and 53.4 ms with 8, the same
+# gradients bit for bit; `hfkit bench lstm` (data/results/h200/lstm.json) has the 4-warp kernels.
 SEQ_NUM_WARPS = 8
 SEQ_BWD_NUM_WARPS = 4
 SEQ_RESIDENT_BYTES = 192 * 1024

@@ -74,10 +74,6 @@ def opm_cases(profile: str = "full", cases: Sequence[str] | None = None) -> list
     return [by_name[n] for n in cases] if cases else list(CASES)
 
 
-def _eager(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return outer_product_linear_reference(a, b, weight, bias)
-
-
 def _layout(by_rows: bool) -> Callable[..., torch.Tensor]:
     # The module, not the function of the same name that `hfkit.ops` exports.
     module = importlib.import_module("hfkit.ops.outer_product_linear")
@@ -90,9 +86,9 @@ def _provider(name: str, case: OpmCase, device: torch.device) -> Callable[..., t
     if name in ("hfkit_batched", "hfkit_rows"):
         return _layout(name == "hfkit_rows")
     if name == "eager":
-        return _eager
+        return outer_product_linear_reference
     torch._dynamo.reset()  # a fresh cache per case: static shapes, as a model compiled at one size
-    return torch.compile(_eager, dynamic=False)
+    return torch.compile(outer_product_linear_reference, dynamic=False)
 
 
 def _prepare(case: OpmCase, dtype_name: str, device: torch.device) -> Prepared:
@@ -138,7 +134,7 @@ def _build(
         a, b, w, bias, _ = sets[0]
         with torch.no_grad():
             y = f(a, b, w, bias).float()
-            expected = _eager(*(t.float() for t in (a, b, w, bias)))
+            expected = outer_product_linear_reference(*(t.float() for t in (a, b, w, bias)))
         return {"max_rel_err": float((y - expected).abs().max() / expected.abs().max().clamp_min(1e-30))}
 
     return Steps(run(len(sets)), run(1), len(sets), check)
