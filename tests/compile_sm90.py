@@ -170,8 +170,13 @@ def triangle_multiplication_kernels(dtype: str = "bf16", dot: int = 0) -> None:
         "O",
         "OUT",
         "DO",
+        "DOUT",
+        "WZ",
+        "BZ",
+        "WG",
+        "BG",
     )
-    ptrs = {**{k: dtype for k in names + ("DOUT",)}, **{k: "fp32" for k in fp32}}
+    ptrs = {**{k: dtype for k in names}, **{k: "fp32" for k in fp32}}
     block_p, block_c, block_k, warps = tm.PROJ_TILES
     proj = {"HAS_BIAS": True, "HAS_MASK": True, "DOT": dot, "BLOCK_P": block_p, "BLOCK_C": block_c}
     proj["BLOCK_K"] = block_k
@@ -188,6 +193,11 @@ def triangle_multiplication_kernels(dtype: str = "bf16", dot: int = 0) -> None:
     block_m, block_c, warps = tm._elementwise_config(c)
     compile_sm90(tmk._out_gate_fwd_kernel, ptrs, {"BLOCK_M": block_m, "BLOCK_C": block_c}, warps)
     compile_sm90(tmk._out_gate_bwd_kernel, ptrs, {"BLOCK_M": block_m, "BLOCK_C": block_c}, warps)
+    flags = {"HAS_W": True, "HAS_B": True, "HAS_BZ": True, "HAS_BG": True, "DOT": dot}
+    for way in ("fwd", "bwd"):
+        tiles = tm._out_config(c, c, way)
+        warps = tiles.pop("num_warps")
+        compile_sm90(tmk._out_kernel, ptrs, {**flags, **tiles, "BWD": way == "bwd"}, warps)
 
 
 def main() -> int:

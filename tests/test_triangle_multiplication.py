@@ -11,6 +11,7 @@ TRITON_INTERPRET=1 (conftest.py); a GPU machine also runs them on CUDA.
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 
@@ -29,12 +30,22 @@ from hfkit.ops import triangle_multiplication, triangle_multiplication_reference
 from hfkit.ops.triangle_multiplication import uses_triton
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+tm = importlib.import_module("hfkit.ops.triangle_multiplication")  # the module: hfkit.ops exports the op
 
 DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (
     ["cuda"] if torch.cuda.is_available() else []
 )
 PLAIN = {True: TriangleMultiplicationOutgoing, False: TriangleMultiplicationIncoming}
 FUSED = {True: hnn.TriangleMultiplicationOutgoing, False: hnn.TriangleMultiplicationIncoming}
+
+
+@pytest.fixture(params=["fused_out", "split_out"])
+def out_path(request, monkeypatch):
+    """Both ways the op runs its output half: one kernel each way (C_h, C_z <= FUSED_OUT_MAX, the test
+    sizes) and LayerNorm-out, two cuBLAS linears and the gate kernels (forced here by a limit of 0)."""
+    if request.param == "split_out":
+        monkeypatch.setattr(tm, "FUSED_OUT_MAX", 0)
+    return request.param
 
 
 def make_plain(outgoing: bool, c_z: int, c_h: int, device: str = "cpu") -> nn.Module:
@@ -76,7 +87,7 @@ def fwd_bwd(module: nn.Module, z: torch.Tensor, mask: torch.Tensor | None, dout:
     ],
     ids=str,
 )
-def test_fused_module_matches_plain_float32(outgoing, lead, n, c_z, c_h, masked, device, seed):
+def test_fused_module_matches_plain_float32(outgoing, lead, n, c_z, c_h, masked, device, out_path, seed):
     plain = make_plain(outgoing, c_z, c_h, device)
     fused = hnn.to_hfkit(plain, inplace=False)
     assert type(fused) is FUSED[outgoing]
@@ -123,7 +134,7 @@ def assert_as_close_as_plain(fused: tuple, plain_lowp: tuple, plain_fp32: tuple,
     ],
     ids=str,
 )
-def test_fused_module_low_precision(outgoing, n, c_z, c_h, masked, dtype, device, seed):
+def test_fused_module_low_precision(outgoing, n, c_z, c_h, masked, dtype, device, out_path, seed):
     """The module in bf16/fp16 against the plain module in float32 on the same (rounded) inputs."""
     plain = make_plain(outgoing, c_z, c_h, device).to(dtype)
     fused = hnn.to_hfkit(plain, inplace=False)
@@ -223,7 +234,7 @@ def test_backward_keeps_only_the_contraction(device, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_op_matches_reference_with_optional_parameters(device, seed):
+def test_op_matches_reference_with_optional_parameters(device, out_path, seed):
     """No LayerNorm affines and no biases (all optional), a broadcast float mask, non-contiguous z."""
     c_z, c_h, n = 16, 8, 13
     args = op_args(c_z, c_h, device)

@@ -307,3 +307,84 @@ def _out_gate_bwd_kernel(
     part = Part + pid_m.to(tl.int64) * (2 * CZ) + c
     tl.store(part, tl.sum(do, axis=0), mask=c_ok)
     tl.store(part + CZ, tl.sum(dg, axis=0), mask=c_ok)
+
+
+@triton.jit
+def _out_and_gate(
+    y, zn, WZ, BZ, WG, BG, h, h_ok, k, zc, zc_ok, CH, CZ,
+    HAS_BZ: tl.constexpr, HAS_BG: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    # o = y @ W_z.T + b_z and g = zn @ W_g.T + b_g for the output channels zc, float32 [BLOCK_P,
+    # BLOCK_ZC] each, from y [BLOCK_P, BLOCK_H] (compute dtype) and zn [BLOCK_P, BLOCK_Z]: K spans all
+    # of C_h (o) and of C_z (g, over the channels k) in one tl.dot each. Returns values only: the
+    # caller makes every store address (see `_tile_indices`).
+    wz_t = tl.load(WZ + zc[None, :] * CH + h[:, None], mask=h_ok[:, None] & zc_ok[None, :], other=0.0)
+    o = dot(y, wz_t, DOT)
+    wg_t = tl.load(WG + zc[None, :] * CZ + k[:, None], mask=(k < CZ)[:, None] & zc_ok[None, :], other=0.0)
+    g = dot(zn, wg_t, DOT)
+    if HAS_BZ:
+        o += tl.load(BZ + zc, mask=zc_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_BG:
+        g += tl.load(BG + zc, mask=zc_ok, other=0.0).to(tl.float32)[None, :]
+    return o, g
+
+
+@triton.jit
+def _out_kernel(
+    X, ZN, W, Bias, WZ, BZ, WG, BG, OUT, DOUT, DP, Y, Mean, Rstd, Part,
+    NN, CH, CZ, eps, stride_dout, stride_dp, dg_off,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_BZ: tl.constexpr, HAS_BG: tl.constexpr,
+    BWD: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Z: tl.constexpr, BLOCK_ZC: tl.constexpr,
+):  # fmt: skip
+    # The output half of the update for BLOCK_P pairs: y = LN_out(x) (x read channel-first, all C_h
+    # channels in registers), o = y @ W_z.T + b_z and g = zn @ W_g.T + b_g, BLOCK_ZC output channels
+    # at a time. Forward: OUT = o * sigmoid(g); y, o and g never reach memory (traffic: read x and
+    # zn, write out). Backward (BWD), recomputing them for d(out): OUT = d(o) = d(out) * s and
+    # dg = d(out) * o * s (1 - s) into columns [dg_off, dg_off + C_z) of d_proj (s = sigmoid(g)),
+    # with y, LN_out's statistics and this program's row of float32 sums of d(o) and dg (the b_z and
+    # b_g gradients; the host sums the rows) for the rest of the backward. Grid (pair blocks, batch).
+    pid_p, bat = tl.program_id(0), tl.program_id(1)
+    p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_ok = p < NN
+    rows = bat.to(tl.int64) * NN + p
+    h = tl.arange(0, BLOCK_H)
+    h_ok = h < CH
+    ok_h = p_ok[:, None] & h_ok[None, :]
+    x = tl.load(X + (bat.to(tl.int64) * CH + h)[None, :] * NN + p[:, None], mask=ok_h, other=0.0)
+    x = x.to(tl.float32)
+    mean = tl.sum(x, axis=1) / CH
+    xc = tl.where(ok_h, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / CH + eps)
+    y = xc * rstd[:, None]
+    if HAS_W:
+        y = y * tl.load(W + h, mask=h_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        y = tl.where(ok_h, y + tl.load(Bias + h, mask=h_ok, other=0.0).to(tl.float32)[None, :], 0.0)
+    y = y.to(WZ.dtype.element_ty)
+    if BWD:
+        tl.store(Y + rows[:, None] * CH + h[None, :], y, mask=ok_h)
+        tl.store(Mean + rows, mean, mask=p_ok)
+        tl.store(Rstd + rows, rstd, mask=p_ok)
+    k = tl.arange(0, BLOCK_Z)
+    zn = tl.load(ZN + rows[:, None] * CZ + k[None, :], mask=p_ok[:, None] & (k < CZ)[None, :], other=0.0)
+    for z0 in range(0, CZ, BLOCK_ZC):
+        zc = z0 + tl.arange(0, BLOCK_ZC)
+        zc_ok = zc < CZ
+        ok = p_ok[:, None] & zc_ok[None, :]
+        o, g = _out_and_gate(y, zn, WZ, BZ, WG, BG, h, h_ok, k, zc, zc_ok, CH, CZ, HAS_BZ, HAS_BG, DOT)
+        s = tl.sigmoid(g)
+        if BWD:
+            dout = tl.load(DOUT + rows[:, None] * stride_dout + zc[None, :], mask=ok, other=0.0)
+            dout = dout.to(tl.float32)
+            do = dout * s
+            dg = dout * o * s * (1.0 - s)
+            tl.store(OUT + rows[:, None] * CZ + zc[None, :], do.to(OUT.dtype.element_ty), mask=ok)
+            tl.store(
+                DP + rows[:, None] * stride_dp + dg_off + zc[None, :], dg.to(DP.dtype.element_ty), mask=ok
+            )
+            part = Part + (bat * tl.num_programs(0) + pid_p).to(tl.int64) * (2 * CZ) + zc
+            tl.store(part, tl.sum(do, axis=0), mask=zc_ok)
+            tl.store(part + CZ, tl.sum(dg, axis=0), mask=zc_ok)
+        else:
+            tl.store(OUT + rows[:, None] * CZ + zc[None, :], (o * s).to(OUT.dtype.element_ty), mask=ok)

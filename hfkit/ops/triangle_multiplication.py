@@ -73,6 +73,7 @@ if HAS_TRITON:
         _ln_out_t_fwd_kernel,
         _out_gate_bwd_kernel,
         _out_gate_fwd_kernel,
+        _out_kernel,
         _proj_gate_bwd_kernel,
         _proj_gate_fwd_kernel,
     )
@@ -94,6 +95,13 @@ MAX_HIDDEN = 1024
 # 1.01 ms at 384, against 0.61 and 1.15 ms with (128, 32, 64, 8), 8K-element LayerNorm tiles on 8
 # warps and 4K-element gate tiles on 8 warps.
 PROJ_TILES = (64, 32, 64, 4)
+# The output half (LayerNorm-out, linear_z, linear_g and the gate) runs as one kernel each way where a
+# block of pairs with all C_h and all C_z channels fits in registers: C_h and C_z at most this.
+FUSED_OUT_MAX = 128
+# (BLOCK_P, BLOCK_ZC, num_warps) of that kernel, forward and backward: BLOCK_P pairs, BLOCK_ZC output
+# channels at a time. From a sweep of the module's bf16 forward and forward+backward at N = 256 and 384
+# on an H200 (.gpu/probe14.py).
+OUT_TILES = {"fwd": (64, 32, 4), "bwd": (64, 32, 4)}
 
 
 def triangle_multiplication_reference(
@@ -275,6 +283,11 @@ def _split_projection(w_proj: torch.Tensor, b_proj: torch.Tensor | None, c_h: in
     return w_ab, b_ab, w_g, b_g
 
 
+def _fuses_out(c_h: int, c_z: int) -> bool:
+    """Whether the output half runs as `_out_fwd` / `_out_bwd` (one kernel each way) for these widths."""
+    return c_h <= FUSED_OUT_MAX and c_z <= FUSED_OUT_MAX
+
+
 def _contract(a: torch.Tensor, b: torch.Tensor, outgoing: bool) -> torch.Tensor:
     """x = a @ b^T (outgoing) or a^T @ b (incoming) over [L, N, N]: cuBLAS takes the transposes as flags."""
     return torch.bmm(a, b.transpose(1, 2)) if outgoing else torch.bmm(a.transpose(1, 2), b)
@@ -298,43 +311,51 @@ class _TriangleMultiplication(torch.autograd.Function):
         batch = math.prod(lead)
         zn, _, _ = _ln_in_fwd(z, w_in, b_in, eps, w_proj.dtype)
         w_ab, b_ab, w_g, b_g = _split_projection(w_proj, b_proj, c_h)
-        if fuse:  # a, b straight from zn; only the output gate's projection is materialized
+        fused_out = fuse and _fuses_out(c_h, c_z)
+        if fuse:  # a, b straight from zn; the output gate's projection is one matmul or inside `_out_fwd`
             a, b = _proj_gate_fwd(zn, w_ab, b_ab, mask, batch, n, c_h)
-            g_src, g_off = F.linear(zn, w_g, b_g), 0  # [M, C_z]
+            g_src, g_off = (None, 0) if fused_out else (F.linear(zn, w_g, b_g), 0)  # [M, C_z]
         else:
             g_src, g_off = F.linear(zn, w_proj, b_proj), 4 * c_h  # [M, 4 C_h + C_z]
             a, b = _gate_ab_fwd(g_src, mask, batch, n, c_h)
-        del zn
         x = _contract(a.view(-1, n, n), b.view(-1, n, n), outgoing)
-        y, _, _ = _ln_out_t_fwd(x, w_out_ln, b_out_ln, batch, c_h, eps)
-        o = F.linear(y, w_z, b_z)  # [M, C_z]
-        del y
-        out = _out_gate_fwd(o, g_src, g_off)
+        if fused_out:
+            out = _out_fwd(x, zn, w_out_ln, b_out_ln, w_z, b_z, w_g, b_g, batch, c_h, eps)
+        else:
+            del zn
+            y, _, _ = _ln_out_t_fwd(x, w_out_ln, b_out_ln, batch, c_h, eps)
+            o = F.linear(y, w_z, b_z)  # [M, C_z]
+            del y
+            out = _out_gate_fwd(o, g_src, g_off)
         ctx.save_for_backward(z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, a, b, x)
-        ctx.meta = (outgoing, fuse, g_off, batch, n, c_h, eps)
+        ctx.meta = (outgoing, fuse, fused_out, g_off, batch, n, c_h, eps)
         return out.view(z.shape)
 
     @staticmethod
     def backward(ctx, dout):
         z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, a, b, x = ctx.saved_tensors
-        outgoing, fuse, g_off, batch, n, c_h, eps = ctx.meta
+        outgoing, fuse, fused_out, g_off, batch, n, c_h, eps = ctx.meta
         c_z = z.shape[-1]
         needs = ctx.needs_input_grad
         # Recompute what the forward did not keep (the same kernels on the same inputs: the same values).
         # Each [M, C] intermediate is dropped (`del`) right after its last use.
         zn, mean_in, rstd_in = _ln_in_fwd(z, w_in, b_in, eps, w_proj.dtype)
-        if fuse:
-            _, _, w_g, b_g = _split_projection(w_proj, b_proj, c_h)
-            g_src = F.linear(zn, w_g, b_g)
+        _, _, w_g, b_g = _split_projection(w_proj, b_proj, c_h)
+        dout = dout.reshape(-1, c_z)
+        g_src = None  # the gate's source, kept for the unfused gate backward
+        # d(out) -> d(o) and dg (into columns 4 C_h: of d_proj), with their sums over pairs.
+        if fused_out:
+            do, d_proj, y, mean_out, rstd_out, do_dg_sum = _out_bwd(
+                dout, x, zn, w_out_ln, b_out_ln, w_z, b_z, w_g, b_g, batch, c_h, eps, 4 * c_h + c_z
+            )
         else:
-            g_src = F.linear(zn, w_proj, b_proj)
-        y, mean_out, rstd_out = _ln_out_t_fwd(x, w_out_ln, b_out_ln, batch, c_h, eps)
-        o = F.linear(y, w_z, b_z)
-        # d(out) -> d(o) and dg (into columns 4 C_h: of d_proj), with the sums of each over pairs.
-        do, d_proj, do_dg_sum = _out_gate_bwd(dout.reshape(-1, c_z), o, g_src, g_off, 4 * c_h + c_z)
-        del o
-        if fuse:  # the unfused gate backward reads the projections again
-            del g_src
+            g_src = F.linear(zn, w_g, b_g) if fuse else F.linear(zn, w_proj, b_proj)
+            y, mean_out, rstd_out = _ln_out_t_fwd(x, w_out_ln, b_out_ln, batch, c_h, eps)
+            o = F.linear(y, w_z, b_z)
+            do, d_proj, do_dg_sum = _out_gate_bwd(dout, o, g_src, g_off, 4 * c_h + c_z)
+            del o
+            if fuse:  # the unfused gate backward reads the projections again
+                g_src = None
         grad_w_z = do.t().mm(y) if needs[8] else None
         grad_b_z = do_dg_sum[:c_z].to(b_z.dtype) if b_z is not None and needs[9] else None
         del y
@@ -621,3 +642,82 @@ if HAS_TRITON:
             g_off, d_proj_width - c_z, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=warps,
         )  # fmt: skip
         return do, d_proj, part.sum(dim=0)
+
+    def _out_config(c_h: int, c_z: int, way: str) -> dict:
+        """The tiles of `_out_kernel` (`way` "fwd" or "bwd") from `OUT_TILES[way]`: all C_h and C_z
+        channels (at least 16 for tl.dot), output channels BLOCK_ZC at a time."""
+        block_p, block_zc, warps = OUT_TILES[way]
+        block_z = max(16, next_power_of_2(c_z))
+        return {
+            "BLOCK_P": block_p, "BLOCK_H": max(16, next_power_of_2(c_h)), "BLOCK_Z": block_z,
+            "BLOCK_ZC": min(block_zc, block_z), "num_warps": warps,
+        }  # fmt: skip
+
+    def _launch_out(
+        x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, dout, d_proj, y, mean, rstd, part, batch, c_h, eps
+    ):
+        """`_out_kernel` over zn's [M, C_z] pairs; the backward when `dout` is given."""
+        m, c_z = zn.shape
+        nn_ = m // batch
+        bwd = dout is not None
+        tiles = _out_config(c_h, c_z, "bwd" if bwd else "fwd")
+        launch(_out_kernel, (cdiv(nn_, tiles["BLOCK_P"]), batch),
+            x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, dout, d_proj, y, mean, rstd, part,
+            nn_, c_h, c_z, eps, dout.stride(0) if bwd else 0, d_proj.stride(0) if bwd else 0,
+            d_proj.shape[1] - c_z if bwd else 0,
+            HAS_W=w_ln is not None, HAS_B=b_ln is not None, HAS_BZ=b_z is not None, HAS_BG=b_g is not None,
+            BWD=bwd, DOT=dot_mode(zn), **tiles,
+        )  # fmt: skip
+
+    @hfkit_op("tri_mul_out_fwd")
+    def _out_fwd(
+        x: torch.Tensor,
+        zn: torch.Tensor,
+        w_ln: torch.Tensor | None,
+        b_ln: torch.Tensor | None,
+        w_z: torch.Tensor,
+        b_z: torch.Tensor | None,
+        w_g: torch.Tensor,
+        b_g: torch.Tensor | None,
+        batch: int,
+        c_h: int,
+        eps: float,
+    ) -> torch.Tensor:
+        """out [M, C_z] = (LN_out(x) @ w_z.T + b_z) * sigmoid(zn @ w_g.T + b_g), x channel-first."""
+        out = torch.empty_like(zn)
+        _launch_out(x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, *[None] * 6, batch, c_h, eps)
+        return out
+
+    @hfkit_op("tri_mul_out_bwd")
+    def _out_bwd(
+        dout: torch.Tensor,
+        x: torch.Tensor,
+        zn: torch.Tensor,
+        w_ln: torch.Tensor | None,
+        b_ln: torch.Tensor | None,
+        w_z: torch.Tensor,
+        b_z: torch.Tensor | None,
+        w_g: torch.Tensor,
+        b_g: torch.Tensor | None,
+        batch: int,
+        c_h: int,
+        eps: float,
+        d_proj_width: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For d(out) [M, C_z], recomputing `_out_fwd`'s intermediates: d(o) [M, C_z], d_proj [M,
+        d_proj_width] with dg in its last C_z columns (the rest is left for the gate kernel), y [M, C_h]
+        and LN_out's float32 mean and rstd [M], and the float32 sums over pairs of d(o) and dg, [2 C_z]."""
+        m, c_z = zn.shape
+        if dout.stride(1) != 1:
+            dout = dout.contiguous()
+        do = torch.empty_like(zn)
+        d_proj = zn.new_empty((m, d_proj_width))
+        y = zn.new_empty((m, c_h))
+        mean = torch.empty(m, dtype=torch.float32, device=zn.device)
+        rstd = torch.empty(m, dtype=torch.float32, device=zn.device)
+        programs = cdiv(m // batch, _out_config(c_h, c_z, "bwd")["BLOCK_P"]) * batch
+        part = torch.empty((programs, 2 * c_z), dtype=torch.float32, device=zn.device)
+        _launch_out(
+            x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, do, dout, d_proj, y, mean, rstd, part, batch, c_h, eps
+        )
+        return do, d_proj, y, mean, rstd, part.sum(dim=0)
