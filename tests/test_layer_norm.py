@@ -97,12 +97,12 @@ def test_many_row_blocks_reduce_weight_grads(device, prefetch, acc2d):
         # SMs would otherwise give every block its own program).
         programs = min(ln._bwd_programs(m, cfg, x.device), max(1, blocks // 3))
         assert 1 <= programs < blocks
-        dx, dwb = torch.empty_like(x), torch.empty(2, programs, n, device=device)
+        dx, dwb = torch.empty_like(x), torch.empty(programs, 2 * n, device=device)
         ln._launch_bwd(x, dy, dx, w, mean, rstd, dwb, True, programs, cfg, prefetch, acc2d)
     ref = [t.double().requires_grad_(True) for t in (x, w, b)]
     y64 = layer_norm_reference(ref[0], n, ref[1], ref[2], 1e-5)
     ref_grads = torch.autograd.grad(y64, ref, dy.double())
-    dw, db = dwb.sum(dim=1)
+    dw, db = dwb.sum(dim=0).view(2, n)
     outputs = zip(["y", "dx", "dw", "db"], [y, dx, dw, db], [y64, *ref_grads], strict=True)
     for name, actual, expected in outputs:
         assert rel_err(actual, expected.detach()) < TOL[torch.float32], name

@@ -4,7 +4,8 @@ The pair tensor is [batch, N*N pairs, C] row-major ("M = pairs" rows of C channe
 contraction's operands and result, channel-first [batch, C_h, N*N]. A program owns a block of pairs
 (BLOCK_P) by a block of channels (BLOCK_C), or all channels of a block of pairs where it reduces over
 channels (the transposed LayerNorm); the grid's last axis is the batch. Gradients of biases and
-LayerNorm weights leave each program as one float32 row of partial sums (`Part`), which the host adds
+LayerNorm weights leave each program as float32 partial sums in its row of `Part`, at column `part_off`
+(the backward's kernels share one buffer, so that one reduction sums them all); the host adds the rows
 in a fixed order: deterministic, no atomics. 1-D parameters (biases, LayerNorm weights) are read
 with unit stride. The launchers, tile choices and autograd are in `hfkit.ops.triangle_multiplication`.
 """
@@ -38,7 +39,7 @@ def _store_gated(
 @triton.jit
 def _store_gate_grads(
     DA, DB, Mask, DP, Part, a_p, a_g, b_p, b_g, rows, p, c, ok, c_ok, bat, pid_p,
-    NN, CH, stride_dp, num_p_blocks, HAS_MASK: tl.constexpr,
+    NN, CH, stride_dp, num_p_blocks, part_off, stride_part, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
     # Gradients of the four a/b projections from da, db (channel-first), written into columns
     # [0, 4 C_h) of d_proj (row-major); their float32 column sums over this program's pairs go to
@@ -62,7 +63,7 @@ def _store_gate_grads(
     tl.store(dst + CH, d_ag.to(ty), mask=ok)
     tl.store(dst + 2 * CH, d_bp.to(ty), mask=ok)
     tl.store(dst + 3 * CH, d_bg.to(ty), mask=ok)
-    part = Part + (bat * num_p_blocks + pid_p).to(tl.int64) * (4 * CH) + c
+    part = Part + part_off + (bat * num_p_blocks + pid_p).to(tl.int64) * stride_part + c
     tl.store(part, tl.sum(d_ap, axis=0), mask=c_ok)
     tl.store(part + CH, tl.sum(d_ag, axis=0), mask=c_ok)
     tl.store(part + 2 * CH, tl.sum(d_bp, axis=0), mask=c_ok)
@@ -132,7 +133,7 @@ def _gate_ab_fwd_kernel(
 
 @triton.jit
 def _gate_ab_bwd_kernel(
-    DA, DB, P, Mask, DP, Part, NN, CH, stride_p, stride_dp, num_p_blocks,
+    DA, DB, P, Mask, DP, Part, NN, CH, stride_p, stride_dp, num_p_blocks, part_off, stride_part,
     HAS_MASK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     # Unfused projection: read da, db and the four projections, write their gradients (into d_proj)
@@ -146,7 +147,7 @@ def _gate_ab_bwd_kernel(
     a_p, a_g, b_p, b_g = _load_projections(P, rows, c, ok, stride_p, CH)
     _store_gate_grads(
         DA, DB, Mask, DP, Part, a_p, a_g, b_p, b_g, rows, p, c, ok, c_ok, bat, pid_p,
-        NN, CH, stride_dp, num_p_blocks, HAS_MASK,
+        NN, CH, stride_dp, num_p_blocks, part_off, stride_part, HAS_MASK,
     )  # fmt: skip
 
 
@@ -188,7 +189,7 @@ def _proj_gate_fwd_kernel(
 
 @triton.jit
 def _proj_gate_bwd_kernel(
-    DA, DB, ZN, W, Bias, Mask, DP, Part, NN, CH, CZ, stride_dp, num_p_blocks,
+    DA, DB, ZN, W, Bias, Mask, DP, Part, NN, CH, CZ, stride_dp, num_p_blocks, part_off, stride_part,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, DOT: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -201,7 +202,7 @@ def _proj_gate_bwd_kernel(
     )
     _store_gate_grads(
         DA, DB, Mask, DP, Part, a_p, a_g, b_p, b_g, rows, p, c, ok, c_ok, bat, pid_p,
-        NN, CH, stride_dp, num_p_blocks, HAS_MASK,
+        NN, CH, stride_dp, num_p_blocks, part_off, stride_part, HAS_MASK,
     )  # fmt: skip
 
 
@@ -237,7 +238,7 @@ def _ln_out_t_fwd_kernel(
 
 @triton.jit
 def _ln_out_t_bwd_kernel(
-    DY, X, W, Mean, Rstd, DX, Part, NN, CH, num_p_blocks,
+    DY, X, W, Mean, Rstd, DX, Part, NN, CH, num_p_blocks, part_off, stride_part,
     HAS_W: tl.constexpr, HAS_DW: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     # Traffic: read dy row-major and x channel-first, write dx channel-first: the transpose of the
@@ -266,7 +267,7 @@ def _ln_out_t_bwd_kernel(
     dx = (wdy - (xhat * c1[None, :] + c2[None, :])) * rstd[None, :]
     tl.store(DX + cf, dx.to(DX.dtype.element_ty), mask=ok)
     if HAS_DW:
-        part = Part + (bat * num_p_blocks + pid_p).to(tl.int64) * (2 * CH) + c
+        part = Part + part_off + (bat * num_p_blocks + pid_p).to(tl.int64) * stride_part + c
         tl.store(part, tl.sum(dy * xhat, axis=1), mask=c_ok)
         tl.store(part + CH, tl.sum(dy, axis=1), mask=c_ok)
 
@@ -285,7 +286,7 @@ def _out_gate_fwd_kernel(O, P, OUT, M, CZ, stride_p, g_off, BLOCK_M: tl.constexp
 
 @triton.jit
 def _out_gate_bwd_kernel(
-    DOUT, O, P, DO, DP, Part, M, CZ, stride_dout, stride_p, stride_dp, g_off, dg_off,
+    DOUT, O, P, DO, DP, Part, M, CZ, stride_dout, stride_p, stride_dp, g_off, dg_off, part_off, stride_part,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     # Traffic: read d(out), o and g, write d(o) and dg (into the gate columns of d_proj); the
@@ -304,7 +305,7 @@ def _out_gate_bwd_kernel(
     dg = dout * o * s * (1.0 - s)
     tl.store(DO + rows[:, None] * CZ + c[None, :], do.to(DO.dtype.element_ty), mask=ok)
     tl.store(DP + rows[:, None] * stride_dp + dg_off + c[None, :], dg.to(DP.dtype.element_ty), mask=ok)
-    part = Part + pid_m.to(tl.int64) * (2 * CZ) + c
+    part = Part + part_off + pid_m.to(tl.int64) * stride_part + c
     tl.store(part, tl.sum(do, axis=0), mask=c_ok)
     tl.store(part + CZ, tl.sum(dg, axis=0), mask=c_ok)
 
@@ -332,7 +333,7 @@ def _out_and_gate(
 @triton.jit
 def _out_kernel(
     X, ZN, W, Bias, WZ, BZ, WG, BG, OUT, DOUT, DP, Y, Mean, Rstd, Part,
-    NN, CH, CZ, eps, stride_dout, stride_dp, dg_off,
+    NN, CH, CZ, eps, stride_dout, stride_dp, dg_off, part_off, stride_part,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_BZ: tl.constexpr, HAS_BG: tl.constexpr,
     BWD: tl.constexpr, DOT: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Z: tl.constexpr, BLOCK_ZC: tl.constexpr,
@@ -383,7 +384,7 @@ def _out_kernel(
             tl.store(
                 DP + rows[:, None] * stride_dp + dg_off + zc[None, :], dg.to(DP.dtype.element_ty), mask=ok
             )
-            part = Part + (bat * tl.num_programs(0) + pid_p).to(tl.int64) * (2 * CZ) + zc
+            part = Part + part_off + (bat * tl.num_programs(0) + pid_p).to(tl.int64) * stride_part + zc
             tl.store(part, tl.sum(do, axis=0), mask=zc_ok)
             tl.store(part + CZ, tl.sum(dg, axis=0), mask=zc_ok)
         else:

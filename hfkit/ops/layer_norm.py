@@ -208,14 +208,15 @@ if HAS_TRITON:
     @triton.jit
     def _layer_norm_bwd_kernel(
         X, DY, DX, W, Mean, Rstd, DWB,
-        stride_x, stride_dy, stride_dx, M, N,
+        stride_x, stride_dy, stride_dx, stride_dwb, M, N,
         HAS_W: tl.constexpr, HAS_DW: tl.constexpr, PREFETCH: tl.constexpr, ACC2D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         # Traffic: read x and dy, write dx (3 passes of the tensor; statistics are 8 bytes a row).
         # Persistent grid: program p walks row blocks p, p + G, ... and keeps its share of
-        # dweight/dbias in float32 registers, writing one [2, N] partial at the end; the host sums
-        # the G partials. That avoids atomics (deterministic) and a second pass over x and dy.
+        # dweight/dbias in float32 registers, writing them as row `pid` of DWB [G, 2 N] (dweight, then
+        # dbias; rows stride_dwb apart) at the end; the host sums the G rows. That avoids atomics
+        # (deterministic) and a second pass over x and dy.
         # With PREFETCH the loads of the next block are issued before the current block's
         # reductions, so each program keeps two blocks of loads in flight.
         pid = tl.program_id(0)
@@ -254,8 +255,8 @@ if HAS_TRITON:
             if ACC2D:
                 dw_acc = tl.sum(dw_acc, axis=0)
                 db_acc = tl.sum(db_acc, axis=0)
-            tl.store(DWB + pid * N + cols, dw_acc, mask=col_ok)
-            tl.store(DWB + (num_programs + pid) * N + cols, db_acc, mask=col_ok)
+            tl.store(DWB + pid * stride_dwb + cols, dw_acc, mask=col_ok)
+            tl.store(DWB + pid * stride_dwb + N + cols, db_acc, mask=col_ok)
 
 
 def _rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -318,7 +319,7 @@ def _launch_bwd(
     m, n = x2.shape
     launch(_layer_norm_bwd_kernel, (programs,),
         x2, dy2, dx2, weight, mean, rstd, dwb,
-        x2.stride(0), dy2.stride(0), dx2.stride(0), m, n,
+        x2.stride(0), dy2.stride(0), dx2.stride(0), dwb.stride(0) if need_dwb else 0, m, n,
         HAS_W=weight is not None, HAS_DW=need_dwb, PREFETCH=prefetch, ACC2D=acc2d,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )  # fmt: skip
@@ -372,14 +373,14 @@ if HAS_TRITON:
         dx2 = dx.view(m, n)
         cfg = _bwd_config(n, x.element_size())
         programs = _bwd_programs(m, cfg, x.device)
-        dwb = torch.empty((2, programs, n) if need_dwb else (0,), dtype=torch.float32, device=x.device)
+        dwb = torch.empty((programs, 2 * n) if need_dwb else (0,), dtype=torch.float32, device=x.device)
         if m > 0:
             _launch_bwd(x2, dy2, dx2, weight, mean, rstd, dwb, need_dwb, programs, cfg)
         if not need_dwb:
             return dx, x.new_empty((0, n), dtype=torch.float32)
         if m == 0:
             return dx, torch.zeros((2, n), dtype=torch.float32, device=x.device)
-        return dx, dwb.sum(dim=1)
+        return dx, dwb.sum(dim=0).view(2, n)
 
     def _setup_context(ctx, inputs, output) -> None:
         x, weight, bias, n, _eps = inputs

@@ -288,6 +288,19 @@ def _fuses_out(c_h: int, c_z: int) -> bool:
     return c_h <= FUSED_OUT_MAX and c_z <= FUSED_OUT_MAX
 
 
+def _part_columns(c_z: int, c_h: int) -> dict[str, int]:
+    """Where each kernel of the backward writes its float32 partial sums in the shared buffer (first
+    column; "end" is the width): LayerNorm-in's weight and bias (first: its kernel takes no offset),
+    d(o) and dg (b_z and linear_g's bias), LayerNorm-out's weight and bias, the a/b projection biases."""
+    return {
+        "ln_in": 0,
+        "out": 2 * c_z,
+        "ln_out": 4 * c_z,
+        "proj": 4 * c_z + 2 * c_h,
+        "end": 4 * c_z + 6 * c_h,
+    }
+
+
 def _contract(a: torch.Tensor, b: torch.Tensor, outgoing: bool) -> torch.Tensor:
     """x = a @ b^T (outgoing) or a^T @ b (incoming) over [L, N, N]: cuBLAS takes the transposes as flags."""
     return torch.bmm(a, b.transpose(1, 2)) if outgoing else torch.bmm(a.transpose(1, 2), b)
@@ -343,29 +356,35 @@ class _TriangleMultiplication(torch.autograd.Function):
         _, _, w_g, b_g = _split_projection(w_proj, b_proj, c_h)
         dout = dout.reshape(-1, c_z)
         g_src = None  # the gate's source, kept for the unfused gate backward
-        # d(out) -> d(o) and dg (into columns 4 C_h: of d_proj), with their sums over pairs.
+        # The float32 partial sums of every bias and LayerNorm-weight gradient, one row a program of
+        # each kernel, in one buffer (`_part_columns`): one reduction at the end sums them all.
+        cols = _part_columns(c_z, c_h)
+        part = torch.zeros(
+            (_partial_rows(z, batch, n, c_h, fuse, fused_out), cols["end"]),
+            dtype=torch.float32,
+            device=z.device,
+        )
+        # d(out) -> d(o) and dg (into columns 4 C_h: of d_proj).
         if fused_out:
-            do, d_proj, y, mean_out, rstd_out, do_dg_sum = _out_bwd(
-                dout, x, zn, w_out_ln, b_out_ln, w_z, b_z, w_g, b_g, batch, c_h, eps, 4 * c_h + c_z
-            )
+            do, d_proj, y, mean_out, rstd_out = _out_bwd(
+                dout, x, zn, w_out_ln, b_out_ln, w_z, b_z, w_g, b_g, batch, c_h, eps, 4 * c_h + c_z,
+                part, cols["out"],
+            )  # fmt: skip
         else:
             g_src = F.linear(zn, w_g, b_g) if fuse else F.linear(zn, w_proj, b_proj)
             y, mean_out, rstd_out = _ln_out_t_fwd(x, w_out_ln, b_out_ln, batch, c_h, eps)
             o = F.linear(y, w_z, b_z)
-            do, d_proj, do_dg_sum = _out_gate_bwd(dout, o, g_src, g_off, 4 * c_h + c_z)
+            do, d_proj = _out_gate_bwd(dout, o, g_src, g_off, 4 * c_h + c_z, part, cols["out"])
             del o
             if fuse:  # the unfused gate backward reads the projections again
                 g_src = None
         grad_w_z = do.t().mm(y) if needs[8] else None
-        grad_b_z = do_dg_sum[:c_z].to(b_z.dtype) if b_z is not None and needs[9] else None
         del y
         dy = do.mm(w_z)  # [M, C_h]
         del do
         need_ln_out = (w_out_ln is not None and needs[6]) or (b_out_ln is not None and needs[7])
-        dx, dwb_out = _ln_out_t_bwd(dy, x, w_out_ln, mean_out, rstd_out, batch, c_h, need_ln_out)
+        dx = _ln_out_t_bwd(dy, x, w_out_ln, mean_out, rstd_out, batch, c_h, need_ln_out, part, cols["ln_out"])
         del dy
-        grad_w_out_ln = dwb_out[0].to(w_out_ln.dtype) if w_out_ln is not None and needs[6] else None
-        grad_b_out_ln = dwb_out[1].to(b_out_ln.dtype) if b_out_ln is not None and needs[7] else None
         dx = dx.view(-1, n, n)
         a3, b3 = a.view(-1, n, n), b.view(-1, n, n)
         if outgoing:  # x = a b^T
@@ -375,23 +394,29 @@ class _TriangleMultiplication(torch.autograd.Function):
         del dx, a3, b3
         if fuse:
             w_ab, b_ab, _, _ = _split_projection(w_proj, b_proj, c_h)
-            dab_sum = _proj_gate_bwd(da, db, zn, w_ab, b_ab, mask, d_proj, batch, n, c_h)
+            _proj_gate_bwd(da, db, zn, w_ab, b_ab, mask, d_proj, part, cols["proj"], batch, n, c_h)
         else:
-            dab_sum = _gate_ab_bwd(da, db, g_src, mask, d_proj, batch, n, c_h)
+            _gate_ab_bwd(da, db, g_src, mask, d_proj, part, cols["proj"], batch, n, c_h)
             del g_src
         del da, db
         grad_w_proj = d_proj.t().mm(zn) if needs[4] else None
         del zn
-        grad_b_proj = None
-        if b_proj is not None and needs[5]:
-            grad_b_proj = torch.cat([dab_sum, do_dg_sum[c_z:]]).to(b_proj.dtype)
         dzn = d_proj.mm(w_proj)  # [M, C_z]
         del d_proj
         need_ln_in = (w_in is not None and needs[2]) or (b_in is not None and needs[3])
-        dz, dwb_in = _ln_in_bwd(dzn, z, w_in, mean_in, rstd_in, need_ln_in)
+        dz = _ln_in_bwd(dzn, z, w_in, mean_in, rstd_in, need_ln_in, part)
         del dzn
-        grad_w_in = dwb_in[0].to(w_in.dtype) if w_in is not None and needs[2] else None
-        grad_b_in = dwb_in[1].to(b_in.dtype) if b_in is not None and needs[3] else None
+        sums = part.sum(dim=0)
+        grad = {k: sums[cols[k] : cols[k] + w] for k, w in (("ln_in", 2 * c_z), ("out", 2 * c_z),
+                ("ln_out", 2 * c_h), ("proj", 4 * c_h))}  # fmt: skip
+        grad_w_in = grad["ln_in"][:c_z].to(w_in.dtype) if w_in is not None and needs[2] else None
+        grad_b_in = grad["ln_in"][c_z:].to(b_in.dtype) if b_in is not None and needs[3] else None
+        grad_b_z = grad["out"][:c_z].to(b_z.dtype) if b_z is not None and needs[9] else None
+        grad_w_out_ln = grad["ln_out"][:c_h].to(w_out_ln.dtype) if w_out_ln is not None and needs[6] else None
+        grad_b_out_ln = grad["ln_out"][c_h:].to(b_out_ln.dtype) if b_out_ln is not None and needs[7] else None
+        grad_b_proj = None
+        if b_proj is not None and needs[5]:  # the a/b rows, then the output gate's
+            grad_b_proj = torch.cat([grad["proj"], grad["out"][c_z:]]).to(b_proj.dtype)
         return (
             dz if needs[0] else None, None, grad_w_in, grad_b_in, grad_w_proj, grad_b_proj,
             grad_w_out_ln, grad_b_out_ln, grad_w_z, grad_b_z, None, None, None,
@@ -437,7 +462,17 @@ if HAS_TRITON:
         _launch_fwd(z2, zn, weight, bias, mean, rstd, eps, _fwd_config(c_z, z.element_size()))
         return zn, mean, rstd
 
-    @hfkit_op("tri_mul_ln_in_bwd")
+    def _partial_rows(z: torch.Tensor, batch: int, n: int, c_h: int, fuse: bool, fused_out: bool) -> int:
+        """Rows of the backward's shared buffer of partial sums: the most programs of any kernel that
+        writes one (each writes its own row, see `_part_columns`)."""
+        c_z, nn_ = z.shape[-1], n * n
+        m = batch * nn_
+        out = cdiv(nn_, OUT_TILES["bwd"][0]) * batch if fused_out else cdiv(m, _elementwise_config(c_z)[0])
+        gate = (PROJ_TILES if fuse else _gate_config(c_h))[0]
+        ln_in = _bwd_programs(m, _bwd_config(c_z, z.element_size()), z.device)
+        return max(out, cdiv(nn_, _ln_out_config(c_h)[0]) * batch, cdiv(nn_, gate) * batch, ln_in)
+
+    @hfkit_op("tri_mul_ln_in_bwd", mutates_args={"part"})
     def _ln_in_bwd(
         dzn: torch.Tensor,
         z: torch.Tensor,
@@ -445,20 +480,20 @@ if HAS_TRITON:
         mean: torch.Tensor,
         rstd: torch.Tensor,
         need_dwb: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """dz in z's dtype from dzn [M, C_z] in the compute dtype, and the float32 [2, C_z] weight and bias
-        gradients (zeros when not `need_dwb`)."""
+        part: torch.Tensor,
+    ) -> torch.Tensor:
+        """dz in z's dtype from dzn [M, C_z] in the compute dtype; with `need_dwb` the float32 partial
+        sums of the weight and bias gradients go to columns [0, 2 C_z) of part's first rows (one a
+        program, `_ln_in_programs`)."""
         c_z = z.shape[-1]
         z2 = _rows_view(z, c_z)
         m = z2.shape[0]
         dz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
         cfg = _bwd_config(c_z, z.element_size())
-        programs = _bwd_programs(m, cfg, z.device)
-        dwb = torch.empty((2, programs, c_z) if need_dwb else (0,), dtype=torch.float32, device=z.device)
-        _launch_bwd(z2, dzn, dz.view(m, c_z), weight, mean, rstd, dwb, need_dwb, programs, cfg)
-        if not need_dwb:
-            return dz, torch.zeros((2, c_z), dtype=torch.float32, device=z.device)
-        return dz, dwb.sum(dim=1)
+        _launch_bwd(
+            z2, dzn, dz.view(m, c_z), weight, mean, rstd, part, need_dwb, _bwd_programs(m, cfg, z.device), cfg
+        )
+        return dz
 
     @hfkit_op("tri_mul_gate_ab_fwd")
     def _gate_ab_fwd(
@@ -474,27 +509,28 @@ if HAS_TRITON:
         )  # fmt: skip
         return a, b
 
-    @hfkit_op("tri_mul_gate_ab_bwd", mutates_args={"d_proj"})
+    @hfkit_op("tri_mul_gate_ab_bwd", mutates_args={"d_proj", "part"})
     def _gate_ab_bwd(
         da: torch.Tensor,
         db: torch.Tensor,
         proj: torch.Tensor,
         mask: torch.Tensor | None,
         d_proj: torch.Tensor,
+        part: torch.Tensor,
+        part_off: int,
         batch: int,
         n: int,
         c_h: int,
-    ) -> torch.Tensor:
-        """Writes columns [0, 4 C_h) of d_proj; returns their float32 sums over pairs, [4 C_h]."""
+    ) -> None:
+        """Writes columns [0, 4 C_h) of d_proj, and their float32 partial sums over each program's pairs
+        to columns [part_off, part_off + 4 C_h) of its row of part."""
         block_p, block_c, warps = _gate_config(c_h)
         num_p_blocks = cdiv(n * n, block_p)
-        part = torch.empty((batch * num_p_blocks, 4 * c_h), dtype=torch.float32, device=proj.device)
         launch(_gate_ab_bwd_kernel, (num_p_blocks, cdiv(c_h, block_c), batch),
             da.contiguous(), db.contiguous(), proj, mask, d_proj, part,
-            n * n, c_h, proj.stride(0), d_proj.stride(0), num_p_blocks,
+            n * n, c_h, proj.stride(0), d_proj.stride(0), num_p_blocks, part_off, part.stride(0),
             HAS_MASK=mask is not None, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps,
         )  # fmt: skip
-        return part.sum(dim=0)
 
     def _proj_config(c_h: int, c_z: int, zn: torch.Tensor) -> tuple[int, int, int, int, int]:
         """(BLOCK_P, BLOCK_C, BLOCK_K, num_warps, DOT) of the fused projection kernels, from
@@ -529,7 +565,7 @@ if HAS_TRITON:
         )  # fmt: skip
         return a, b
 
-    @hfkit_op("tri_mul_proj_gate_bwd", mutates_args={"d_proj"})
+    @hfkit_op("tri_mul_proj_gate_bwd", mutates_args={"d_proj", "part"})
     def _proj_gate_bwd(
         da: torch.Tensor,
         db: torch.Tensor,
@@ -538,22 +574,23 @@ if HAS_TRITON:
         b_ab: torch.Tensor | None,
         mask: torch.Tensor | None,
         d_proj: torch.Tensor,
+        part: torch.Tensor,
+        part_off: int,
         batch: int,
         n: int,
         c_h: int,
-    ) -> torch.Tensor:
-        """Writes columns [0, 4 C_h) of d_proj; returns their float32 sums over pairs, [4 C_h]."""
+    ) -> None:
+        """Writes columns [0, 4 C_h) of d_proj, and their float32 partial sums over each program's pairs
+        to columns [part_off, part_off + 4 C_h) of its row of part."""
         c_z = zn.shape[1]
         block_p, block_c, block_k, warps, dot = _proj_config(c_h, c_z, zn)
         num_p_blocks = cdiv(n * n, block_p)
-        part = torch.empty((batch * num_p_blocks, 4 * c_h), dtype=torch.float32, device=zn.device)
         launch(_proj_gate_bwd_kernel, (num_p_blocks * cdiv(c_h, block_c), batch),
             da.contiguous(), db.contiguous(), zn, w_ab, b_ab, mask, d_proj, part,
-            n * n, c_h, c_z, d_proj.stride(0), num_p_blocks,
+            n * n, c_h, c_z, d_proj.stride(0), num_p_blocks, part_off, part.stride(0),
             HAS_BIAS=b_ab is not None, HAS_MASK=mask is not None, DOT=dot,
             BLOCK_P=block_p, BLOCK_C=block_c, BLOCK_K=block_k, num_warps=warps,
         )  # fmt: skip
-        return part.sum(dim=0)
 
     @hfkit_op("tri_mul_ln_out_t_fwd")
     def _ln_out_t_fwd(
@@ -576,7 +613,7 @@ if HAS_TRITON:
         )  # fmt: skip
         return y, mean, rstd
 
-    @hfkit_op("tri_mul_ln_out_t_bwd")
+    @hfkit_op("tri_mul_ln_out_t_bwd", mutates_args={"part"})
     def _ln_out_t_bwd(
         dy: torch.Tensor,
         x: torch.Tensor,
@@ -586,20 +623,21 @@ if HAS_TRITON:
         batch: int,
         c_h: int,
         need_dwb: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns dx channel-first (x's shape) and the float32 [2, C_h] weight and bias gradients."""
+        part: torch.Tensor,
+        part_off: int,
+    ) -> torch.Tensor:
+        """Returns dx channel-first (x's shape); with `need_dwb` the float32 partial sums of the weight
+        and bias gradients go to columns [part_off, part_off + 2 C_h) of part, a row a program."""
         nn_ = x.numel() // (batch * c_h)
         dx = torch.empty_like(x)
         block_p, block_c, warps = _ln_out_config(c_h)
         num_p_blocks = cdiv(nn_, block_p)
-        part = torch.empty(
-            (batch * num_p_blocks if need_dwb else 0, 2 * c_h), dtype=torch.float32, device=x.device
-        )
         launch(_ln_out_t_bwd_kernel, (num_p_blocks, batch),
-            dy.contiguous(), x, weight, mean, rstd, dx, part, nn_, c_h, num_p_blocks,
+            dy.contiguous(), x, weight, mean, rstd, dx, part,
+            nn_, c_h, num_p_blocks, part_off, part.stride(0),
             HAS_W=weight is not None, HAS_DW=need_dwb, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps,
         )  # fmt: skip
-        return dx, part.sum(dim=0).view(2, c_h)
+        return dx
 
     @hfkit_op("tri_mul_out_gate_fwd")
     def _out_gate_fwd(o: torch.Tensor, proj: torch.Tensor, g_off: int) -> torch.Tensor:
@@ -622,26 +660,32 @@ if HAS_TRITON:
         )
         return out
 
-    @hfkit_op("tri_mul_out_gate_bwd")
+    @hfkit_op("tri_mul_out_gate_bwd", mutates_args={"part"})
     def _out_gate_bwd(
-        dout: torch.Tensor, o: torch.Tensor, g_src: torch.Tensor, g_off: int, d_proj_width: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns d(o), d_proj [M, d_proj_width] with dg written to its last C_z columns (the rest is
-        left for the gate kernel) and the float32 sums over pairs of d(o) and dg, [2 C_z]. g is read
-        from columns [g_off, g_off + C_z) of g_src."""
+        dout: torch.Tensor,
+        o: torch.Tensor,
+        g_src: torch.Tensor,
+        g_off: int,
+        d_proj_width: int,
+        part: torch.Tensor,
+        part_off: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns d(o) and d_proj [M, d_proj_width] with dg written to its last C_z columns (the rest is
+        left for the gate kernel); the float32 partial sums of d(o) and dg go to columns [part_off,
+        part_off + 2 C_z) of part, a row a program. g is read from columns [g_off, g_off + C_z) of
+        g_src."""
         m, c_z = o.shape
         if dout.stride(1) != 1:
             dout = dout.contiguous()
         do = torch.empty_like(o)
         d_proj = o.new_empty((m, d_proj_width))
         block_m, block_c, warps = _elementwise_config(c_z)
-        num_m_blocks = cdiv(m, block_m)
-        part = torch.empty((num_m_blocks, 2 * c_z), dtype=torch.float32, device=o.device)
-        launch(_out_gate_bwd_kernel, (num_m_blocks, cdiv(c_z, block_c)),
+        launch(_out_gate_bwd_kernel, (cdiv(m, block_m), cdiv(c_z, block_c)),
             dout, o, g_src, do, d_proj, part, m, c_z, dout.stride(0), g_src.stride(0), d_proj.stride(0),
-            g_off, d_proj_width - c_z, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=warps,
+            g_off, d_proj_width - c_z, part_off, part.stride(0),
+            BLOCK_M=block_m, BLOCK_C=block_c, num_warps=warps,
         )  # fmt: skip
-        return do, d_proj, part.sum(dim=0)
+        return do, d_proj
 
     def _out_config(c_h: int, c_z: int, way: str) -> dict:
         """The tiles of `_out_kernel` (`way` "fwd" or "bwd") from `OUT_TILES[way]`: all C_h and C_z
@@ -654,7 +698,25 @@ if HAS_TRITON:
         }  # fmt: skip
 
     def _launch_out(
-        x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, dout, d_proj, y, mean, rstd, part, batch, c_h, eps
+        x,
+        zn,
+        w_ln,
+        b_ln,
+        w_z,
+        b_z,
+        w_g,
+        b_g,
+        out,
+        dout,
+        d_proj,
+        y,
+        mean,
+        rstd,
+        part,
+        part_off,
+        batch,
+        c_h,
+        eps,
     ):
         """`_out_kernel` over zn's [M, C_z] pairs; the backward when `dout` is given."""
         m, c_z = zn.shape
@@ -664,7 +726,7 @@ if HAS_TRITON:
         launch(_out_kernel, (cdiv(nn_, tiles["BLOCK_P"]), batch),
             x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, dout, d_proj, y, mean, rstd, part,
             nn_, c_h, c_z, eps, dout.stride(0) if bwd else 0, d_proj.stride(0) if bwd else 0,
-            d_proj.shape[1] - c_z if bwd else 0,
+            d_proj.shape[1] - c_z if bwd else 0, part_off, part.stride(0) if bwd else 0,
             HAS_W=w_ln is not None, HAS_B=b_ln is not None, HAS_BZ=b_z is not None, HAS_BG=b_g is not None,
             BWD=bwd, DOT=dot_mode(zn), **tiles,
         )  # fmt: skip
@@ -685,10 +747,10 @@ if HAS_TRITON:
     ) -> torch.Tensor:
         """out [M, C_z] = (LN_out(x) @ w_z.T + b_z) * sigmoid(zn @ w_g.T + b_g), x channel-first."""
         out = torch.empty_like(zn)
-        _launch_out(x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, *[None] * 6, batch, c_h, eps)
+        _launch_out(x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, *[None] * 6, 0, batch, c_h, eps)
         return out
 
-    @hfkit_op("tri_mul_out_bwd")
+    @hfkit_op("tri_mul_out_bwd", mutates_args={"part"})
     def _out_bwd(
         dout: torch.Tensor,
         x: torch.Tensor,
@@ -703,10 +765,13 @@ if HAS_TRITON:
         c_h: int,
         eps: float,
         d_proj_width: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        part: torch.Tensor,
+        part_off: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """For d(out) [M, C_z], recomputing `_out_fwd`'s intermediates: d(o) [M, C_z], d_proj [M,
         d_proj_width] with dg in its last C_z columns (the rest is left for the gate kernel), y [M, C_h]
-        and LN_out's float32 mean and rstd [M], and the float32 sums over pairs of d(o) and dg, [2 C_z]."""
+        and LN_out's float32 mean and rstd [M]; the float32 partial sums of d(o) and dg go to columns
+        [part_off, part_off + 2 C_z) of part, a row a program."""
         m, c_z = zn.shape
         if dout.stride(1) != 1:
             dout = dout.contiguous()
@@ -715,9 +780,25 @@ if HAS_TRITON:
         y = zn.new_empty((m, c_h))
         mean = torch.empty(m, dtype=torch.float32, device=zn.device)
         rstd = torch.empty(m, dtype=torch.float32, device=zn.device)
-        programs = cdiv(m // batch, _out_config(c_h, c_z, "bwd")["BLOCK_P"]) * batch
-        part = torch.empty((programs, 2 * c_z), dtype=torch.float32, device=zn.device)
         _launch_out(
-            x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, do, dout, d_proj, y, mean, rstd, part, batch, c_h, eps
+            x,
+            zn,
+            w_ln,
+            b_ln,
+            w_z,
+            b_z,
+            w_g,
+            b_g,
+            do,
+            dout,
+            d_proj,
+            y,
+            mean,
+            rstd,
+            part,
+            part_off,
+            batch,
+            c_h,
+            eps,
         )
-        return do, d_proj, y, mean, rstd, part.sum(dim=0)
+        return do, d_proj, y, mean, rstd
