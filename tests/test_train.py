@@ -10,6 +10,8 @@ import math
 
 import pytest
 import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hfkit.data.dataset import collate_fixed
 from hfkit.data.msa_sampling import feature_shapes
@@ -150,6 +152,46 @@ def perturbed(model: AlphaFoldLite, scale: float = 0.1) -> AlphaFoldLite:
 
 def _three_batches() -> list[dict[str, torch.Tensor]]:
     return [synthetic_batch(TINY, seed=10 + i) for i in range(3)]
+
+
+class CountCasts(TorchDispatchMode):
+    """Counts aten._to_copy calls (autocast's casts among them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.casts = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.casts += func is torch.ops.aten._to_copy.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_autocast_step_casts_linear_weights_in_one_copy(checkpoint: bool) -> None:
+    """Under bf16 autocast, train_step hands the model its nn.Linear weights already in bf16 (one
+    multi-tensor cast, gradients cast back in one): the loss and every gradient equal those of autocast
+    casting each weight at each use, with far fewer casts, and the parameters are back afterwards."""
+    config = TINY.replace(checkpoint=checkpoint, msa_dropout=0.0, pair_dropout=0.0)
+    batch = synthetic_batch(config)
+    torch.manual_seed(0)
+    model = perturbed(AlphaFoldLite(config))
+    reference = copy.deepcopy(model)
+    with CountCasts() as plain:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            total = reference.loss(batch, reference(batch))[0]
+        total.backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the step leaves the weights as they are
+    with CountCasts() as cast_once:
+        record = train_step(model, batch, opt, clip=None, autocast_dtype=torch.bfloat16)
+    assert record["loss"] == float(total.detach())
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name  # no gradient stays none (Adam skips it)
+        if p.grad is not None:
+            assert p.grad.dtype == torch.float32, name
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert all(type(m.weight) is nn.Parameter for m in linears)
+    assert cast_once.casts < plain.casts - len(linears)
 
 
 def test_graphed_step_falls_back_eagerly_and_matches_train_step() -> None:

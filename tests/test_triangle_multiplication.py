@@ -130,7 +130,7 @@ def assert_as_close_as_plain(fused: tuple, plain_lowp: tuple, plain_fp32: tuple,
         (True, 17, 16, 16, True, torch.bfloat16),
         (False, 37, 16, 8, True, torch.bfloat16),
         (False, 9, 24, 8, False, torch.bfloat16),
-        (True, 9, 16, 8, True, torch.float16),
+        (True, 17, 16, 16, True, torch.float16),
     ],
     ids=str,
 )
