@@ -115,7 +115,9 @@ def assert_as_close_as_plain(fused: tuple, plain_lowp: tuple, plain_fp32: tuple,
     """The fused results are as close to the float32 plain module as the plain module computing in
     `dtype` is: relative L2 error at most the dtype's tolerance or 3x the plain module's own, per
     tensor. (Over random seeds the median ratio of the two errors is 1.0, the worst seen 2.2; six
-    roundings to bf16 between the matmuls put single elements of either above conftest's tolerance.)"""
+    roundings to bf16 between the matmuls put single elements of either above conftest's tolerance.
+    On an H200, float16 at N = 9 with 8 hidden channels put 3 of 20 seeds past the bound on either
+    output path, too few terms for the ratio to settle; at N = 17 with 16 the worst of 20 used half.)"""
     rtol = tolerance(dtype)[0]
     for name in ["out", *fused[1]]:
         pick = (lambda r: r[0]) if name == "out" else (lambda r, n=name: r[1][n])  # noqa: E731

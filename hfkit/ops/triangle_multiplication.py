@@ -17,24 +17,26 @@ tensor is read and written as few times as possible (M = pairs):
   and writing zn in the compute dtype.
 - `proj_gate`: a = mask * sigmoid(a_g) * a_p and b likewise, the four a/b projections computed by
   tl.dot inside the gating kernel and written channel-first [*, C_h, N, N], so that the triangular
-  contraction is one strided-batched cuBLAS matmul with the transposes folded into its flags. Only the
-  output gate's projection g [M, C_z] is a separate (cuBLAS) matmul. With `fuse_projection=False`
-  one cuBLAS matmul writes all five projections [M, 4 C_h + C_z] and `gate_ab` reads them back.
-- `ln_out_t`: LayerNorm over the channels of x read channel-first and written row-major [*, N, N, C_h]
-  (the transpose fused into the normalization); then linear_z (cuBLAS).
-- `out_gate`: out = o * sigmoid(g).
+  contraction is one strided-batched cuBLAS matmul with the transposes folded into its flags. With
+  `fuse_projection=False` one cuBLAS matmul writes all five projections [M, 4 C_h + C_z] and
+  `gate_ab` reads them back.
+- `out` (C_h and C_z at most `FUSED_OUT_MAX`): out = (LN_out(x) @ W_z.T + b_z) * sigmoid(zn @ W_g.T
+  + b_g) in one kernel: x read channel-first, y, o and g kept in registers. Otherwise (or with
+  `fuse_projection=False`) in steps: `ln_out_t` (LayerNorm over the channels of x read channel-first
+  and written row-major [*, N, N, C_h]), linear_z and linear_g (cuBLAS), `out_gate`.
 
-The backward (a `torch.autograd.Function`) mirrors it: the output-gate kernel writes d(o) and dg, the
+The backward (a `torch.autograd.Function`) mirrors it: the output kernel recomputes y, o and g and
+writes d(o), dg and y (or the output-gate kernel does, after LN_out and the two linears), the
 transposed LayerNorm backward writes dx channel-first, two batched matmuls give da and db, the gate
 kernel recomputes the a/b projections from zn and writes their gradients into the same
 [M, 4 C_h + C_z] buffer as dg, so one matmul gives d(zn) and one the projection weight's gradient.
-Bias and LayerNorm-weight gradients are summed from per-program float32 partials (deterministic, no
-atomics). Saved for backward, in the compute dtype: a, b and x (three [M, 128] tensors at AlphaFold's
-sizes) besides z; the backward recomputes zn, g, LN_out(x) and o (two LayerNorm kernels, two matmuls)
-rather than keeping four more. Each kernel is a `torch.library.triton_op`, so
-`torch.compile` traces the function without graph breaks. Elsewhere (CPU, float64, more than
-`MAX_HIDDEN` hidden channels) `triangle_multiplication_reference` runs. Under `torch.autocast` the
-fast path computes in the autocast dtype, as the plain module does.
+Bias and LayerNorm-weight gradients are summed from per-program float32 partials that every kernel
+writes into one buffer, summed by one reduction at the end (deterministic, no atomics). Saved for
+backward, in the compute dtype: a, b and x (three [M, 128] tensors at AlphaFold's sizes) besides z;
+the backward recomputes zn, g, LN_out(x) and o rather than keeping four more. Each kernel is a
+`torch.library.triton_op`, so `torch.compile` traces the function without graph breaks. Elsewhere
+(CPU, float64, more than `MAX_HIDDEN` hidden channels) `triangle_multiplication_reference` runs.
+Under `torch.autocast` the fast path computes in the autocast dtype, as the plain module does.
 """
 
 from __future__ import annotations
