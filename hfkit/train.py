@@ -185,7 +185,8 @@ def _linears_cast(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]
     in `dtype` (`_CastParams`: gradients flow back to the parameter), so that autocast finds the weights
     already in its dtype and casts none of them. Covers forward and backward (checkpointed blocks
     recompute inside backward). LayerNorm and other parameters stay as they are (autocast keeps them
-    in float32). `dtype` None: nothing changes."""
+    in float32). Code that reads a Linear weight's dtype inside sees `dtype` (hfkit's model takes its
+    feature dtype from a buffer instead). `dtype` None: nothing changes."""
     slots = [
         (module, name, p)
         for module in (model.modules() if dtype is not None else ())

@@ -43,6 +43,10 @@ class AlphaFoldLite(nn.Module):
             self.extra_msa_stack = ExtraMSAStack.from_config(config)
         self.evoformer = EvoformerStack.from_config(config)
         self.aux_heads = AuxiliaryHeads(config.c_m, config.c_z, config.no_bins, config.masked_msa_dim)
+        # The model's dtype for its input features, cast with the parameters by `.to(dtype)` and the
+        # like; empty and outside the state_dict. (A Linear weight's dtype would say bf16 inside
+        # `hfkit.train`'s autocast step, which hands the model pre-cast Linear weights.)
+        self.register_buffer("dtype_probe", torch.empty(0), persistent=False)
 
     def forward(
         self, batch: Mapping[str, torch.Tensor], chunk_size: int | None = None
@@ -57,7 +61,7 @@ class AlphaFoldLite(nn.Module):
             raise ValueError(f"batch: missing features {missing}; expected {list(needed)}")
         if chunk_size is None:
             chunk_size = self.config.chunk_size
-        dtype = self.input_embedder.linear_tf_m.weight.dtype
+        dtype = self.dtype_probe.dtype
         target_feat = batch["target_feat"].to(dtype)
         m, z = self.input_embedder(target_feat, batch["residue_index"], batch["msa_feat"].to(dtype))
         seq_mask = batch["seq_mask"].to(dtype)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from hfkit.ops._checks import check_eps, check_float, check_optional
+from hfkit.ops._linear import column_sums
 from hfkit.ops._triton import HAS_TRITON, cdiv, hfkit_op, launch, next_power_of_2, num_sms, triton_can_run
 
 if HAS_TRITON:
@@ -380,7 +381,7 @@ if HAS_TRITON:
             return dx, x.new_empty((0, n), dtype=torch.float32)
         if m == 0:
             return dx, torch.zeros((2, n), dtype=torch.float32, device=x.device)
-        return dx, dwb.sum(dim=0).view(2, n)
+        return dx, column_sums(dwb).view(2, n)
 
     def _setup_context(ctx, inputs, output) -> None:
         x, weight, bias, n, _eps = inputs
