@@ -318,6 +318,11 @@ def _launch_bwd(
         # The H200 sweep: 3-9% faster for 2-byte dtypes, neutral to slightly worse for float32.
         prefetch = x2.element_size() < 4
     m, n = x2.shape
+    if need_dwb and (dwb.dim() != 2 or dwb.shape[0] < programs or dwb.shape[1] < 2 * n):
+        # The kernel writes row `pid` of dwb, 2 n values: anything smaller would be written past.
+        raise ValueError(
+            f"dwb: expected at least [{programs}, {2 * n}] (a row a program), got {list(dwb.shape)}"
+        )
     launch(_layer_norm_bwd_kernel, (programs,),
         x2, dy2, dx2, weight, mean, rstd, dwb,
         x2.stride(0), dy2.stride(0), dx2.stride(0), dwb.stride(0) if need_dwb else 0, m, n,

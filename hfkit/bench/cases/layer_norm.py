@@ -37,6 +37,7 @@ from hfkit.bench.runner import (
     run_benchmark,
 )
 from hfkit.bench.timing import rotating, time_step
+from hfkit.ops._linear import column_sums
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -227,7 +228,7 @@ def _tile_launch(inputs: tuple, pass_: str, tiles: tuple) -> Callable[[], torch.
     if pass_ == "bwd":
         *cfg, per_sm, prefetch, acc2d = tiles
         programs = kernels._bwd_programs(m, tuple(cfg), w.device, per_sm)
-        partials = [torch.empty(2, programs, n, device=w.device) for _ in sets]
+        partials = [torch.empty(programs, 2 * n, device=w.device) for _ in sets]
 
     def step() -> torch.Tensor:
         for i, (x, dy, _, mean, rstd, out) in enumerate(sets):
@@ -236,7 +237,7 @@ def _tile_launch(inputs: tuple, pass_: str, tiles: tuple) -> Callable[[], torch.
             else:
                 dwb = partials[i]
                 kernels._launch_bwd(x, dy, out, w, mean, rstd, dwb, True, programs, cfg, prefetch, acc2d)
-                dwb.sum(dim=1)
+                column_sums(dwb)  # as the op sums them
         return out
 
     return step
