@@ -786,24 +786,7 @@ if HAS_TRITON:
         mean = torch.empty(m, dtype=torch.float32, device=zn.device)
         rstd = torch.empty(m, dtype=torch.float32, device=zn.device)
         _launch_out(
-            x,
-            zn,
-            w_ln,
-            b_ln,
-            w_z,
-            b_z,
-            w_g,
-            b_g,
-            do,
-            dout,
-            d_proj,
-            y,
-            mean,
-            rstd,
-            part,
-            part_off,
-            batch,
-            c_h,
-            eps,
-        )
+            x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, do, dout, d_proj, y, mean, rstd, part, part_off,
+            batch, c_h, eps,
+        )  # fmt: skip
         return do, d_proj, y, mean, rstd
