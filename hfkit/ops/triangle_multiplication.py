@@ -264,15 +264,16 @@ def triangle_multiplication(
     dtype = _fused_dtype(z, c_h)
     if dtype is None or z.numel() == 0:
         return triangle_multiplication_reference(z, mask, *args, outgoing=outgoing, eps=eps)
-    # The matmul operands in the compute dtype (autograd casts their gradients back); LayerNorm weights
-    # of any float dtype are read by the kernels as they are, by column: unit stride.
+    # The matmul operands in the compute dtype (autograd casts their gradients back) and contiguous: the
+    # kernels read W_z, W_g and the biases by row and column. LayerNorm weights of any float dtype are
+    # read by the kernels as they are, by column: unit stride.
     ln_in_weight, ln_in_bias, ln_out_weight, ln_out_bias = (
         t.contiguous() if t is not None else None
         for t in (ln_in_weight, ln_in_bias, ln_out_weight, ln_out_bias)
     )
-    proj_weight, out_weight = proj_weight.to(dtype).contiguous(), out_weight.to(dtype)
+    proj_weight, out_weight = proj_weight.to(dtype).contiguous(), out_weight.to(dtype).contiguous()
     proj_bias = proj_bias.to(dtype).contiguous() if proj_bias is not None else None
-    out_bias = out_bias.to(dtype) if out_bias is not None else None
+    out_bias = out_bias.to(dtype).contiguous() if out_bias is not None else None
     if mask is not None:
         mask = mask.detach().to(dtype).expand(z.shape[:-1]).contiguous()
     return _TriangleMultiplication.apply(
