@@ -151,6 +151,9 @@ def _device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+_ALIGN = 64  # elements: 128 bytes in bf16, 256 in float32
+
+
 class _CastParams(torch.autograd.Function):
     """Copies of the parameters in `dtype` (views of one buffer) by one multi-tensor cast, and their
     gradients cast back to the parameters' dtype the same way: the same values as autocast's per-use
@@ -170,12 +173,25 @@ class _CastParams(torch.autograd.Function):
 
 
 def _cast_into(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple:
-    """`tensors` copied in `dtype` into views of one new buffer (one multi-tensor copy)."""
-    if not tensors:
-        return ()
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
-    out = [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)]
-    torch._foreach_copy_(out, list(tensors))
+    """`tensors` copied in `dtype` into views of one new buffer per device (one multi-tensor copy each),
+    every view starting `_ALIGN` elements aligned, as separately allocated tensors do (cuBLAS and Triton
+    pick their vectorized kernels by the operands' alignment)."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for device, index in by_device.items():
+        starts = [0]
+        for i in index:
+            starts.append(starts[-1] + -(-tensors[i].numel() // _ALIGN) * _ALIGN)
+        flat = torch.empty(starts[-1], dtype=dtype, device=device)
+        views = [
+            flat[start : start + tensors[i].numel()].view(tensors[i].shape)
+            for start, i in zip(starts, index, strict=False)
+        ]
+        torch._foreach_copy_(views, [tensors[i] for i in index])
+        for i, view in zip(index, views, strict=True):
+            out[i] = view
     return tuple(out)
 
 

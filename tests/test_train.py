@@ -194,6 +194,19 @@ def test_autocast_step_casts_linear_weights_in_one_copy(checkpoint: bool) -> Non
     assert cast_once.casts < plain.casts - len(linears)
 
 
+def test_weight_casts_are_aligned_views_per_device() -> None:
+    from hfkit.train import _ALIGN, _cast_into
+
+    tensors = [torch.randn(3, 5), torch.randn(7), torch.randn(2, 65), torch.empty(4, 3, device="meta")]
+    out = _cast_into(tensors, torch.bfloat16)
+    for t, c in zip(tensors, out, strict=True):
+        assert c.dtype == torch.bfloat16 and c.shape == t.shape and c.device == t.device
+        assert c.storage_offset() % _ALIGN == 0  # each starts aligned, like a tensor of its own
+    for t, c in zip(tensors[:3], out, strict=False):
+        assert torch.equal(c, t.to(torch.bfloat16))
+    assert out[0].untyped_storage().data_ptr() == out[2].untyped_storage().data_ptr()  # one buffer
+
+
 def test_graphed_step_falls_back_eagerly_and_matches_train_step() -> None:
     batches = _three_batches()
     torch.manual_seed(0)
