@@ -41,6 +41,7 @@ Under `torch.autocast` the fast path computes in the autocast dtype, as the plai
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -294,17 +295,11 @@ def _fuses_out(c_h: int, c_z: int) -> bool:
     return c_h <= FUSED_OUT_MAX and c_z <= FUSED_OUT_MAX
 
 
-def _part_columns(c_z: int, c_h: int) -> dict[str, int]:
-    """Where each kernel of the backward writes its float32 partial sums in the shared buffer (first
-    column; "end" is the width): LayerNorm-in's weight and bias (first: its kernel takes no offset),
-    d(o) and dg (b_z and linear_g's bias), LayerNorm-out's weight and bias, the a/b projection biases."""
-    return {
-        "ln_in": 0,
-        "out": 2 * c_z,
-        "ln_out": 4 * c_z,
-        "proj": 4 * c_z + 2 * c_h,
-        "end": 4 * c_z + 6 * c_h,
-    }
+def _part_widths(c_z: int, c_h: int) -> dict[str, int]:
+    """The column blocks of the backward's shared buffer of float32 partial sums, in order: LayerNorm-in's
+    weight and bias (first: its kernel takes no column offset), d(o) and dg (b_z and linear_g's bias),
+    LayerNorm-out's weight and bias, the a/b projection biases."""
+    return {"ln_in": 2 * c_z, "out": 2 * c_z, "ln_out": 2 * c_h, "proj": 4 * c_h}
 
 
 def _contract(a: torch.Tensor, b: torch.Tensor, outgoing: bool) -> torch.Tensor:
@@ -333,7 +328,7 @@ class _TriangleMultiplication(torch.autograd.Function):
         fused_out = fuse and _fuses_out(c_h, c_z)
         if fuse:  # a, b straight from zn; the output gate's projection is one matmul or inside `_out_fwd`
             a, b = _proj_gate_fwd(zn, w_ab, b_ab, mask, batch, n, c_h)
-            g_src, g_off = (None, 0) if fused_out else (F.linear(zn, w_g, b_g), 0)  # [M, C_z]
+            g_src, g_off = None if fused_out else F.linear(zn, w_g, b_g), 0  # [M, C_z]
         else:
             g_src, g_off = F.linear(zn, w_proj, b_proj), 4 * c_h  # [M, 4 C_h + C_z]
             a, b = _gate_ab_fwd(g_src, mask, batch, n, c_h)
@@ -359,14 +354,15 @@ class _TriangleMultiplication(torch.autograd.Function):
         # Recompute what the forward did not keep (the same kernels on the same inputs: the same values).
         # Each [M, C] intermediate is dropped (`del`) right after its last use.
         zn, mean_in, rstd_in = _ln_in_fwd(z, w_in, b_in, eps, w_proj.dtype)
-        _, _, w_g, b_g = _split_projection(w_proj, b_proj, c_h)
+        w_ab, b_ab, w_g, b_g = _split_projection(w_proj, b_proj, c_h)
         dout = dout.reshape(-1, c_z)
         g_src = None  # the gate's source, kept for the unfused gate backward
         # The float32 partial sums of every bias and LayerNorm-weight gradient, one row a program of
-        # each kernel, in one buffer (`_part_columns`): one reduction at the end sums them all.
-        cols = _part_columns(c_z, c_h)
+        # each kernel, in one buffer (`_part_widths`): one reduction at the end sums them all.
+        widths = _part_widths(c_z, c_h)
+        cols = dict(zip(widths, itertools.accumulate(widths.values(), initial=0), strict=False))
         part = torch.zeros(
-            (_partial_rows(z, batch, n, c_h, fuse, fused_out), cols["end"]),
+            (_partial_rows(z, batch, n, c_h, fuse, fused_out), sum(widths.values())),
             dtype=torch.float32,
             device=z.device,
         )
@@ -399,7 +395,6 @@ class _TriangleMultiplication(torch.autograd.Function):
             da, db = torch.bmm(b3, dx.transpose(1, 2)), torch.bmm(a3, dx)
         del dx, a3, b3
         if fuse:
-            w_ab, b_ab, _, _ = _split_projection(w_proj, b_proj, c_h)
             _proj_gate_bwd(da, db, zn, w_ab, b_ab, mask, d_proj, part, cols["proj"], batch, n, c_h)
         else:
             _gate_ab_bwd(da, db, g_src, mask, d_proj, part, cols["proj"], batch, n, c_h)
@@ -412,9 +407,7 @@ class _TriangleMultiplication(torch.autograd.Function):
         need_ln_in = (w_in is not None and needs[2]) or (b_in is not None and needs[3])
         dz = _ln_in_bwd(dzn, z, w_in, mean_in, rstd_in, need_ln_in, part)
         del dzn
-        sums = column_sums(part)
-        grad = {k: sums[cols[k] : cols[k] + w] for k, w in (("ln_in", 2 * c_z), ("out", 2 * c_z),
-                ("ln_out", 2 * c_h), ("proj", 4 * c_h))}  # fmt: skip
+        grad = dict(zip(widths, column_sums(part).split(list(widths.values())), strict=True))
         grad_w_in = grad["ln_in"][:c_z].to(w_in.dtype) if w_in is not None and needs[2] else None
         grad_b_in = grad["ln_in"][c_z:].to(b_in.dtype) if b_in is not None and needs[3] else None
         grad_b_z = grad["out"][:c_z].to(b_z.dtype) if b_z is not None and needs[9] else None
@@ -470,7 +463,7 @@ if HAS_TRITON:
 
     def _partial_rows(z: torch.Tensor, batch: int, n: int, c_h: int, fuse: bool, fused_out: bool) -> int:
         """Rows of the backward's shared buffer of partial sums: the most programs of any kernel that
-        writes one (each writes its own row, see `_part_columns`)."""
+        writes one (each writes its own row, see `_part_widths`)."""
         c_z, nn_ = z.shape[-1], n * n
         m = batch * nn_
         out = cdiv(nn_, OUT_TILES["bwd"][0]) * batch if fused_out else cdiv(m, _elementwise_config(c_z)[0])
@@ -703,36 +696,18 @@ if HAS_TRITON:
             "BLOCK_ZC": min(block_zc, block_z), "num_warps": warps,
         }  # fmt: skip
 
-    def _launch_out(
-        x,
-        zn,
-        w_ln,
-        b_ln,
-        w_z,
-        b_z,
-        w_g,
-        b_g,
-        out,
-        dout,
-        d_proj,
-        y,
-        mean,
-        rstd,
-        part,
-        part_off,
-        batch,
-        c_h,
-        eps,
-    ):
-        """`_out_kernel` over zn's [M, C_z] pairs; the backward when `dout` is given."""
+    def _launch_out(x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, batch, c_h, eps, grads=None) -> None:
+        """`_out_kernel` over zn's [M, C_z] pairs into `out`: the forward, or with `grads` = (d(out),
+        d_proj, y, mean, rstd, part, part_off) the backward."""
         m, c_z = zn.shape
         nn_ = m // batch
-        bwd = dout is not None
+        dout, d_proj, y, mean, rstd, part, part_off = grads or (None,) * 7
+        bwd = grads is not None
         tiles = _out_config(c_h, c_z, "bwd" if bwd else "fwd")
         launch(_out_kernel, (cdiv(nn_, tiles["BLOCK_P"]), batch),
             x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, dout, d_proj, y, mean, rstd, part,
             nn_, c_h, c_z, eps, dout.stride(0) if bwd else 0, d_proj.stride(0) if bwd else 0,
-            d_proj.shape[1] - c_z if bwd else 0, part_off, part.stride(0) if bwd else 0,
+            d_proj.shape[1] - c_z if bwd else 0, part_off if bwd else 0, part.stride(0) if bwd else 0,
             HAS_W=w_ln is not None, HAS_B=b_ln is not None, HAS_BZ=b_z is not None, HAS_BG=b_g is not None,
             BWD=bwd, DOT=dot_mode(zn), **tiles,
         )  # fmt: skip
@@ -753,7 +728,7 @@ if HAS_TRITON:
     ) -> torch.Tensor:
         """out [M, C_z] = (LN_out(x) @ w_z.T + b_z) * sigmoid(zn @ w_g.T + b_g), x channel-first."""
         out = torch.empty_like(zn)
-        _launch_out(x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, *[None] * 6, 0, batch, c_h, eps)
+        _launch_out(x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, batch, c_h, eps)
         return out
 
     @hfkit_op("tri_mul_out_bwd", mutates_args={"part"})
@@ -786,8 +761,6 @@ if HAS_TRITON:
         y = zn.new_empty((m, c_h))
         mean = torch.empty(m, dtype=torch.float32, device=zn.device)
         rstd = torch.empty(m, dtype=torch.float32, device=zn.device)
-        _launch_out(
-            x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, do, dout, d_proj, y, mean, rstd, part, part_off,
-            batch, c_h, eps,
-        )  # fmt: skip
+        grads = (dout, d_proj, y, mean, rstd, part, part_off)
+        _launch_out(x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, do, batch, c_h, eps, grads)
         return do, d_proj, y, mean, rstd
