@@ -19,6 +19,7 @@ from hfkit.nn.convert import register_swap
 from hfkit.ops.evoformer_attention import evoformer_attention, uses_triton
 from hfkit.ops.gated_linear import gated_linear
 from hfkit.ops.linear import linear
+from hfkit.ops.multi_linear import multi_linear
 
 __all__ = [
     "EvoformerAttention",
@@ -26,6 +27,7 @@ __all__ = [
     "fused_gated_attention",
     "gated_output",
     "map_attention_biases",
+    "project",
 ]
 
 
@@ -58,7 +60,8 @@ class EvoformerAttention(Attention):
 
     def _wrap_up(self, o: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
         """`Attention._wrap_up` as `hfkit.ops.gated_linear` (see `gated_output`)."""
-        return gated_output(self, o, q_x)
+        g = None if self.linear_g is None else linear(q_x, self.linear_g.weight, self.linear_g.bias)
+        return gated_output(self, o, g)
 
 
 def map_attention_biases(
@@ -81,11 +84,13 @@ def fused_gated_attention(
     mapped: tuple[torch.Tensor | None, torch.Tensor | None],
     *,
     transposed: bool = False,
+    projections: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """OpenFold's gated attention of `module` (an `Attention` of hfkit or of OpenFold: `linear_q`,
     `linear_k`, `linear_v`, `linear_g` or None, `linear_o`, `no_heads`) on q_x [*, Q, c_q],
     kv_x [*, K, c_k] with the biases `mapped` by `map_attention_biases`, through
-    `hfkit.ops.evoformer_attention` and `gated_output` -> [*, Q, c_q].
+    `hfkit.ops.evoformer_attention` and `gated_output` -> [*, Q, c_q]. `projections`: the
+    (q, k, v, g) that `project` gave for these inputs, where the caller has them (default: made here).
 
     With `transposed`, q_x [*, R, N, c_q] and kv_x [*, R, N, c_k] (at most one leading dim) are
     attended within columns: the result equals the call on `q_x.transpose(-2, -3)` and
@@ -97,9 +102,8 @@ def fused_gated_attention(
     if transposed and q_x.dim() not in (3, 4):
         raise ValueError(f"q_x: expected [*, R, N, c] with at most one leading dim, got {list(q_x.shape)}")
     h = module.no_heads
-    q = module.linear_q(q_x).unflatten(-1, (h, -1))
-    k = module.linear_k(kv_x).unflatten(-1, (h, -1))
-    v = module.linear_v(kv_x).unflatten(-1, (h, -1))
+    q, k, v, g = project(module, q_x, kv_x) if projections is None else projections[:4]
+    q, k, v = (t.unflatten(-1, (h, -1)) for t in (q, k, v))
     lead = q_x.dim() - 2
     pair, key = mapped
     pad = (1,) * (2 - lead)
@@ -114,7 +118,42 @@ def fused_gated_attention(
         from5 = lambda o: o.transpose(-2, -3)
     o = evoformer_attention(to5(q), to5(k), to5(v), pair, key_bias=key)
     o = from5(o).reshape(q.shape)
-    return gated_output(module, o, q_x)
+    return gated_output(module, o, g)
+
+
+def project(
+    module: nn.Module, q_x: torch.Tensor, kv_x: torch.Tensor, extra: Sequence[nn.Module] = ()
+) -> tuple[torch.Tensor | None, ...]:
+    """(q, k, v, g, *(e(q_x) for e in extra)) of gated attention `module`: its `linear_q(q_x)`,
+    `linear_k(kv_x)`, `linear_v(kv_x)`, `linear_g(q_x)` (None without a gate) and the `extra` linear
+    layers of q_x (e.g. triangle attention's bias projection), each [*, Q|K, out].
+
+    For self-attention (q_x is kv_x) whose layers are all plain linears (`nn.Linear` or a subclass
+    such as OpenFold's `Linear` without a `precision`, no forward hooks, weights in q_x's dtype or
+    autocast on) they are one `hfkit.ops.multi_linear` of q_x: one GEMM, and one gradient of q_x
+    instead of four or five summed by autograd; the layers' parameters are read directly. Otherwise
+    each layer is called (linear_g through `hfkit.ops.linear`)."""
+    layers = [module.linear_q, module.linear_k, module.linear_v, module.linear_g, *extra]
+    used = [layer for layer in layers if layer is not None]
+    if q_x is kv_x and _multi_linear_takes(q_x, used):
+        outs = iter(multi_linear(q_x, [lyr.weight for lyr in used], [lyr.bias for lyr in used]))
+        return tuple(None if layer is None else next(outs) for layer in layers)
+    gate = module.linear_g
+    g = None if gate is None else linear(q_x, gate.weight, gate.bias)
+    q, k, v = module.linear_q(q_x), module.linear_k(kv_x), module.linear_v(kv_x)
+    return (q, k, v, g, *(layer(q_x) for layer in extra))
+
+
+def _multi_linear_takes(x: torch.Tensor, layers: list[nn.Module]) -> bool:
+    autocast = torch.is_autocast_enabled(x.device.type)
+    return all(
+        isinstance(layer, nn.Linear)
+        and getattr(layer, "precision", None) is None
+        and not layer._forward_hooks
+        and not layer._forward_pre_hooks
+        and (autocast or layer.weight.dtype == x.dtype)
+        for layer in layers
+    )
 
 
 def attend_columns(
@@ -143,26 +182,26 @@ def attend_columns(
     xn = layer_norm(x)
     if mask is None:
         mask = xn.new_ones(xn.shape[:-1])
+    projections = project(mha, xn, xn, () if bias_projection is None else (bias_projection,))
     # The biases of the model's row attention on the transposed x: views, no copies.
     biases = [mask_bias(mask.to(xn.dtype).transpose(-1, -2), inf)]
     if bias_projection is not None:
-        biases.append(bias_projection(xn).transpose(-2, -3).movedim(-1, -3).unsqueeze(-4))
+        biases.append(projections[4].transpose(-2, -3).movedim(-1, -3).unsqueeze(-4))
     xn_t = xn.transpose(-2, -3)
     mapped = map_attention_biases(xn_t, xn_t, biases)
     if mapped is None:
         return None
-    return fused_gated_attention(mha, xn, xn, mapped, transposed=True)
+    return fused_gated_attention(mha, xn, xn, mapped, transposed=True, projections=projections)
 
 
-def gated_output(module: nn.Module, o: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
-    """`linear_o(sigmoid(linear_g(q_x)) * o)` for o [*, Q, H, c_hidden] as `hfkit.ops.gated_linear`: the
-    gate is one fused kernel, and the backward recomputes it instead of keeping it for linear_o's weight
-    gradient; `hfkit.ops.linear` runs linear_g (its bias gradient a gemv). linear_g's and linear_o's
-    parameters are read directly (their forward hooks, if any, do not run)."""
+def gated_output(module: nn.Module, o: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+    """`linear_o(sigmoid(g) * o)` for o [*, Q, H, c_hidden] and the gate projection g = linear_g(q_x)
+    [*, Q, H * c_hidden] (None: no gate, `linear_o(o)`) as `hfkit.ops.gated_linear`: the gate is one
+    fused kernel, and the backward recomputes it instead of keeping it for linear_o's weight gradient.
+    linear_o's parameters are read directly (its forward hooks, if any, do not run)."""
     o = o.flatten(-2)
-    if module.linear_g is None:
+    if g is None:
         return module.linear_o(o)
-    g = linear(q_x, module.linear_g.weight, module.linear_g.bias)
     return gated_linear(g, o, module.linear_o.weight, module.linear_o.bias)
 
 

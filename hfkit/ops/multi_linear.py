@@ -1,0 +1,123 @@
+"""`multi_linear`: several linear layers of one input, `[F.linear(x, w_i, b_i) for each i]`, as one GEMM.
+
+Gated attention projects one normalized input four or five times (q, k, v, the gate and, in triangle
+attention, the pair bias). Run as separate linears, autograd meets four or five gradients for that
+input and adds them one at a time: three [*, C] adds per attention, each a read of two tensors and a
+write of one (at AlphaFold's training sizes ~14 µs each on an H200, ~14 per Evoformer block). Here the
+forward is one GEMM with the weights stacked (x read once), and the backward sums the products
+Σ dy_i w_i inside the GEMMs: each product after the first accumulates into the gradient as the GEMM
+writes it (`addmm_`, beta 1), a read of the gradient instead of an add's three passes. The weight
+gradients are the products `dy_iᵀ x` and the bias gradients column sums, as `nn.Linear`'s.
+
+It runs wherever torch runs (the products are torch's matmuls); while `torch.compile` traces it is
+`multi_linear_reference`, which Inductor compiles. Under `torch.autocast` the operands take the
+autocast dtype, as `nn.Linear`'s do there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch.autograd.function import once_differentiable
+
+from hfkit.ops._checks import check_float, check_matmul_dtype, check_optional, check_same_device
+from hfkit.ops._linear import autocast_operands, column_sums
+
+__all__ = ["multi_linear", "multi_linear_reference"]
+
+
+def multi_linear_reference(
+    x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]
+) -> tuple[torch.Tensor, ...]:
+    """Plain torch: `F.linear(x, w_i, b_i)` for each weight, what `multi_linear` is tested against."""
+    return tuple(F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
+
+
+def _check(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> None:
+    check_float("x", x)
+    if x.dim() < 1:
+        raise ValueError("x: expected [*, K], got a 0-d tensor")
+    if len(weights) == 0 or len(weights) != len(biases):
+        raise ValueError(
+            f"weights, biases: expected one bias (or None) per weight and at least one weight, "
+            f"got {len(weights)} weights and {len(biases)} biases"
+        )
+    kind = x.device.type
+    for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
+        check_float(f"weights[{i}]", w)
+        if w.dim() != 2 or w.shape[1] != x.shape[-1]:
+            raise ValueError(f"weights[{i}]: expected [N, {x.shape[-1]}], got {list(w.shape)}")
+        check_same_device(f"weights[{i}]", w, "x", x)
+        check_optional(f"biases[{i}]", b, (w.shape[0],), "x", x)
+        check_matmul_dtype(f"weights[{i}]", w, x.dtype, kind)
+        check_matmul_dtype(f"biases[{i}]", b, x.dtype, kind)
+
+
+def multi_linear(
+    x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]
+) -> tuple[torch.Tensor, ...]:
+    """`F.linear(x, w_i, b_i)` for each (w_i, b_i), with autograd: one GEMM forward, one gradient of x
+    accumulated inside the backward's GEMMs (see the module docstring).
+
+    x: [*, K] in float32, bfloat16 or float16; weights: [N_i, K] each; biases: [N_i] or None each.
+    Returns a tuple of [*, N_i] tensors: views of one [*, ΣN_i] result (row stride ΣN_i). Raises
+    ValueError naming the argument on bad shapes, dtypes or devices.
+    """
+    _check(x, weights, biases)
+    if torch.compiler.is_compiling():
+        return multi_linear_reference(x, weights, biases)
+    x, *params = autocast_operands(x.device.type, x, *weights, *biases)
+    n = len(weights)
+    return _MultiLinear.apply(x, n, *params)
+
+
+def _stacked_bias(
+    weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]
+) -> torch.Tensor | None:
+    """The biases as one [ΣN_i] vector (zeros for a weight without one), or None if none has one."""
+    if all(b is None for b in biases):
+        return None
+    parts = [w.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases, strict=True)]
+    return torch.cat(parts)
+
+
+class _MultiLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, n, *params):
+        weights, biases = params[:n], params[n:]
+        ctx.save_for_backward(x, *weights)
+        ctx.has_bias = [b is not None for b in biases]
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no product of zeros
+        y = F.linear(x, torch.cat(weights), _stacked_bias(weights, biases))
+        return y.split([w.shape[0] for w in weights], dim=-1)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *dys):
+        x, *weights = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        n = len(weights)
+        x2 = x.reshape(-1, x.shape[-1])
+        grad_x = None
+        grad_w: list[torch.Tensor | None] = [None] * n
+        grad_b: list[torch.Tensor | None] = [None] * n
+        for i, (dy, w) in enumerate(zip(dys, weights, strict=True)):
+            if dy is None:
+                continue
+            dy2 = dy.reshape(-1, w.shape[0])
+            if needs[0]:
+                if grad_x is None:
+                    grad_x = dy2.mm(w)
+                else:
+                    grad_x.addmm_(dy2, w)
+            if needs[2 + i]:
+                grad_w[i] = dy2.t().mm(x2)
+            if ctx.has_bias[i] and needs[2 + n + i]:
+                grad_b[i] = column_sums(dy2)
+        if grad_x is not None:
+            grad_x = grad_x.view(x.shape)
+        elif needs[0]:
+            grad_x = torch.zeros_like(x)
+        return grad_x, None, *grad_w, *grad_b
