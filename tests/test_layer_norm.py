@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import assert_close
 
 from hfkit.ops import layer_norm, layer_norm_reference
-from hfkit.ops.layer_norm import MAX_FUSED_SIZE, uses_triton
+from hfkit.ops.layer_norm import MAX_FUSED_SIZE, layer_norm_with_residual, uses_triton
 
 # CPU runs the kernels through the Triton interpreter; a GPU machine runs them compiled on CUDA.
 DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (
@@ -162,6 +162,45 @@ def test_empty_batch(device):
     assert y.shape == (0, 32)
     (gw,) = torch.autograd.grad(y.sum(), (w,))
     assert torch.equal(gw, torch.zeros_like(gw))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("used", ["both", "normalized", "passthrough"])
+def test_with_residual_adds_the_passthrough_gradient(device, dtype, used, seed):
+    """(y, r) = layer_norm_with_residual(x): y as layer_norm, r equal to x, and x's gradient the sum of
+    the LayerNorm's and r's (added by the backward kernel; a transposed, strided dr), whichever is used."""
+    x = (torch.randn(3, 37, 45, device=device) * 2 + 0.3).to(dtype).requires_grad_(True)
+    w = torch.randn(45, device=device, requires_grad=True)
+    b = torch.randn(45, device=device, requires_grad=True)
+    y, r = layer_norm_with_residual(x, (45,), w, b)
+    assert r is not x and r.data_ptr() == x.data_ptr() and torch.equal(r, x)
+    dy = torch.randn(3, 37, 45, device=device, dtype=dtype)
+    dr = torch.randn(3, 45, 37, device=device, dtype=dtype).transpose(-1, -2)
+    terms = {"both": [(y, dy), (r, dr)], "normalized": [(y, dy)], "passthrough": [(r, dr)]}[used]
+    loss = sum((t.float() * g.float()).sum() for t, g in terms)
+    gx, gw, gb = torch.autograd.grad(loss, (x, w, b), allow_unused=True)
+    x64, w64, b64 = (t.detach().double().requires_grad_(True) for t in (x, w, b))
+    y64 = layer_norm_reference(x64, (45,), w64, b64)
+    terms64 = {"both": [(y64, dy), (x64, dr)], "normalized": [(y64, dy)], "passthrough": [(x64, dr)]}[used]
+    loss64 = sum((t * g.double()).sum() for t, g in terms64)
+    rx, rw, rb = torch.autograd.grad(loss64, (x64, w64, b64), allow_unused=True)
+    assert rel_err(y, y64) < TOL[dtype]
+    assert gx.dtype == dtype and rel_err(gx, rx) < TOL[dtype]
+    if used == "passthrough":
+        assert gw is None and gb is None
+    else:
+        assert rel_err(gw, rw) < TOL[dtype] and rel_err(gb, rb) < TOL[dtype]
+
+
+def test_with_residual_passes_x_itself_where_it_cannot_fuse():
+    x = torch.randn(4, 24, requires_grad=True)
+    with torch.no_grad():
+        assert layer_norm_with_residual(x, 24)[1] is x
+    x64 = x.detach().double().requires_grad_(True)
+    y, r = layer_norm_with_residual(x64, 24)
+    assert r is x64
+    torch.testing.assert_close(y, F.layer_norm(x64, (24,)))
 
 
 def test_reference_path_beyond_fused_size():

@@ -30,6 +30,10 @@ class OuterProductMean(nn.Module):
         outer = torch.einsum("...sic,...sje->...ijce", a, b)
         return self.linear_out(outer.flatten(-2))
 
+    def _project(self, ln: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear_1(ln), linear_2(ln))."""
+        return self.linear_1(ln), self.linear_2(ln)
+
     def forward(
         self, m: torch.Tensor, mask: torch.Tensor | None = None, chunk_size: int | None = None
     ) -> torch.Tensor:
@@ -37,9 +41,8 @@ class OuterProductMean(nn.Module):
         if mask is None:
             mask = m.new_ones(m.shape[:-1])
         mask = mask.to(m.dtype)[..., None]
-        ln = self.layer_norm(m)
-        a = self.linear_1(ln) * mask
-        b = self.linear_2(ln) * mask
+        a, b = self._project(self.layer_norm(m))
+        a, b = a * mask, b * mask
         outer = chunk_apply(lambda a_: self._outer(a_, b), [a], [-2], -3, chunk_size)
         # Number of rows where both residues are present: [*, N, N, 1].
         norm = torch.einsum("...sia,...sja->...ija", mask, mask)

@@ -6,25 +6,87 @@ plain `torch.nn.Linear`, so that state_dict keys stay `weight` / `bias`. `Attent
 biases, softmax over keys, a sigmoid gate computed from the query input, and an output projection.
 `chunk_apply` runs a function on slices along a batch-like axis (inference memory, supplement 1.11.8);
 `attend_rows` and `mask_bias` are the row-attention call and key-mask bias the attention modules share.
+`residual_taps` marks the input of a residual block for a fused LayerNorm (see `ResidualTaps`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 __all__ = [
     "Attention",
+    "ResidualTaps",
+    "active_residual_taps",
     "attend_rows",
     "chunk_apply",
     "linear",
     "mask_bias",
+    "residual_taps",
 ]
 
 _TRUNC_STD = 0.87962566103423978  # std of a unit normal truncated to [-2, 2]
+
+
+class ResidualTaps:
+    """The inputs x of residual connections `x + block(x)` being computed, each of which the block's
+    first LayerNorm may pass through (`record`): with autograd, x is then read by that LayerNorm only,
+    whose backward adds the residual's gradient as it writes x's, instead of autograd adding the two.
+
+    The model's plain `nn.LayerNorm` never records, so `tap(x)` is x itself and nothing changes; a fused
+    LayerNorm (`hfkit.nn.LayerNorm`) that normalizes exactly one of the tapped tensors, while a
+    gradient is recorded, hands back its pass-through. Use through `residual_taps`.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._slots = [[t, None] for t in tensors]  # [tapped tensor, its pass-through or None]
+
+    def wants(self, x: torch.Tensor) -> bool:
+        """Whether x is one of the tapped tensors (the object itself) with no pass-through yet."""
+        return any(t is x and p is None for t, p in self._slots)
+
+    def record(self, x: torch.Tensor, passthrough: torch.Tensor) -> None:
+        """Take `passthrough` (equal to x) as what the residual connection of x adds to."""
+        for slot in self._slots:
+            if slot[0] is x and slot[1] is None:
+                slot[1] = passthrough
+                return
+        raise ValueError("x: not a tapped tensor waiting for its pass-through")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x's pass-through where a LayerNorm recorded one, else x."""
+        for t, p in self._slots:
+            if t is x and p is not None:
+                return p
+        return x
+
+
+_ACTIVE_TAPS: contextvars.ContextVar[ResidualTaps | None] = contextvars.ContextVar(
+    "hfkit_residual_taps", default=None
+)
+
+
+@contextlib.contextmanager
+def residual_taps(*tensors: torch.Tensor) -> Iterator[ResidualTaps]:
+    """`with residual_taps(x) as tap: u = block(x)` then `x = tap(x) + u`: the residual add reads what
+    the block's fused LayerNorm passed through, if any (see `ResidualTaps`). Calls inside the block see
+    these taps only (an outer context's come back on exit)."""
+    taps = ResidualTaps(tensors)
+    token = _ACTIVE_TAPS.set(taps)
+    try:
+        yield taps
+    finally:
+        _ACTIVE_TAPS.reset(token)
+
+
+def active_residual_taps() -> ResidualTaps | None:
+    """The taps of the innermost `residual_taps` context, or None outside one."""
+    return _ACTIVE_TAPS.get()
 
 
 def linear(c_in: int, c_out: int, bias: bool = True, init: str = "default") -> nn.Linear:

@@ -26,6 +26,7 @@ __all__ = [
     "attend_columns",
     "fused_gated_attention",
     "gated_output",
+    "fusable_linears",
     "map_attention_biases",
     "project",
 ]
@@ -135,7 +136,7 @@ def project(
     each layer is called (linear_g through `hfkit.ops.linear`)."""
     layers = [module.linear_q, module.linear_k, module.linear_v, module.linear_g, *extra]
     used = [layer for layer in layers if layer is not None]
-    if q_x is kv_x and _multi_linear_takes(q_x, used):
+    if q_x is kv_x and fusable_linears(q_x, used):
         outs = iter(multi_linear(q_x, [lyr.weight for lyr in used], [lyr.bias for lyr in used]))
         return tuple(None if layer is None else next(outs) for layer in layers)
     gate = module.linear_g
@@ -144,7 +145,10 @@ def project(
     return (q, k, v, g, *(layer(q_x) for layer in extra))
 
 
-def _multi_linear_takes(x: torch.Tensor, layers: list[nn.Module]) -> bool:
+def fusable_linears(x: torch.Tensor, layers: Sequence[nn.Module]) -> bool:
+    """Whether `hfkit.ops.multi_linear` of x with `layers`' parameters computes what calling each layer
+    on x does: plain linears (`nn.Linear` or a subclass such as OpenFold's `Linear` without a
+    `precision`), no forward hooks, weights in x's dtype or autocast on."""
     autocast = torch.is_autocast_enabled(x.device.type)
     return all(
         isinstance(layer, nn.Linear)

@@ -3,6 +3,10 @@
 It subclasses `torch.nn.LayerNorm`, so the constructor, parameters, `state_dict`, `extra_repr` and
 `isinstance` checks are torch's; only `forward` changes. Importing this file registers the swap
 `torch.nn.LayerNorm` -> `hfkit.nn.LayerNorm` used by `hfkit.to_hfkit`.
+
+Inside the model's `residual_taps` (the Evoformer's residual blocks), a LayerNorm of a tapped tensor
+runs `hfkit.ops.layer_norm_with_residual` and records the pass-through, so that the residual add's
+gradient is added inside its backward kernel.
 """
 
 from __future__ import annotations
@@ -10,8 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hfkit.model.primitives import active_residual_taps
 from hfkit.nn.convert import register_swap
 from hfkit.ops import layer_norm
+from hfkit.ops.layer_norm import layer_norm_with_residual
 
 __all__ = ["LayerNorm"]
 
@@ -26,6 +32,14 @@ class LayerNorm(nn.LayerNorm):
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        taps = active_residual_taps()
+        if taps is not None and taps.wants(input):
+            y, passthrough = layer_norm_with_residual(
+                input, self.normalized_shape, self.weight, self.bias, self.eps
+            )
+            if passthrough is not input:
+                taps.record(input, passthrough)
+            return y
         return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
 

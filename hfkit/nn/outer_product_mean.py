@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 
 from hfkit.model.outer_product_mean import OuterProductMean as _PlainOuterProductMean
+from hfkit.nn.attention import fusable_linears
 from hfkit.nn.convert import register_swap
+from hfkit.ops.multi_linear import multi_linear
 from hfkit.ops.outer_product_linear import outer_product_linear
 
 __all__ = ["OuterProductMean"]
@@ -22,7 +24,16 @@ __all__ = ["OuterProductMean"]
 
 class OuterProductMean(_PlainOuterProductMean):
     """`hfkit.model.OuterProductMean` (AF2 Algorithm 10) with the outer product recomputed in the backward
-    (`linear_out`'s parameters are read directly: its forward hooks, if any, do not run)."""
+    (`linear_out`'s parameters are read directly: its forward hooks, if any, do not run), and
+    linear_1 and linear_2 as one `hfkit.ops.multi_linear` where they are plain linears (one gradient
+    of the normalized MSA, no autograd add)."""
+
+    def _project(self, ln: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        layers = (self.linear_1, self.linear_2)
+        if not fusable_linears(ln, layers):
+            return super()._project(ln)
+        a, b = multi_linear(ln, [lyr.weight for lyr in layers], [lyr.bias for lyr in layers])
+        return a, b
 
     def _outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         out = self.linear_out

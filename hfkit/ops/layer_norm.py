@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from hfkit.ops._checks import check_eps, check_float, check_optional
 from hfkit.ops._linear import column_sums
@@ -23,7 +24,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = ["layer_norm", "layer_norm_reference", "MAX_FUSED_SIZE", "uses_triton"]
+__all__ = ["layer_norm", "layer_norm_reference", "layer_norm_with_residual", "MAX_FUSED_SIZE", "uses_triton"]
 
 # One row lives in registers; past this many elements per row the backward kernel spills.
 MAX_FUSED_SIZE = 16384
@@ -129,6 +130,61 @@ def layer_norm(
     return y
 
 
+def layer_norm_with_residual(
+    x: torch.Tensor,
+    normalized_shape: ShapeLike,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`layer_norm(x, ...)`, r), where r holds x's values: x passed through for the residual
+    connection around the LayerNorm's block (`r + block(y)` in place of `x + block(y)`).
+
+    x then has one consumer instead of two, so autograd never adds its two gradients: the LayerNorm
+    backward kernel adds r's gradient into dx as it writes it (one read more in that kernel, against
+    an add's three passes). r is a view of x. Where `layer_norm` would not run Triton, or x needs no
+    gradient, or `torch.compile` traces, r is x itself. Arguments and errors as `layer_norm`.
+    """
+    shape = _as_shape(normalized_shape)
+    _check_inputs(x, shape, weight, bias, eps)
+    n = math.prod(shape)
+    if (
+        not uses_triton(x, n)
+        or not (torch.is_grad_enabled() and x.requires_grad)
+        or torch.compiler.is_compiling()
+    ):
+        return layer_norm(x, shape, weight, bias, eps), x
+    weight = weight.contiguous() if weight is not None else None
+    bias = bias.contiguous() if bias is not None else None
+    return _LayerNormResidual.apply(x, weight, bias, n, float(eps))
+
+
+class _LayerNormResidual(torch.autograd.Function):
+    """LayerNorm with x's residual pass-through as a second output (`layer_norm_with_residual`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, n, eps):
+        y, mean, rstd = _layer_norm_fwd(x, weight, bias, n, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.n = n
+        ctx.bias_meta = (bias.shape, bias.dtype) if bias is not None else None
+        ctx.set_materialize_grads(False)
+        return y, x.view_as(x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, dres):
+        x, weight, mean, rstd = ctx.saved_tensors
+        if dy is None:  # only the pass-through was used
+            return dres, None, None, None, None
+        need_w = weight is not None and ctx.needs_input_grad[1]
+        need_b = ctx.bias_meta is not None and ctx.needs_input_grad[2]
+        dx, dwb = _layer_norm_bwd(dy, x, weight, mean, rstd, ctx.n, need_w or need_b, dres)
+        grad_w = dwb[0].to(weight.dtype).view(weight.shape) if need_w else None
+        grad_b = dwb[1].to(ctx.bias_meta[1]).view(ctx.bias_meta[0]) if need_b else None
+        return dx, grad_w, grad_b, None, None
+
+
 if HAS_TRITON:
 
     @triton.jit
@@ -178,8 +234,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _bwd_block(
-        x, dy, mean, rstd, w, DX, DWB, block, stride_dx, M, N, dw_acc, db_acc,
-        HAS_W: tl.constexpr, HAS_DW: tl.constexpr, ACC2D: tl.constexpr,
+        x, dy, mean, rstd, w, DX, DWB, DRES, block, stride_dx, stride_dres, M, N, dw_acc, db_acc,
+        HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_RES: tl.constexpr, ACC2D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -195,6 +251,9 @@ if HAS_TRITON:
         c1 = tl.sum(xhat * wdy, axis=1) / N
         c2 = tl.sum(wdy, axis=1) / N
         dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        if HAS_RES:  # the gradient of x's residual pass-through, added as dx is written
+            dres_ptrs = DRES + rows.to(tl.int64)[:, None] * stride_dres + cols[None, :]
+            dx += tl.load(dres_ptrs, mask=mask, other=0.0).to(tl.float32)
         dx_ptrs = DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :]
         tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_DW:
@@ -208,12 +267,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _layer_norm_bwd_kernel(
-        X, DY, DX, W, Mean, Rstd, DWB,
-        stride_x, stride_dy, stride_dx, stride_dwb, M, N,
-        HAS_W: tl.constexpr, HAS_DW: tl.constexpr, PREFETCH: tl.constexpr, ACC2D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        X, DY, DX, W, Mean, Rstd, DWB, DRES,
+        stride_x, stride_dy, stride_dx, stride_dwb, stride_dres, M, N,
+        HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_RES: tl.constexpr, PREFETCH: tl.constexpr,
+        ACC2D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
-        # Traffic: read x and dy, write dx (3 passes of the tensor; statistics are 8 bytes a row).
+        # Traffic: read x and dy, write dx (3 passes of the tensor; statistics are 8 bytes a row);
+        # with HAS_RES also read dres, the gradient of x's residual pass-through, added into dx.
         # Persistent grid: program p walks row blocks p, p + G, ... and keeps its share of
         # dweight/dbias in float32 registers, writing them as row `pid` of DWB [G, 2 N] (dweight, then
         # dbias; rows stride_dwb apart) at the end; the host sums the G rows. That avoids atomics
@@ -239,8 +299,8 @@ if HAS_TRITON:
                     X, DY, Mean, Rstd, block + num_programs, stride_x, stride_dy, M, N, BLOCK_M, BLOCK_N
                 )
                 dw_acc, db_acc = _bwd_block(
-                    x, dy, mean, rstd, w, DX, DWB, block, stride_dx, M, N, dw_acc, db_acc,
-                    HAS_W, HAS_DW, ACC2D, BLOCK_M, BLOCK_N,
+                    x, dy, mean, rstd, w, DX, DWB, DRES, block, stride_dx, stride_dres, M, N, dw_acc,
+                    db_acc, HAS_W, HAS_DW, HAS_RES, ACC2D, BLOCK_M, BLOCK_N,
                 )  # fmt: skip
                 x, dy, mean, rstd = nx, ndy, nmean, nrstd
         else:
@@ -249,8 +309,8 @@ if HAS_TRITON:
                     X, DY, Mean, Rstd, block, stride_x, stride_dy, M, N, BLOCK_M, BLOCK_N
                 )
                 dw_acc, db_acc = _bwd_block(
-                    x, dy, mean, rstd, w, DX, DWB, block, stride_dx, M, N, dw_acc, db_acc,
-                    HAS_W, HAS_DW, ACC2D, BLOCK_M, BLOCK_N,
+                    x, dy, mean, rstd, w, DX, DWB, DRES, block, stride_dx, stride_dres, M, N, dw_acc,
+                    db_acc, HAS_W, HAS_DW, HAS_RES, ACC2D, BLOCK_M, BLOCK_N,
                 )  # fmt: skip
         if HAS_DW:
             if ACC2D:
@@ -309,10 +369,11 @@ def _launch_fwd(x2, y2, weight, bias, mean, rstd, eps: float, cfg: tuple[int, in
 
 def _launch_bwd(
     x2, dy2, dx2, weight, mean, rstd, dwb, need_dwb: bool, programs: int, cfg,
-    prefetch: bool | None = None, acc2d: bool = True,
+    prefetch: bool | None = None, acc2d: bool = True, dres2: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """The backward kernel's variants: `prefetch` issues the next row block's loads before the current
-    block's reductions (None: by dtype), `acc2d` keeps dweight/dbias partials per row slot until the end."""
+    block's reductions (None: by dtype), `acc2d` keeps dweight/dbias partials per row slot until the end;
+    `dres2` ([M, N] rows of unit column stride, or None) is added into dx as it is written."""
     block_m, block_n, num_warps = cfg
     if prefetch is None:
         # The H200 sweep: 3-9% faster for 2-byte dtypes, neutral to slightly worse for float32.
@@ -323,11 +384,14 @@ def _launch_bwd(
         raise ValueError(
             f"dwb: expected at least [{programs}, {2 * n}] (a row a program), got {list(dwb.shape)}"
         )
+    if dres2 is not None and (dres2.shape != (m, n) or (n > 1 and dres2.stride(1) != 1)):
+        raise ValueError(f"dres: expected [{m}, {n}] rows of unit column stride, got {list(dres2.shape)}")
     launch(_layer_norm_bwd_kernel, (programs,),
-        x2, dy2, dx2, weight, mean, rstd, dwb,
-        x2.stride(0), dy2.stride(0), dx2.stride(0), dwb.stride(0) if need_dwb else 0, m, n,
-        HAS_W=weight is not None, HAS_DW=need_dwb, PREFETCH=prefetch, ACC2D=acc2d,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        x2, dy2, dx2, weight, mean, rstd, dwb, dres2,
+        x2.stride(0), dy2.stride(0), dx2.stride(0), dwb.stride(0) if need_dwb else 0,
+        dres2.stride(0) if dres2 is not None else 0, m, n,
+        HAS_W=weight is not None, HAS_DW=need_dwb, HAS_RES=dres2 is not None, PREFETCH=prefetch,
+        ACC2D=acc2d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )  # fmt: skip
 
 
@@ -370,10 +434,13 @@ if HAS_TRITON:
         rstd: torch.Tensor,
         n: int,
         need_dwb: bool,
+        dres: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns dx and the float32 sums [dweight, dbias] as one [2, n] tensor ([0, n] if not needed)."""
+        """Returns dx (plus dres, x's residual gradient, where given) and the float32 sums
+        [dweight, dbias] as one [2, n] tensor ([0, n] if not needed)."""
         x2 = _rows_view(x, n)
         dy2 = _rows_view(dy, n)
+        dres2 = _rows_view(dres, n) if dres is not None else None
         m = x2.shape[0]
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         dx2 = dx.view(m, n)
@@ -381,7 +448,7 @@ if HAS_TRITON:
         programs = _bwd_programs(m, cfg, x.device)
         dwb = torch.empty((programs, 2 * n) if need_dwb else (0,), dtype=torch.float32, device=x.device)
         if m > 0:
-            _launch_bwd(x2, dy2, dx2, weight, mean, rstd, dwb, need_dwb, programs, cfg)
+            _launch_bwd(x2, dy2, dx2, weight, mean, rstd, dwb, need_dwb, programs, cfg, dres2=dres2)
         if not need_dwb:
             return dx, x.new_empty((0, n), dtype=torch.float32)
         if m == 0:
