@@ -126,12 +126,14 @@ def norm_and_softmax_kernels() -> None:
         "Mean": "fp32",
         "Rstd": "fp32",
         "DWB": "fp32",
+        "DRES": "bf16",
     }
     bm, bn, warps = ln._bwd_config(128, 2)
     for prefetch in (True, False):
         flags = {
             "HAS_W": True,
             "HAS_DW": True,
+            "HAS_RES": prefetch,  # with and without the residual's gradient
             "PREFETCH": prefetch,
             "ACC2D": True,
             "BLOCK_M": bm,

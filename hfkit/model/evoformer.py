@@ -24,7 +24,7 @@ from hfkit.model.dropout import DropoutColumnwise, DropoutRowwise
 from hfkit.model.msa import MSAColumnAttention, MSAColumnGlobalAttention, MSARowAttentionWithPairBias
 from hfkit.model.outer_product_mean import OuterProductMean
 from hfkit.model.pair_transition import PairTransition, Transition
-from hfkit.model.primitives import linear, residual_taps
+from hfkit.model.primitives import linear, run_tapped
 from hfkit.model.triangular_attention import TriangleAttentionEndingNode, TriangleAttentionStartingNode
 from hfkit.model.triangular_multiplicative_update import (
     TriangleMultiplicationIncoming,
@@ -95,10 +95,8 @@ class EvoformerBlockCore(nn.Module):
         chunk_size: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.msa_transition_step(m, msa_mask, chunk_size)
-        # Each residual input is tapped for the update's first LayerNorm (see `residual_taps`).
-        with residual_taps(m) as tap:
-            update = self.outer_product_mean(m, mask=msa_mask, chunk_size=chunk_size)
-        m = tap(m)
+        # Each residual input is tapped for the update's first LayerNorm (see `run_tapped`).
+        update, m = run_tapped(lambda: self.outer_product_mean(m, mask=msa_mask, chunk_size=chunk_size), m)
         z = z + update
         # `residual_add(z, u)` is z + dropout(u): one fused kernel once `to_hfkit` swaps the dropout.
         row, col = self.ps_dropout_row_layer, self.ps_dropout_col_layer
@@ -111,9 +109,8 @@ class EvoformerBlockCore(nn.Module):
     @staticmethod
     def _pair_step(dropout: nn.Module, op: nn.Module, z: torch.Tensor, **kwargs) -> torch.Tensor:
         """z + dropout(op(z, **kwargs)), z tapped for op's first LayerNorm."""
-        with residual_taps(z) as tap:
-            update = op(z, **kwargs)
-        return dropout.residual_add(tap(z), update)
+        update, z_in = run_tapped(lambda: op(z, **kwargs), z)
+        return dropout.residual_add(z_in, update)
 
     def msa_transition_step(
         self, m: torch.Tensor, msa_mask: torch.Tensor, chunk_size: int | None
@@ -121,9 +118,8 @@ class EvoformerBlockCore(nn.Module):
         """m + the MSA transition's update (masked by msa_mask with `mask_msa_transition`); m and
         msa_mask may be any slice of the MSA (rows, or columns as DAP shards it)."""
         mask = msa_mask if self.mask_msa_transition else None
-        with residual_taps(m) as tap:
-            update = self.msa_transition(m, mask=mask, chunk_size=chunk_size)
-        return tap(m) + update
+        update, m_in = run_tapped(lambda: self.msa_transition(m, mask=mask, chunk_size=chunk_size), m)
+        return m_in + update
 
     def pair_transition_step(
         self, z: torch.Tensor, pair_mask: torch.Tensor, chunk_size: int | None
@@ -131,9 +127,8 @@ class EvoformerBlockCore(nn.Module):
         """z + the pair transition's update (masked by pair_mask with `mask_pair_transition`); z and
         pair_mask may be any slice of rows."""
         mask = pair_mask if self.mask_pair_transition else None
-        with residual_taps(z) as tap:
-            update = self.pair_transition(z, mask=mask, chunk_size=chunk_size)
-        return tap(z) + update
+        update, z_in = run_tapped(lambda: self.pair_transition(z, mask=mask, chunk_size=chunk_size), z)
+        return z_in + update
 
 
 class EvoformerBlock(nn.Module):
@@ -195,14 +190,14 @@ class EvoformerBlock(nn.Module):
         chunk_size: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """m: [*, S, N, C_m], z: [*, N, N, C_z], msa_mask: [*, S, N], pair_mask: [*, N, N] -> (m, z)."""
-        # Residual inputs tapped for the updates' first LayerNorms (see `residual_taps`); z for the
+        # Residual inputs tapped for the updates' first LayerNorms (see `run_tapped`); z for the
         # pair bias's LayerNorm, its other reader being the outer product mean's residual add.
-        with residual_taps(m, z) as tap:
-            update = self.msa_att_row(m, z=z, mask=msa_mask, chunk_size=chunk_size)
-        m, z = self.msa_dropout_layer.residual_add(tap(m), update), tap(z)
-        with residual_taps(m) as tap:
-            update = self.msa_att_col(m, mask=msa_mask, chunk_size=chunk_size)
-        m = tap(m) + update
+        update, m_in, z = run_tapped(
+            lambda: self.msa_att_row(m, z=z, mask=msa_mask, chunk_size=chunk_size), m, z
+        )
+        m = self.msa_dropout_layer.residual_add(m_in, update)
+        update, m_in = run_tapped(lambda: self.msa_att_col(m, mask=msa_mask, chunk_size=chunk_size), m)
+        m = m_in + update
         return self.core(m, z, msa_mask, pair_mask, chunk_size=chunk_size)
 
 

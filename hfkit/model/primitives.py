@@ -28,6 +28,7 @@ __all__ = [
     "linear",
     "mask_bias",
     "residual_taps",
+    "run_tapped",
 ]
 
 _TRUNC_STD = 0.87962566103423978  # std of a unit normal truncated to [-2, 2]
@@ -87,6 +88,18 @@ def residual_taps(*tensors: torch.Tensor) -> Iterator[ResidualTaps]:
 def active_residual_taps() -> ResidualTaps | None:
     """The taps of the innermost `residual_taps` context, or None outside one."""
     return _ACTIVE_TAPS.get()
+
+
+def run_tapped(update: Callable[[], torch.Tensor], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(update(), *taps) for the residual inputs `tensors` of the update: `update()` runs inside
+    `residual_taps(*tensors)` and each tap is what the residual add should read (see `ResidualTaps`).
+    While `torch.compile` traces, the taps are the tensors themselves (no context variable in the
+    graph; Inductor fuses the adds anyway)."""
+    if torch.compiler.is_compiling():
+        return (update(), *tensors)
+    with residual_taps(*tensors) as tap:
+        out = update()
+    return (out, *(tap(t) for t in tensors))
 
 
 def linear(c_in: int, c_out: int, bias: bool = True, init: str = "default") -> nn.Linear:

@@ -27,6 +27,7 @@ __all__ = [
     "fused_gated_attention",
     "gated_output",
     "fusable_linears",
+    "linears_of",
     "map_attention_biases",
     "project",
 ]
@@ -137,12 +138,20 @@ def project(
     layers = [module.linear_q, module.linear_k, module.linear_v, module.linear_g, *extra]
     used = [layer for layer in layers if layer is not None]
     if q_x is kv_x and fusable_linears(q_x, used):
-        outs = iter(multi_linear(q_x, [lyr.weight for lyr in used], [lyr.bias for lyr in used]))
+        outs = iter(linears_of(q_x, used))
         return tuple(None if layer is None else next(outs) for layer in layers)
     gate = module.linear_g
     g = None if gate is None else linear(q_x, gate.weight, gate.bias)
     q, k, v = module.linear_q(q_x), module.linear_k(kv_x), module.linear_v(kv_x)
     return (q, k, v, g, *(layer(q_x) for layer in extra))
+
+
+def linears_of(x: torch.Tensor, layers: Sequence[nn.Module]) -> tuple[torch.Tensor, ...]:
+    """(layer(x) for each layer): one `hfkit.ops.multi_linear` where `fusable_linears` (one gradient
+    of x, the layers' parameters read directly), else each layer called."""
+    if fusable_linears(x, layers):
+        return multi_linear(x, [layer.weight for layer in layers], [layer.bias for layer in layers])
+    return tuple(layer(x) for layer in layers)
 
 
 def fusable_linears(x: torch.Tensor, layers: Sequence[nn.Module]) -> bool:

@@ -37,7 +37,7 @@ from torch import nn
 
 from hfkit.model.outer_product_mean import OuterProductMean as _PlainOuterProductMean
 from hfkit.model.pair_transition import Transition as _PlainTransition
-from hfkit.nn.attention import attend_columns, fused_gated_attention, map_attention_biases
+from hfkit.nn.attention import attend_columns, fused_gated_attention, linears_of, map_attention_biases
 from hfkit.nn.convert import register_foreign_swap
 from hfkit.nn.triangle_multiplication import triangle_update_from_parts
 from hfkit.ops import layer_norm
@@ -359,6 +359,11 @@ def _outer_product_mean_forward(
     return _PlainOuterProductMean.forward(self, m, mask, chunk_size)
 
 
+def _opm_project(self: nn.Module, ln: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # `hfkit.nn.OuterProductMean._project` (not imported, as for `_outer_product`).
+    return linears_of(ln, (self.linear_1, self.linear_2))
+
+
 def _outer_product(self: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     # `hfkit.nn.OuterProductMean._outer`; importing that file here would register its swap before
     # the others, and `registered_ops()` order is the bench waterfall's order.
@@ -389,7 +394,7 @@ def _dropout_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _register() -> None:
     prim, tri = f"{_MODEL}.primitives", f"{_MODEL}.triangular_multiplicative_update"
-    opm = {"forward": _outer_product_mean_forward, "_outer": _outer_product}
+    opm = {"forward": _outer_product_mean_forward, "_outer": _outer_product, "_project": _opm_project}
     transition = {"forward": _transition_forward, "_transition": _hidden}
     swaps = [
         (f"{prim}.LayerNorm", "LayerNorm", _check_layer_norm, {"forward": _layer_norm_forward}),

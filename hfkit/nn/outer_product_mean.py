@@ -14,9 +14,8 @@ from __future__ import annotations
 import torch
 
 from hfkit.model.outer_product_mean import OuterProductMean as _PlainOuterProductMean
-from hfkit.nn.attention import fusable_linears
+from hfkit.nn.attention import linears_of
 from hfkit.nn.convert import register_swap
-from hfkit.ops.multi_linear import multi_linear
 from hfkit.ops.outer_product_linear import outer_product_linear
 
 __all__ = ["OuterProductMean"]
@@ -29,10 +28,7 @@ class OuterProductMean(_PlainOuterProductMean):
     of the normalized MSA, no autograd add)."""
 
     def _project(self, ln: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        layers = (self.linear_1, self.linear_2)
-        if not fusable_linears(ln, layers):
-            return super()._project(ln)
-        a, b = multi_linear(ln, [lyr.weight for lyr in layers], [lyr.bias for lyr in layers])
+        a, b = linears_of(ln, (self.linear_1, self.linear_2))
         return a, b
 
     def _outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

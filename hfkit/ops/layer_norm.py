@@ -218,9 +218,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _bwd_load(
-        X, DY, Mean, Rstd, block, stride_x, stride_dy, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
-    ):
-        # One row block of x, dy and its statistics; a block past the end loads nothing (all masked).
+        X, DY, DRES, Mean, Rstd, block, stride_x, stride_dy, stride_dres, M, N,
+        HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        # One row block of x, dy (and dres) and its statistics; a block past the end loads nothing.
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
         row_ok = rows < M
@@ -228,13 +229,16 @@ if HAS_TRITON:
         rows64 = rows.to(tl.int64)
         x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
         dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+        dres = 0.0
+        if HAS_RES:
+            dres = tl.load(DRES + rows64[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0)
         mean = tl.load(Mean + rows, mask=row_ok, other=0.0)
         rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
-        return x, dy, mean, rstd
+        return x, dy, dres, mean, rstd
 
     @triton.jit
     def _bwd_block(
-        x, dy, mean, rstd, w, DX, DWB, DRES, block, stride_dx, stride_dres, M, N, dw_acc, db_acc,
+        x, dy, dres, mean, rstd, w, DX, DWB, block, stride_dx, M, N, dw_acc, db_acc,
         HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_RES: tl.constexpr, ACC2D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
@@ -252,8 +256,7 @@ if HAS_TRITON:
         c2 = tl.sum(wdy, axis=1) / N
         dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
         if HAS_RES:  # the gradient of x's residual pass-through, added as dx is written
-            dres_ptrs = DRES + rows.to(tl.int64)[:, None] * stride_dres + cols[None, :]
-            dx += tl.load(dres_ptrs, mask=mask, other=0.0).to(tl.float32)
+            dx += dres.to(tl.float32)
         dx_ptrs = DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :]
         tl.store(dx_ptrs, dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_DW:
@@ -293,24 +296,29 @@ if HAS_TRITON:
             db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         num_blocks = tl.cdiv(M, BLOCK_M)
         if PREFETCH:
-            x, dy, mean, rstd = _bwd_load(X, DY, Mean, Rstd, pid, stride_x, stride_dy, M, N, BLOCK_M, BLOCK_N)
+            x, dy, dres, mean, rstd = _bwd_load(
+                X, DY, DRES, Mean, Rstd, pid, stride_x, stride_dy, stride_dres, M, N,
+                HAS_RES, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
             for block in range(pid, num_blocks, num_programs):
-                nx, ndy, nmean, nrstd = _bwd_load(
-                    X, DY, Mean, Rstd, block + num_programs, stride_x, stride_dy, M, N, BLOCK_M, BLOCK_N
-                )
-                dw_acc, db_acc = _bwd_block(
-                    x, dy, mean, rstd, w, DX, DWB, DRES, block, stride_dx, stride_dres, M, N, dw_acc,
-                    db_acc, HAS_W, HAS_DW, HAS_RES, ACC2D, BLOCK_M, BLOCK_N,
+                nx, ndy, ndres, nmean, nrstd = _bwd_load(
+                    X, DY, DRES, Mean, Rstd, block + num_programs, stride_x, stride_dy, stride_dres, M, N,
+                    HAS_RES, BLOCK_M, BLOCK_N,
                 )  # fmt: skip
-                x, dy, mean, rstd = nx, ndy, nmean, nrstd
+                dw_acc, db_acc = _bwd_block(
+                    x, dy, dres, mean, rstd, w, DX, DWB, block, stride_dx, M, N, dw_acc, db_acc,
+                    HAS_W, HAS_DW, HAS_RES, ACC2D, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+                x, dy, dres, mean, rstd = nx, ndy, ndres, nmean, nrstd
         else:
             for block in range(pid, num_blocks, num_programs):
-                x, dy, mean, rstd = _bwd_load(
-                    X, DY, Mean, Rstd, block, stride_x, stride_dy, M, N, BLOCK_M, BLOCK_N
-                )
+                x, dy, dres, mean, rstd = _bwd_load(
+                    X, DY, DRES, Mean, Rstd, block, stride_x, stride_dy, stride_dres, M, N,
+                    HAS_RES, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
                 dw_acc, db_acc = _bwd_block(
-                    x, dy, mean, rstd, w, DX, DWB, DRES, block, stride_dx, stride_dres, M, N, dw_acc,
-                    db_acc, HAS_W, HAS_DW, HAS_RES, ACC2D, BLOCK_M, BLOCK_N,
+                    x, dy, dres, mean, rstd, w, DX, DWB, block, stride_dx, M, N, dw_acc, db_acc,
+                    HAS_W, HAS_DW, HAS_RES, ACC2D, BLOCK_M, BLOCK_N,
                 )  # fmt: skip
         if HAS_DW:
             if ACC2D:

@@ -1,13 +1,16 @@
-"""`multi_linear`: several linear layers of one input, `[F.linear(x, w_i, b_i) for each i]`, as one GEMM.
+"""`multi_linear`: several linear layers of one input, `[F.linear(x, w_i, b_i) for each i]`, one gradient.
 
 Gated attention projects one normalized input four or five times (q, k, v, the gate and, in triangle
 attention, the pair bias). Run as separate linears, autograd meets four or five gradients for that
 input and adds them one at a time: three [*, C] adds per attention, each a read of two tensors and a
 write of one (at AlphaFold's training sizes ~14 µs each on an H200, ~14 per Evoformer block). Here the
-forward is one GEMM with the weights stacked (x read once), and the backward sums the products
-Σ dy_i w_i inside the GEMMs: each product after the first accumulates into the gradient as the GEMM
-writes it (`addmm_`, beta 1), a read of the gradient instead of an add's three passes. The weight
-gradients are the products `dy_iᵀ x` and the bias gradients column sums, as `nn.Linear`'s.
+backward sums the products Σ dy_i w_i inside the GEMMs: each product after the first accumulates
+into the gradient as the GEMM writes it (`addmm_`, beta 1), a read of the gradient instead of an
+add's three passes. The forward is one GEMM per layer, so each output is a dense tensor of its own
+(as a separate linear's; stacking the weights into one GEMM made strided column slices, which the
+attention's outputs and gradients followed and copies undid: 15 ms more in the af2_initial step on an
+H200). The weight gradients are the products `dy_iᵀ x` and the bias gradients column sums, as
+`nn.Linear`'s.
 
 It runs wherever torch runs (the products are torch's matmuls); while `torch.compile` traces it is
 `multi_linear_reference`, which Inductor compiles. Under `torch.autocast` the operands take the
@@ -58,11 +61,11 @@ def _check(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[to
 def multi_linear(
     x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]
 ) -> tuple[torch.Tensor, ...]:
-    """`F.linear(x, w_i, b_i)` for each (w_i, b_i), with autograd: one GEMM forward, one gradient of x
-    accumulated inside the backward's GEMMs (see the module docstring).
+    """`F.linear(x, w_i, b_i)` for each (w_i, b_i), with autograd: one gradient of x accumulated inside
+    the backward's GEMMs (see the module docstring).
 
     x: [*, K] in float32, bfloat16 or float16; weights: [N_i, K] each; biases: [N_i] or None each.
-    Returns a tuple of [*, N_i] tensors: views of one [*, ΣN_i] result (row stride ΣN_i). Raises
+    Returns a tuple of [*, N_i] tensors, each contiguous. Raises
     ValueError naming the argument on bad shapes, dtypes or devices.
     """
     _check(x, weights, biases)
@@ -73,16 +76,6 @@ def multi_linear(
     return _MultiLinear.apply(x, n, *params)
 
 
-def _stacked_bias(
-    weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]
-) -> torch.Tensor | None:
-    """The biases as one [ΣN_i] vector (zeros for a weight without one), or None if none has one."""
-    if all(b is None for b in biases):
-        return None
-    parts = [w.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases, strict=True)]
-    return torch.cat(parts)
-
-
 class _MultiLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, n, *params):
@@ -90,8 +83,10 @@ class _MultiLinear(torch.autograd.Function):
         ctx.save_for_backward(x, *weights)
         ctx.has_bias = [b is not None for b in biases]
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no product of zeros
-        y = F.linear(x, torch.cat(weights), _stacked_bias(weights, biases))
-        return y.split([w.shape[0] for w in weights], dim=-1)
+        # One GEMM per output: each comes out dense in its own buffer, the layout a separate linear
+        # gives (one GEMM of the stacked weights would read x once, but its outputs are strided
+        # column slices, which attention's output and gradients then follow and copies undo).
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
 
     @staticmethod
     @once_differentiable
