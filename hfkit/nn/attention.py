@@ -24,9 +24,9 @@ from hfkit.ops.multi_linear import multi_linear
 __all__ = [
     "EvoformerAttention",
     "attend_columns",
+    "fusable_linears",
     "fused_gated_attention",
     "gated_output",
-    "fusable_linears",
     "linears_of",
     "map_attention_biases",
     "project",
@@ -132,13 +132,13 @@ def project(
 
     For self-attention (q_x is kv_x) whose layers are all plain linears (`nn.Linear` or a subclass
     such as OpenFold's `Linear` without a `precision`, no forward hooks, weights in q_x's dtype or
-    autocast on) they are one `hfkit.ops.multi_linear` of q_x: one GEMM, and one gradient of q_x
-    instead of four or five summed by autograd; the layers' parameters are read directly. Otherwise
-    each layer is called (linear_g through `hfkit.ops.linear`)."""
+    autocast on) they are one `hfkit.ops.multi_linear` of q_x: one gradient of q_x instead of four or
+    five summed by autograd; the layers' parameters are read directly. Otherwise each layer is called
+    (linear_g through `hfkit.ops.linear`)."""
     layers = [module.linear_q, module.linear_k, module.linear_v, module.linear_g, *extra]
     used = [layer for layer in layers if layer is not None]
     if q_x is kv_x and fusable_linears(q_x, used):
-        outs = iter(linears_of(q_x, used))
+        outs = iter(multi_linear(q_x, [lyr.weight for lyr in used], [lyr.bias for lyr in used]))
         return tuple(None if layer is None else next(outs) for layer in layers)
     gate = module.linear_g
     g = None if gate is None else linear(q_x, gate.weight, gate.bias)
