@@ -86,7 +86,10 @@ def residual_taps(*tensors: torch.Tensor) -> Iterator[ResidualTaps]:
 
 
 def active_residual_taps() -> ResidualTaps | None:
-    """The taps of the innermost `residual_taps` context, or None outside one."""
+    """The taps of the innermost `residual_taps` context, or None outside one and while
+    `torch.compile` traces (Dynamo cannot read a context variable)."""
+    if torch.compiler.is_compiling():
+        return None
     return _ACTIVE_TAPS.get()
 
 
