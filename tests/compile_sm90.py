@@ -68,6 +68,10 @@ def elementwise_kernels() -> None:
         tiles = {"HAS_BIAS": has_bias, "BLOCK_M": 8, "BLOCK_N": 256}
         assert "cubin" in compile_sm90(ew._gate_fwd_kernel, data, tiles)
         assert "cubin" in compile_sm90(ew._gate_bwd_kernel, data, tiles)
+    for divide in (True, False):
+        tiles = {"DIVIDE": divide, "BLOCK_M": 16, "BLOCK_N": 128}
+        rows = {"X": "bf16", "Scale": "bf16", "Y": "bf16"}
+        assert "cubin" in compile_sm90(ew._row_scale_kernel, rows, tiles)
     drop = {
         "X": "bf16",
         "Res": "bf16",

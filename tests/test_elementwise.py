@@ -24,7 +24,7 @@ from hfkit.nn import (
     to_torch,
 )
 from hfkit.ops import bias_dropout_add, bias_dropout_add_reference, sigmoid_gate, sigmoid_gate_reference
-from hfkit.ops.elementwise import dropout_keep_mask, uses_triton
+from hfkit.ops.elementwise import dropout_keep_mask, row_scale, row_scale_reference, uses_triton
 
 DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (
     ["cuda"] if torch.cuda.is_available() else []
@@ -326,3 +326,36 @@ def test_elementwise_benchmark_rows_on_cpu():
     assert [r.bytes for r in rows] == [8 * 4 * 30] * 2 + [5 * 4 * 60] * 2
     assert all(r.p50_ms > 0 and r.extra["max_abs_err"] < 1e-5 for r in rows)
     assert all(0.0 < r.extra["kept_fraction"] < 1.0 for r in rows[2:])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("divide", [False, True], ids=["mul", "div"])
+def test_row_scale_matches_reference(device, dtype, divide, seed):
+    """x * s (x / s) for a factor per row: output and dx on odd sizes, a strided x, and a float32
+    factor beside a half-precision x (the promoted dtype, as torch's)."""
+    x = torch.randn(3, 7, 2 * 37, device=device, dtype=dtype)[..., ::2].requires_grad_(True)
+    for sdtype in {dtype, torch.float32}:
+        scale = torch.rand(3, 7, 1, device=device, dtype=sdtype) + 0.25
+        y = row_scale(x, scale, divide=divide)
+        ref = row_scale_reference(x.detach().double(), scale.double(), divide)
+        assert y.dtype == torch.promote_types(dtype, sdtype)
+        assert_close(y.double(), ref, dtype=dtype, msg="output")
+        dy = torch.randn_like(y)
+        (dx,) = torch.autograd.grad(y, x, dy)
+        ref_dx = row_scale_reference(dy.double(), scale.double(), divide)
+        assert dx.dtype == dtype
+        assert_close(dx.double(), ref_dx, dtype=dtype, msg="dx")
+
+
+def test_row_scale_falls_back_and_checks():
+    x = torch.randn(2, 5, 4, requires_grad=True)
+    s = torch.rand(2, 5, 1, requires_grad=True) + 0.5
+    y = row_scale(x, s)  # a factor that needs a gradient: the reference, with one
+    (ds,) = torch.autograd.grad(y.sum(), s)
+    torch.testing.assert_close(ds, x.detach().sum(-1, keepdim=True))
+    torch.testing.assert_close(row_scale(x, torch.full((1, 5, 1), 2.0)), x * 2)  # broadcast: reference
+    with pytest.raises(ValueError, match="scale: expected"):
+        row_scale(x, torch.ones(2, 5))
+    with pytest.raises(ValueError, match="scale"):
+        row_scale(x, torch.ones(2, 5, 1, dtype=torch.int64))

@@ -249,6 +249,27 @@ def test_op_matches_reference_with_optional_parameters(device, out_path, seed):
         assert_close(out, ref)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_residual_passthrough_adds_its_gradient(device, seed):
+    """With `residual`, (update, r): r equals z, and dz is the update's gradient plus r's (added by the
+    LayerNorm-in backward kernel; a transposed, strided dr); r is z itself on the reference path."""
+    c_z, c_h, n = 16, 8, 11
+    args = op_args(c_z, c_h, device)
+    z = torch.randn(1, n, n, c_z, device=device, requires_grad=True)
+    mask = (torch.rand(1, n, n, device=device) > 0.2).float()
+    dout = torch.randn(1, n, n, c_z, device=device)
+    dr = torch.randn(1, n, c_z, n, device=device).transpose(-1, -2)
+    out, r = triangle_multiplication(z, mask, *args, residual=True)
+    assert r is not z and torch.equal(r, z)
+    (dz,) = torch.autograd.grad([out, r], [z], [dout, dr])
+    (dz_op,) = torch.autograd.grad(triangle_multiplication(z, mask, *args), [z], [dout])
+    assert_close(dz, dz_op + dr)
+    (dz_r,) = torch.autograd.grad(r, [z], [dr])  # only the pass-through used
+    assert torch.equal(dz_r, dr)
+    z64 = z.detach().double()
+    assert triangle_multiplication(z64, mask.double(), *[a.double() for a in args], residual=True)[1] is z64
+
+
 def test_cpu_without_interpreter_runs_the_reference(monkeypatch, seed):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     z = torch.randn(6, 6, 16)

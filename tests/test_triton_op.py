@@ -10,6 +10,7 @@ kernels run under TRITON_INTERPRET=1 (conftest.py).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 
@@ -55,6 +56,10 @@ def _randn(*shape, grad=True):
     return torch.randn(*shape, device=DEVICE).requires_grad_(grad)
 
 
+def _divide_rows(x, scale):
+    return hops.row_scale(x, scale, divide=True)
+
+
 def _cases():
     """(name, inputs, call, the hfkit custom ops it must dispatch under a mode)."""
     c_z, c_h = 6, 5
@@ -90,6 +95,12 @@ def _cases():
             [_randn(2, 5, 6), _randn(2, 5, 6), _randn(6)],
             lambda x, r, b: hops.bias_dropout_add(x, r, b, p=0.3, shared_dim=-2, seed=7),
             {"bias_dropout_add_fwd", "dropout_bwd"},
+        ),
+        (
+            "row_scale",
+            [_randn(2, 5, 6)],
+            functools.partial(_divide_rows, scale=_randn(2, 5, 1, grad=False).abs() + 0.5),
+            {"row_scale"},
         ),
         (
             "triangle_multiplication",
@@ -139,7 +150,7 @@ def test_direct_call_rule():
 
 def test_every_op_is_registered_with_torch():
     ops = all_ops()
-    assert len(ops) == 22
+    assert len(ops) == 23
     for op in ops:
         assert getattr(torch.ops.hfkit, op.name).default is not None
 

@@ -30,6 +30,10 @@ class OuterProductMean(nn.Module):
         outer = torch.einsum("...sic,...sje->...ijce", a, b)
         return self.linear_out(outer.flatten(-2))
 
+    def _normalize(self, outer: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """outer [*, N, N, C_z] / count [*, N, N, 1] (eps + the rows where both residues are present)."""
+        return outer / count
+
     def _project(self, ln: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(linear_1(ln), linear_2(ln))."""
         return self.linear_1(ln), self.linear_2(ln)
@@ -46,4 +50,4 @@ class OuterProductMean(nn.Module):
         outer = chunk_apply(lambda a_: self._outer(a_, b), [a], [-2], -3, chunk_size)
         # Number of rows where both residues are present: [*, N, N, 1].
         norm = torch.einsum("...sia,...sja->...ija", mask, mask)
-        return outer / (self.eps + norm)
+        return self._normalize(outer, self.eps + norm)

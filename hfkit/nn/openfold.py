@@ -41,7 +41,7 @@ from hfkit.nn.attention import attend_columns, fused_gated_attention, linears_of
 from hfkit.nn.convert import register_foreign_swap
 from hfkit.nn.triangle_multiplication import triangle_update_from_parts
 from hfkit.ops import layer_norm
-from hfkit.ops.elementwise import bias_dropout_add
+from hfkit.ops.elementwise import bias_dropout_add, row_scale
 from hfkit.ops.evoformer_attention import evoformer_attention, uses_triton
 from hfkit.ops.gated_linear import gated_linear
 from hfkit.ops.outer_product_linear import outer_product_linear
@@ -364,6 +364,11 @@ def _opm_project(self: nn.Module, ln: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return linears_of(ln, (self.linear_1, self.linear_2))
 
 
+def _opm_normalize(self: nn.Module, outer: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    # `hfkit.nn.OuterProductMean._normalize` (not imported, as for `_outer_product`).
+    return row_scale(outer, count, divide=True)
+
+
 def _outer_product(self: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     # `hfkit.nn.OuterProductMean._outer`; importing that file here would register its swap before
     # the others, and `registered_ops()` order is the bench waterfall's order.
@@ -382,7 +387,7 @@ def _transition_forward(
 def _hidden(self: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     # `hfkit.nn.transition`'s `_transition` (not imported, as for `_outer_product`).
     l1, l2 = self.linear_1, self.linear_2
-    return relu_mlp(x, l1.weight, l1.bias, l2.weight, l2.bias) * mask
+    return row_scale(relu_mlp(x, l1.weight, l1.bias, l2.weight, l2.bias), mask)
 
 
 def _dropout_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -394,7 +399,12 @@ def _dropout_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _register() -> None:
     prim, tri = f"{_MODEL}.primitives", f"{_MODEL}.triangular_multiplicative_update"
-    opm = {"forward": _outer_product_mean_forward, "_outer": _outer_product, "_project": _opm_project}
+    opm = {
+        "forward": _outer_product_mean_forward,
+        "_outer": _outer_product,
+        "_project": _opm_project,
+        "_normalize": _opm_normalize,
+    }
     transition = {"forward": _transition_forward, "_transition": _hidden}
     swaps = [
         (f"{prim}.LayerNorm", "LayerNorm", _check_layer_norm, {"forward": _layer_norm_forward}),

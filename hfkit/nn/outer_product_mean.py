@@ -16,6 +16,7 @@ import torch
 from hfkit.model.outer_product_mean import OuterProductMean as _PlainOuterProductMean
 from hfkit.nn.attention import linears_of
 from hfkit.nn.convert import register_swap
+from hfkit.ops.elementwise import row_scale
 from hfkit.ops.outer_product_linear import outer_product_linear
 
 __all__ = ["OuterProductMean"]
@@ -25,11 +26,14 @@ class OuterProductMean(_PlainOuterProductMean):
     """`hfkit.model.OuterProductMean` (AF2 Algorithm 10) with the outer product recomputed in the backward
     (`linear_out`'s parameters are read directly: its forward hooks, if any, do not run), and
     linear_1 and linear_2 as one `hfkit.ops.multi_linear` where they are plain linears (one gradient
-    of the normalized MSA, no autograd add)."""
+    of the normalized MSA, no autograd add), and the division by the row counts as `row_scale`."""
 
     def _project(self, ln: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = linears_of(ln, (self.linear_1, self.linear_2))
         return a, b
+
+    def _normalize(self, outer: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        return row_scale(outer, count, divide=True)
 
     def _outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         out = self.linear_out

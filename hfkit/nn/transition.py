@@ -15,6 +15,7 @@ import torch
 from hfkit.model.evoformer import MSATransition as _PlainMSATransition
 from hfkit.model.pair_transition import PairTransition as _PlainPairTransition
 from hfkit.nn.convert import register_swap
+from hfkit.ops.elementwise import row_scale
 from hfkit.ops.relu_mlp import relu_mlp
 
 __all__ = ["MSATransition", "PairTransition"]
@@ -22,14 +23,14 @@ __all__ = ["MSATransition", "PairTransition"]
 
 class _RecomputedHidden:
     """The transitions' `_transition` through `relu_mlp` (linear_1 and linear_2's parameters are read
-    directly: their forward hooks, if any, do not run)."""
+    directly: their forward hooks, if any, do not run), masked by `row_scale`."""
 
     linear_1: torch.nn.Linear
     linear_2: torch.nn.Linear
 
     def _transition(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         l1, l2 = self.linear_1, self.linear_2
-        return relu_mlp(x, l1.weight, l1.bias, l2.weight, l2.bias) * mask
+        return row_scale(relu_mlp(x, l1.weight, l1.bias, l2.weight, l2.bias), mask)
 
 
 class MSATransition(_RecomputedHidden, _PlainMSATransition):

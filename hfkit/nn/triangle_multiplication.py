@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from hfkit.model.primitives import active_residual_taps
 from hfkit.model.triangular_multiplicative_update import (
     TriangleMultiplicationIncoming as _PlainIncoming,
 )
@@ -83,11 +84,20 @@ def triangle_update_from_parts(
     else:
         proj_bias = torch.cat(list(proj_biases))
     proj_weight = torch.cat(list(proj_weights))
-    return triangle_multiplication(
+    # Inside the model's residual taps, z passes through the op for the residual add (`ResidualTaps`).
+    taps = active_residual_taps()
+    tapped = taps is not None and taps.wants(z)
+    result = triangle_multiplication(
         z, mask, layer_norm_in.weight, layer_norm_in.bias, proj_weight, proj_bias,
         layer_norm_out.weight, layer_norm_out.bias, linear_z.weight, linear_z.bias,
-        outgoing=outgoing, eps=layer_norm_in.eps,
+        outgoing=outgoing, eps=layer_norm_in.eps, residual=tapped,
     )  # fmt: skip
+    if not tapped:
+        return result
+    out, passthrough = result
+    if passthrough is not z:
+        taps.record(z, passthrough)
+    return out
 
 
 class TriangleMultiplicationOutgoing(_PlainOutgoing):

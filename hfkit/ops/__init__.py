@@ -5,6 +5,8 @@ from hfkit.ops._triton import reference_on_cpu
 from hfkit.ops.elementwise import (
     bias_dropout_add,
     bias_dropout_add_reference,
+    row_scale,
+    row_scale_reference,
     sigmoid_gate,
     sigmoid_gate_reference,
 )
@@ -39,6 +41,8 @@ __all__ = [
     "reference_on_cpu",
     "relu_mlp",
     "relu_mlp_reference",
+    "row_scale",
+    "row_scale_reference",
     "sigmoid_gate",
     "sigmoid_gate_reference",
     "softmax",

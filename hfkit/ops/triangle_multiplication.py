@@ -233,7 +233,8 @@ def triangle_multiplication(
     eps: float = 1e-5,
     *,
     fuse_projection: bool = True,
-) -> torch.Tensor:
+    residual: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused triangle multiplicative update of the pair representation, with autograd.
 
     z: [*, N, N, C_z] (float32, bfloat16 or float16; float64 runs the reference); mask: [*, N, N] or
@@ -247,7 +248,10 @@ def triangle_multiplication(
     and sums of gradients are float32; intermediates are stored in the compute dtype. `fuse_projection`
     computes the a/b projections inside the gating kernel (tl.dot from zn, recomputed in backward) rather
     than as one cuBLAS matmul whose [M, 4 C_h + C_z] output the gate kernels read back: fused saves
-    writing and reading 4 C_h channels per pair in forward and reading them again in backward. Raises
+    writing and reading 4 C_h channels per pair in forward and reading them again in backward. With
+    `residual`, returns (update, r): r holds z's values, z passed through for the residual add around
+    the update (`r + dropout(update)`), whose gradient the LayerNorm-in backward kernel adds into dz as
+    it writes it (as `hfkit.ops.layer_norm_with_residual`); r is z itself where nothing fuses. Raises
     ValueError naming the argument on a bad shape, dtype or device.
     """
     args = (
@@ -264,7 +268,8 @@ def triangle_multiplication(
     c_h = out_weight.shape[1]
     dtype = _fused_dtype(z, c_h)
     if dtype is None or z.numel() == 0:
-        return triangle_multiplication_reference(z, mask, *args, outgoing=outgoing, eps=eps)
+        out = triangle_multiplication_reference(z, mask, *args, outgoing=outgoing, eps=eps)
+        return (out, z) if residual else out
     # The matmul operands in the compute dtype (autograd casts their gradients back) and contiguous: the
     # kernels read W_z, W_g and the biases by row and column. LayerNorm weights of any float dtype are
     # read by the kernels as they are, by column: unit stride.
@@ -277,10 +282,11 @@ def triangle_multiplication(
     out_bias = out_bias.to(dtype).contiguous() if out_bias is not None else None
     if mask is not None:
         mask = mask.detach().to(dtype).expand(z.shape[:-1]).contiguous()
-    return _TriangleMultiplication.apply(
+    out, passthrough = _TriangleMultiplication.apply(
         z, mask, ln_in_weight, ln_in_bias, proj_weight, proj_bias,
         ln_out_weight, ln_out_bias, out_weight, out_bias, bool(outgoing), float(eps), bool(fuse_projection),
     )  # fmt: skip
+    return (out, passthrough) if residual else out
 
 
 def _split_projection(w_proj: torch.Tensor, b_proj: torch.Tensor | None, c_h: int) -> tuple:
@@ -343,10 +349,15 @@ class _TriangleMultiplication(torch.autograd.Function):
             out = _out_gate_fwd(o, g_src, g_off)
         ctx.save_for_backward(z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, a, b, x)
         ctx.meta = (outgoing, fuse, fused_out, g_off, batch, n, c_h, eps)
-        return out.view(z.shape)
+        # z passed through as a second output, for the residual add (`residual`); its gradient, where
+        # it is used, is added into dz by the LayerNorm-in backward kernel.
+        ctx.set_materialize_grads(False)
+        return out.view(z.shape), z.view_as(z)
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, dres):
+        if dout is None:  # only the pass-through was used
+            return (dres, *([None] * 12))
         z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, a, b, x = ctx.saved_tensors
         outgoing, fuse, fused_out, g_off, batch, n, c_h, eps = ctx.meta
         c_z = z.shape[-1]
@@ -405,7 +416,7 @@ class _TriangleMultiplication(torch.autograd.Function):
         dzn = d_proj.mm(w_proj)  # [M, C_z]
         del d_proj
         need_ln_in = (w_in is not None and needs[2]) or (b_in is not None and needs[3])
-        dz = _ln_in_bwd(dzn, z, w_in, mean_in, rstd_in, need_ln_in, part)
+        dz = _ln_in_bwd(dzn, z, w_in, mean_in, rstd_in, need_ln_in, part, dres)
         del dzn
         grad = dict(zip(widths, column_sums(part).split(list(widths.values())), strict=True))
         grad_w_in = grad["ln_in"][:c_z].to(w_in.dtype) if w_in is not None and needs[2] else None
@@ -480,18 +491,20 @@ if HAS_TRITON:
         rstd: torch.Tensor,
         need_dwb: bool,
         part: torch.Tensor,
+        dres: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """dz in z's dtype from dzn [M, C_z] in the compute dtype; with `need_dwb` the float32 partial
-        sums of the weight and bias gradients go to columns [0, 2 C_z) of part's first rows (a row for
-        each program of LayerNorm's persistent backward, `_bwd_programs`)."""
+        """dz in z's dtype from dzn [M, C_z] in the compute dtype, plus dres (the gradient of z's residual
+        pass-through) where given; with `need_dwb` the float32 partial sums of the weight and bias
+        gradients go to columns [0, 2 C_z) of part's first rows (a row for each program of LayerNorm's
+        persistent backward, `_bwd_programs`)."""
         c_z = z.shape[-1]
         z2 = _rows_view(z, c_z)
         m = z2.shape[0]
         dz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
         cfg = _bwd_config(c_z, z.element_size())
-        _launch_bwd(
-            z2, dzn, dz.view(m, c_z), weight, mean, rstd, part, need_dwb, _bwd_programs(m, cfg, z.device), cfg
-        )
+        dres2 = _rows_view(dres, c_z) if dres is not None else None
+        programs = _bwd_programs(m, cfg, z.device)
+        _launch_bwd(z2, dzn, dz.view(m, c_z), weight, mean, rstd, part, need_dwb, programs, cfg, dres2=dres2)
         return dz
 
     @hfkit_op("tri_mul_gate_ab_fwd")
