@@ -107,6 +107,28 @@ def test_ending_node_matches_the_model(n, batch, mask_kind, device, seed):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
+    "n, batch, mask_kind, chunk_size",
+    [(13, True, "zeros", None), (13, False, "row", None), (11, True, "none", 64), (11, True, "zeros", 4)],
+)
+def test_starting_node_matches_the_model(n, batch, mask_kind, chunk_size, device, seed):
+    """The swapped starting node (its bias projection beside q, k, v and the gate; chunks below N run
+    the model's forward) gives the model's output and every gradient."""
+    plain = randomized(TriangleAttentionStartingNode(C, C_HIDDEN, HEADS), device)
+    swapped = hnn.to_hfkit(plain, inplace=False)
+    assert type(swapped) is hnn.TriangleAttentionStartingNode
+    x = torch.randn(*((1,) if batch else ()), n, n, C, device=device)
+    mask = make_mask(x.shape[:-1], mask_kind, device)
+    dy = torch.randn(x.shape, device=device)
+    want, want_grads = outputs_and_grads(plain, x, mask, chunk_size, dy)
+    got, got_grads = outputs_and_grads(swapped, x, mask, chunk_size, dy)
+    assert got.shape == want.shape and rel_err(got, want) < TOL[torch.float32]
+    names = ["x", *(name for name, _ in plain.named_parameters())]
+    for name, g, w in zip(names, got_grads, want_grads, strict=True):
+        assert rel_err(g, w) < TOL[torch.float32], name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
     "s, n, batch, mask_kind", [(5, 13, True, "zeros"), (5, 13, False, "row"), (5, 37, True, "none")]
 )
 def test_msa_column_attention_matches_the_model(s, n, batch, mask_kind, device, seed):
@@ -213,9 +235,9 @@ def test_to_hfkit_round_trip_keeps_types_and_state(seed):
     assert report.counts()["MSAColumnAttention"] == 1
     assert type(swapped.core.tri_att_end) is hnn.TriangleAttentionEndingNode
     assert type(swapped.msa_att_col) is hnn.MSAColumnAttention
-    # The starting node attends along rows already: not swapped, and not reported as skipped.
-    assert type(swapped.core.tri_att_start) is TriangleAttentionStartingNode
-    assert "TriangleAttentionStartingNode" not in {r.from_type.rsplit(".", 1)[-1] for r in report.rows}
+    # The starting node attends along rows already; swapped for its bias projection (`project`).
+    assert report.counts()["TriangleAttentionStartingNode"] == 1
+    assert type(swapped.core.tri_att_start) is hnn.TriangleAttentionStartingNode
     assert swapped.state_dict().keys() == before.keys()
     assert all(torch.equal(swapped.state_dict()[k], v) for k, v in before.items())
     fresh = hnn.to_hfkit(
@@ -228,6 +250,7 @@ def test_to_hfkit_round_trip_keeps_types_and_state(seed):
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())
     back = hnn.to_torch(swapped)
     assert type(back.core.tri_att_end) is TriangleAttentionEndingNode
+    assert type(back.core.tri_att_start) is TriangleAttentionStartingNode
     assert type(back.msa_att_col) is MSAColumnAttention
     assert [type(m) for m in back.modules()] == [type(m) for m in block.modules()]
     assert all(torch.equal(back.state_dict()[k], v) for k, v in before.items())

@@ -301,6 +301,7 @@ def test_package_to_hfkit_registers_every_fused_module() -> None:
                 "OuterProductMean",
                 "PairTransition",
                 "TriangleAttentionEndingNode",
+                "TriangleAttentionStartingNode",
                 "TriangleMultiplicationIncoming",
                 "TriangleMultiplicationOutgoing",
             ]

@@ -17,7 +17,11 @@ from hfkit.model.dropout import DropoutColumnwise, DropoutRowwise, SharedDropout
 from hfkit.model.primitives import Attention
 from hfkit.nn import openfold as _openfold  # noqa: F401  (importing it registers OpenFold's swaps)
 from hfkit.nn.attention import EvoformerAttention
-from hfkit.nn.axial_attention import MSAColumnAttention, TriangleAttentionEndingNode
+from hfkit.nn.axial_attention import (
+    MSAColumnAttention,
+    TriangleAttentionEndingNode,
+    TriangleAttentionStartingNode,
+)
 from hfkit.nn.convert import SwapReport, register_swap, to_hfkit, to_torch
 from hfkit.nn.fused import FusedDropoutColumnwise, FusedDropoutRowwise, FusedSharedDropout
 from hfkit.nn.graphed import GraphedForward, graph_modules, graphed_forwards, ungraph_modules
@@ -47,6 +51,7 @@ __all__ = [
     "SharedDropout",
     "SwapReport",
     "TriangleAttentionEndingNode",
+    "TriangleAttentionStartingNode",
     "TriangleMultiplicationIncoming",
     "TriangleMultiplicationOutgoing",
     "graph_modules",

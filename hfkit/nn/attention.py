@@ -24,6 +24,7 @@ from hfkit.ops.multi_linear import multi_linear
 __all__ = [
     "EvoformerAttention",
     "attend_columns",
+    "attend_within_rows",
     "fusable_linears",
     "fused_gated_attention",
     "gated_output",
@@ -205,6 +206,37 @@ def attend_columns(
     if mapped is None:
         return None
     return fused_gated_attention(mha, xn, xn, mapped, transposed=True, projections=projections)
+
+
+def attend_within_rows(
+    mha: nn.Module,
+    layer_norm: nn.Module,
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    inf: float,
+    bias_projection: nn.Module,
+    chunk_size: int | None = None,
+) -> torch.Tensor | None:
+    """The starting node's triangle attention (AF2 Algorithm 13) on x [*, R, N, C] (at most one
+    leading dim), mask [*, R, N] (None: all kept): gated self-attention `mha` within the rows of
+    `layer_norm(x)` with the key mask bias `inf * (mask - 1)` and the triangle bias
+    `bias_projection(layer_norm(x))` [*, N, N, H] shared by all rows, its projections with q, k, v and
+    the gate as one `project` (one gradient of the normalized x). Returns the update [*, R, N, C];
+    None where the biases do not map (more leading dims, a mask that requires grad) or `chunk_size`
+    is below R, the rows attended: the caller runs its plain forward then."""
+    if x.dim() not in (3, 4) or (mask is not None and mask.requires_grad):
+        return None
+    if chunk_size is not None and chunk_size < x.shape[-3]:
+        return None
+    xn = layer_norm(x)
+    if mask is None:
+        mask = xn.new_ones(xn.shape[:-1])
+    projections = project(mha, xn, xn, (bias_projection,))
+    biases = [mask_bias(mask.to(xn.dtype), inf), projections[4].movedim(-1, -3).unsqueeze(-4)]
+    mapped = map_attention_biases(xn, xn, biases)
+    if mapped is None:
+        return None
+    return fused_gated_attention(mha, xn, xn, mapped, projections=projections)
 
 
 def gated_output(module: nn.Module, o: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:

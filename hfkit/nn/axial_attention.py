@@ -1,6 +1,7 @@
 """`hfkit.nn.TriangleAttentionEndingNode` and `hfkit.nn.MSAColumnAttention`: the attentions along the
 columns of a representation (the ending-node triangle attention, AF2 Algorithm 14, and the MSA column
-attention, Algorithm 8) without transposing copies of it.
+attention, Algorithm 8) without transposing copies of it; and `hfkit.nn.TriangleAttentionStartingNode`
+(Algorithm 13), whose triangle bias projection joins the attention's own (`attend_within_rows`).
 
 The model's modules attend along columns by transposing the pair or MSA representation, which
 `LayerNorm` then copies (its rows need one stride), and return a transposed update that the block's
@@ -24,15 +25,22 @@ from torch import nn
 
 from hfkit.model.msa import MSAColumnAttention as _PlainMSAColumnAttention
 from hfkit.model.triangular_attention import TriangleAttentionEndingNode as _PlainEndingNode
-from hfkit.nn.attention import EvoformerAttention, attend_columns
+from hfkit.model.triangular_attention import TriangleAttentionStartingNode as _PlainStartingNode
+from hfkit.nn.attention import EvoformerAttention, attend_columns, attend_within_rows
 from hfkit.nn.convert import register_swap
 
-__all__ = ["MSAColumnAttention", "TriangleAttentionEndingNode", "takes_column_path"]
+__all__ = [
+    "MSAColumnAttention",
+    "TriangleAttentionEndingNode",
+    "TriangleAttentionStartingNode",
+    "takes_column_path",
+]
 
 
 def takes_column_path(mha: nn.Module, x: torch.Tensor) -> bool:
-    """Whether a column attention with gated attention `mha` tries `attend_columns` on x [*, R, N, C]:
-    where `mha` is hfkit's `EvoformerAttention` whose op runs Triton for x."""
+    """Whether an axial attention with gated attention `mha` tries `attend_columns` (or
+    `attend_within_rows`) on x [*, R, N, C]: where `mha` is hfkit's `EvoformerAttention` whose op runs
+    Triton for x."""
     return isinstance(mha, EvoformerAttention) and not mha.holds_logits(x)
 
 
@@ -59,6 +67,24 @@ class TriangleAttentionEndingNode(_PlainEndingNode):
         return super().forward(x, mask, chunk_size) if update is None else update
 
 
+class TriangleAttentionStartingNode(_PlainStartingNode):
+    """`hfkit.model.TriangleAttentionStartingNode` (AF2 Algorithm 13) with its triangle bias projection
+    computed beside the attention's q, k, v and gate (`attend_within_rows`: one gradient of the
+    normalized pair representation instead of two summed by autograd); inputs that path does not
+    take, and chunked calls (`chunk_size` below N), run the model's forward."""
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, chunk_size: int | None = None
+    ) -> torch.Tensor:
+        """x: [*, N, N, C_z], mask: [*, N, N] -> update [*, N, N, C_z]."""
+        update = None
+        if takes_column_path(self.mha, x):
+            update = attend_within_rows(
+                self.mha, self.layer_norm, x, mask, self.inf, self.linear, chunk_size=chunk_size
+            )
+        return super().forward(x, mask, chunk_size) if update is None else update
+
+
 class MSAColumnAttention(_PlainMSAColumnAttention):
     """`hfkit.model.MSAColumnAttention` (AF2 Algorithm 8) attending along the MSA's columns without
     transposing copies (`attend_columns`); inputs that path does not take, and chunked calls
@@ -76,4 +102,5 @@ class MSAColumnAttention(_PlainMSAColumnAttention):
 
 
 register_swap(_PlainEndingNode, TriangleAttentionEndingNode)
+register_swap(_PlainStartingNode, TriangleAttentionStartingNode)
 register_swap(_PlainMSAColumnAttention, MSAColumnAttention)
