@@ -189,23 +189,7 @@ def attend_columns(
     leading dims, a mask that requires grad) or `chunk_size` is below N, the columns attended (chunks
     would only bound the [*, R, N, C] projections: the fused op keeps no logits): the caller runs its
     plain forward then."""
-    if x.dim() not in (3, 4) or (mask is not None and mask.requires_grad):
-        return None
-    if chunk_size is not None and chunk_size < x.shape[-2]:
-        return None
-    xn = layer_norm(x)
-    if mask is None:
-        mask = xn.new_ones(xn.shape[:-1])
-    projections = project(mha, xn, xn, () if bias_projection is None else (bias_projection,))
-    # The biases of the model's row attention on the transposed x: views, no copies.
-    biases = [mask_bias(mask.to(xn.dtype).transpose(-1, -2), inf)]
-    if bias_projection is not None:
-        biases.append(projections[4].transpose(-2, -3).movedim(-1, -3).unsqueeze(-4))
-    xn_t = xn.transpose(-2, -3)
-    mapped = map_attention_biases(xn_t, xn_t, biases)
-    if mapped is None:
-        return None
-    return fused_gated_attention(mha, xn, xn, mapped, transposed=True, projections=projections)
+    return _attend_axis(mha, layer_norm, x, mask, inf, bias_projection, chunk_size, columns=True)
 
 
 def attend_within_rows(
@@ -214,29 +198,48 @@ def attend_within_rows(
     x: torch.Tensor,
     mask: torch.Tensor | None,
     inf: float,
-    bias_projection: nn.Module,
+    bias_projection: nn.Module | None = None,
     chunk_size: int | None = None,
 ) -> torch.Tensor | None:
-    """The starting node's triangle attention (AF2 Algorithm 13) on x [*, R, N, C] (at most one
-    leading dim), mask [*, R, N] (None: all kept): gated self-attention `mha` within the rows of
-    `layer_norm(x)` with the key mask bias `inf * (mask - 1)` and the triangle bias
-    `bias_projection(layer_norm(x))` [*, N, N, H] shared by all rows, its projections with q, k, v and
-    the gate as one `project` (one gradient of the normalized x). Returns the update [*, R, N, C];
-    None where the biases do not map (more leading dims, a mask that requires grad) or `chunk_size`
-    is below R, the rows attended: the caller runs its plain forward then."""
+    """`attend_columns` within the rows of `layer_norm(x)` (the starting node's triangle attention, AF2
+    Algorithm 13, with `bias_projection`: the bias `bias_projection(layer_norm(x))` [*, N, N, H] shared
+    by all rows). None where `chunk_size` is below R, the rows attended, and where `attend_columns`
+    gives None."""
+    return _attend_axis(mha, layer_norm, x, mask, inf, bias_projection, chunk_size, columns=False)
+
+
+def _attend_axis(
+    mha: nn.Module,
+    layer_norm: nn.Module,
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    inf: float,
+    bias_projection: nn.Module | None,
+    chunk_size: int | None,
+    *,
+    columns: bool,
+) -> torch.Tensor | None:
+    """`attend_columns` (`columns`) or `attend_within_rows`: the projections of layer_norm(x), the
+    bias projection among them, as one `project` (one gradient of the normalized x)."""
     if x.dim() not in (3, 4) or (mask is not None and mask.requires_grad):
         return None
-    if chunk_size is not None and chunk_size < x.shape[-3]:
+    if chunk_size is not None and chunk_size < x.shape[-2 if columns else -3]:
         return None
     xn = layer_norm(x)
     if mask is None:
         mask = xn.new_ones(xn.shape[:-1])
-    projections = project(mha, xn, xn, (bias_projection,))
-    biases = [mask_bias(mask.to(xn.dtype), inf), projections[4].movedim(-1, -3).unsqueeze(-4)]
-    mapped = map_attention_biases(xn, xn, biases)
+    projections = project(mha, xn, xn, () if bias_projection is None else (bias_projection,))
+    # The biases of the model's row attention (on the transposed x for columns): views, no copies.
+    along = (lambda t: t.transpose(-2, -3)) if columns else (lambda t: t)  # [*, R, N, ...] tensors
+    mask = mask.to(xn.dtype)
+    biases = [mask_bias(mask.transpose(-1, -2) if columns else mask, inf)]
+    if bias_projection is not None:
+        biases.append(along(projections[4]).movedim(-1, -3).unsqueeze(-4))
+    rows = along(xn)
+    mapped = map_attention_biases(rows, rows, biases)
     if mapped is None:
         return None
-    return fused_gated_attention(mha, xn, xn, mapped, projections=projections)
+    return fused_gated_attention(mha, xn, xn, mapped, transposed=columns, projections=projections)
 
 
 def gated_output(module: nn.Module, o: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:

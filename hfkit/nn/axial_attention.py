@@ -44,10 +44,12 @@ def takes_column_path(mha: nn.Module, x: torch.Tensor) -> bool:
     return isinstance(mha, EvoformerAttention) and not mha.holds_logits(x)
 
 
-class TriangleAttentionEndingNode(_PlainEndingNode):
-    """`hfkit.model.TriangleAttentionEndingNode` (AF2 Algorithm 14) attending along the columns of the
-    pair representation without transposing copies (`attend_columns`); inputs that path does not
+class _FusedTriangleAttention:
+    """The triangle attentions' forward through `_attend` (`attend_columns` for the ending node,
+    `attend_within_rows` for the starting node) where `takes_column_path`; inputs that path does not
     take, and chunked calls (`chunk_size` below N), run the model's forward."""
+
+    _attend: staticmethod
 
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor | None = None, chunk_size: int | None = None
@@ -55,34 +57,23 @@ class TriangleAttentionEndingNode(_PlainEndingNode):
         """x: [*, N, N, C_z], mask: [*, N, N] -> update [*, N, N, C_z] (contiguous on the fast path)."""
         update = None
         if takes_column_path(self.mha, x):
-            update = attend_columns(
-                self.mha,
-                self.layer_norm,
-                x,
-                mask,
-                self.inf,
-                bias_projection=self.linear,
-                chunk_size=chunk_size,
-            )
+            update = self._attend(self.mha, self.layer_norm, x, mask, self.inf, self.linear, chunk_size)
         return super().forward(x, mask, chunk_size) if update is None else update
 
 
-class TriangleAttentionStartingNode(_PlainStartingNode):
+class TriangleAttentionEndingNode(_FusedTriangleAttention, _PlainEndingNode):
+    """`hfkit.model.TriangleAttentionEndingNode` (AF2 Algorithm 14) attending along the columns of the
+    pair representation without transposing copies (`attend_columns`)."""
+
+    _attend = staticmethod(attend_columns)
+
+
+class TriangleAttentionStartingNode(_FusedTriangleAttention, _PlainStartingNode):
     """`hfkit.model.TriangleAttentionStartingNode` (AF2 Algorithm 13) with its triangle bias projection
     computed beside the attention's q, k, v and gate (`attend_within_rows`: one gradient of the
-    normalized pair representation instead of two summed by autograd); inputs that path does not
-    take, and chunked calls (`chunk_size` below N), run the model's forward."""
+    normalized pair representation instead of two summed by autograd)."""
 
-    def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None = None, chunk_size: int | None = None
-    ) -> torch.Tensor:
-        """x: [*, N, N, C_z], mask: [*, N, N] -> update [*, N, N, C_z]."""
-        update = None
-        if takes_column_path(self.mha, x):
-            update = attend_within_rows(
-                self.mha, self.layer_norm, x, mask, self.inf, self.linear, chunk_size=chunk_size
-            )
-        return super().forward(x, mask, chunk_size) if update is None else update
+    _attend = staticmethod(attend_within_rows)
 
 
 class MSAColumnAttention(_PlainMSAColumnAttention):
