@@ -26,7 +26,7 @@ from hfkit.model import (
     TriangleAttentionEndingNode,
     TriangleAttentionStartingNode,
 )
-from hfkit.nn.attention import attend_columns, fused_gated_attention
+from hfkit.nn.attention import attend_axis, fused_gated_attention
 from hfkit.ops._triton import reference_on_cpu
 
 DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (
@@ -214,7 +214,7 @@ def test_inputs_the_fast_path_does_not_take_run_the_model(seed):
         x2 = torch.randn(2, 1, 7, 7, C)
         got = swapped(x2)
         assert not got.is_contiguous() and rel_err(got, tri(x2)) < TOL[torch.float32]
-    assert attend_columns(swapped.mha, swapped.layer_norm, x, mask.requires_grad_(True), 1e9) is None
+    assert attend_axis(swapped.mha, swapped.layer_norm, x, mask.requires_grad_(True), 1e9) is None
 
 
 def test_fused_gated_attention_transposed_checks_q_x():

@@ -23,8 +23,7 @@ from hfkit.ops.multi_linear import multi_linear
 
 __all__ = [
     "EvoformerAttention",
-    "attend_columns",
-    "attend_within_rows",
+    "attend_axis",
     "fusable_linears",
     "fused_gated_attention",
     "gated_output",
@@ -170,7 +169,7 @@ def fusable_linears(x: torch.Tensor, layers: Sequence[nn.Module]) -> bool:
     )
 
 
-def attend_columns(
+def attend_axis(
     mha: nn.Module,
     layer_norm: nn.Module,
     x: torch.Tensor,
@@ -178,49 +177,22 @@ def attend_columns(
     inf: float,
     bias_projection: nn.Module | None = None,
     chunk_size: int | None = None,
+    *,
+    columns: bool = True,
 ) -> torch.Tensor | None:
-    """The update of gated self-attention `mha` within the columns of `layer_norm(x)`, x [*, R, N, C]
-    (at most one leading dim), mask [*, R, N] (None: all kept), with the key mask bias
-    `inf * (mask - 1)` and, with `bias_projection` (C -> heads), the triangle bias of the ending node:
-    the bias of query row i and key row k in column j is `bias_projection(layer_norm(x))[k, i]`.
-    Returns the update [*, R, N, C] laid out like x (contiguous for a contiguous x), equal to the row
-    attention on the transposed x, transposed back, through `fused_gated_attention` with `transposed`
-    (the caller has checked that the op runs Triton for x); None where the biases do not map (more
-    leading dims, a mask that requires grad) or `chunk_size` is below N, the columns attended (chunks
+    """The update of gated self-attention `mha` within the columns (`columns`) or the rows of
+    `layer_norm(x)`, x [*, R, N, C] (at most one leading dim), mask [*, R, N] (None: all kept), with the
+    key mask bias `inf * (mask - 1)` and, with `bias_projection` (C -> heads), the triangle bias: along
+    columns the ending node's (the bias of query row i and key row k in column j is
+    `bias_projection(layer_norm(x))[k, i]`), along rows the starting node's (`bias_projection(
+    layer_norm(x))` [*, N, N, H] shared by all rows). The projections, the bias projection among them,
+    are one `project` (one gradient of the normalized x). Returns the update [*, R, N, C] laid out like
+    x (contiguous for a contiguous x); along columns it equals the row attention on the transposed x,
+    transposed back, through `fused_gated_attention` with `transposed`, with no transposing copy (the
+    caller has checked that the op runs Triton for x). None where the biases do not map (more leading
+    dims, a mask that requires grad) or `chunk_size` is below the rows or columns attended (chunks
     would only bound the [*, R, N, C] projections: the fused op keeps no logits): the caller runs its
     plain forward then."""
-    return _attend_axis(mha, layer_norm, x, mask, inf, bias_projection, chunk_size, columns=True)
-
-
-def attend_within_rows(
-    mha: nn.Module,
-    layer_norm: nn.Module,
-    x: torch.Tensor,
-    mask: torch.Tensor | None,
-    inf: float,
-    bias_projection: nn.Module | None = None,
-    chunk_size: int | None = None,
-) -> torch.Tensor | None:
-    """`attend_columns` within the rows of `layer_norm(x)` (the starting node's triangle attention, AF2
-    Algorithm 13, with `bias_projection`: the bias `bias_projection(layer_norm(x))` [*, N, N, H] shared
-    by all rows). None where `chunk_size` is below R, the rows attended, and where `attend_columns`
-    gives None."""
-    return _attend_axis(mha, layer_norm, x, mask, inf, bias_projection, chunk_size, columns=False)
-
-
-def _attend_axis(
-    mha: nn.Module,
-    layer_norm: nn.Module,
-    x: torch.Tensor,
-    mask: torch.Tensor | None,
-    inf: float,
-    bias_projection: nn.Module | None,
-    chunk_size: int | None,
-    *,
-    columns: bool,
-) -> torch.Tensor | None:
-    """`attend_columns` (`columns`) or `attend_within_rows`: the projections of layer_norm(x), the
-    bias projection among them, as one `project` (one gradient of the normalized x)."""
     if x.dim() not in (3, 4) or (mask is not None and mask.requires_grad):
         return None
     if chunk_size is not None and chunk_size < x.shape[-2 if columns else -3]:

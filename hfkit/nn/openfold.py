@@ -14,7 +14,7 @@ classes. Covered (op names as in the swap report):
   implementations of the same function in OpenFold, so all of them run the fused kernel here;
   `use_flash` runs OpenFold's own forward.
 - `openfold.TriangleAttention` (the ending node, `starting=False`) and `openfold.MSAColumnAttention`:
-  attention along columns without transposing copies (`hfkit.nn.attention.attend_columns`) where
+  attention along columns without transposing copies (`hfkit.nn.attention.attend_axis`) where
   their `mha` is swapped and its op runs Triton, unchunked (or chunks of at least the columns
   attended), no `use_flash`; otherwise, and for the starting node, OpenFold's forward.
 - `openfold.GlobalAttention`: the attention core through `evoformer_attention` (one query per column,
@@ -37,7 +37,7 @@ from torch import nn
 
 from hfkit.model.outer_product_mean import OuterProductMean as _PlainOuterProductMean
 from hfkit.model.pair_transition import Transition as _PlainTransition
-from hfkit.nn.attention import attend_columns, fused_gated_attention, linears_of, map_attention_biases
+from hfkit.nn.attention import attend_axis, fused_gated_attention, linears_of, map_attention_biases
 from hfkit.nn.convert import register_foreign_swap
 from hfkit.nn.triangle_multiplication import triangle_update_from_parts
 from hfkit.ops import layer_norm
@@ -237,7 +237,7 @@ def _attention_forward(
 
 
 def _takes_column_path(mha: nn.Module, x: torch.Tensor, flags: tuple) -> bool:
-    """Whether an OpenFold column attention on x [*, R, N, C] tries `attend_columns`: its `mha`
+    """Whether an OpenFold column attention on x [*, R, N, C] tries `attend_axis`: its `mha`
     swapped (`_attention_forward`), the op running Triton for x, at most one of OpenFold's attention
     flags (all run the fused kernel here)."""
     return type(mha).forward is _attention_forward and uses_triton(x, mha.c_hidden) and sum(flags) <= 1
@@ -253,10 +253,10 @@ def _triangle_attention_forward(
     use_lma: bool = False,
     inplace_safe: bool = False,
 ) -> torch.Tensor:
-    """OpenFold's TriangleAttention; the ending node along columns (`attend_columns`) where it can."""
+    """OpenFold's TriangleAttention; the ending node along columns (`attend_axis`) where it can."""
     flags = (use_memory_efficient_kernel, use_deepspeed_evo_attention, use_lma)
     if not self.starting and _takes_column_path(self.mha, x, flags):
-        update = attend_columns(
+        update = attend_axis(
             self.mha, self.layer_norm, x, mask, self.inf, bias_projection=self.linear, chunk_size=chunk_size
         )
         if update is not None:
@@ -281,10 +281,10 @@ def _msa_column_attention_forward(
     use_lma: bool = False,
     use_flash: bool = False,
 ) -> torch.Tensor:
-    """OpenFold's MSAColumnAttention; along columns (`attend_columns`) where it can."""
+    """OpenFold's MSAColumnAttention; along columns (`attend_axis`) where it can."""
     att = self._msa_att
     if not use_flash and _takes_column_path(att.mha, m, (use_deepspeed_evo_attention, use_lma)):
-        update = attend_columns(att.mha, att.layer_norm_m, m, mask, att.inf, chunk_size=chunk_size)
+        update = attend_axis(att.mha, att.layer_norm_m, m, mask, att.inf, chunk_size=chunk_size)
         if update is not None:
             return update
     return _openfold_forward(self)(

@@ -123,11 +123,14 @@ def layer_norm(
     n = math.prod(shape)
     if not uses_triton(x, n):
         return layer_norm_reference(x, shape, weight, bias, eps)
-    # The kernels index weight and bias by column: unit stride (a copy of n elements at most).
-    weight = weight.contiguous() if weight is not None else None
-    bias = bias.contiguous() if bias is not None else None
-    y, _, _ = _layer_norm_fwd(x, weight, bias, n, float(eps))
+    y, _, _ = _layer_norm_fwd(x, _by_column(weight), _by_column(bias), n, float(eps))
     return y
+
+
+def _by_column(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A LayerNorm weight or bias as the kernels index it, by column: unit stride (a copy of n elements
+    at most)."""
+    return t.contiguous() if t is not None else None
 
 
 def layer_norm_with_residual(
@@ -154,9 +157,7 @@ def layer_norm_with_residual(
         or torch.compiler.is_compiling()
     ):
         return layer_norm(x, shape, weight, bias, eps), x
-    weight = weight.contiguous() if weight is not None else None
-    bias = bias.contiguous() if bias is not None else None
-    return _LayerNormResidual.apply(x, weight, bias, n, float(eps))
+    return _LayerNormResidual.apply(x, _by_column(weight), _by_column(bias), n, float(eps))
 
 
 class _LayerNormResidual(torch.autograd.Function):
@@ -165,24 +166,16 @@ class _LayerNormResidual(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, n, eps):
         y, mean, rstd = _layer_norm_fwd(x, weight, bias, n, eps)
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.n = n
-        ctx.bias_meta = (bias.shape, bias.dtype) if bias is not None else None
+        _save_for_backward(ctx, x, weight, bias, n, mean, rstd)
         ctx.set_materialize_grads(False)
         return y, x.view_as(x)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dres):
-        x, weight, mean, rstd = ctx.saved_tensors
         if dy is None:  # only the pass-through was used
             return dres, None, None, None, None
-        need_w = weight is not None and ctx.needs_input_grad[1]
-        need_b = ctx.bias_meta is not None and ctx.needs_input_grad[2]
-        dx, dwb = _layer_norm_bwd(dy, x, weight, mean, rstd, ctx.n, need_w or need_b, dres)
-        grad_w = dwb[0].to(weight.dtype).view(weight.shape) if need_w else None
-        grad_b = dwb[1].to(ctx.bias_meta[1]).view(ctx.bias_meta[0]) if need_b else None
-        return dx, grad_w, grad_b, None, None
+        return *_input_grads(ctx, dy, dres), None, None
 
 
 if HAS_TRITON:
@@ -463,22 +456,31 @@ if HAS_TRITON:
             return dx, torch.zeros((2, n), dtype=torch.float32, device=x.device)
         return dx, column_sums(dwb).view(2, n)
 
-    def _setup_context(ctx, inputs, output) -> None:
-        x, weight, bias, n, _eps = inputs
-        _y, mean, rstd = output
-        ctx.mark_non_differentiable(mean, rstd)
+    def _save_for_backward(ctx, x, weight, bias, n, mean, rstd) -> None:
+        """What the backward of `layer_norm` and of `layer_norm_with_residual` reads (`_input_grads`)."""
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.n = n
         ctx.bias_meta = (bias.shape, bias.dtype) if bias is not None else None
 
-    def _backward(ctx, dy, _dmean, _drstd):
+    def _input_grads(ctx, dy, dres=None):
+        """(dx, dweight, dbias) for the output gradient dy (dx plus dres, the residual's, where given);
+        dweight, dbias None where not needed."""
         x, weight, mean, rstd = ctx.saved_tensors
         need_w = weight is not None and ctx.needs_input_grad[1]
         need_b = ctx.bias_meta is not None and ctx.needs_input_grad[2]
-        dx, dwb = _layer_norm_bwd(dy, x, weight, mean, rstd, ctx.n, need_w or need_b)
+        dx, dwb = _layer_norm_bwd(dy, x, weight, mean, rstd, ctx.n, need_w or need_b, dres)
         grad_w = dwb[0].to(weight.dtype).view(weight.shape) if need_w else None
         grad_b = dwb[1].to(ctx.bias_meta[1]).view(ctx.bias_meta[0]) if need_b else None
-        grad_x = dx if ctx.needs_input_grad[0] else None
-        return grad_x, grad_w, grad_b, None, None
+        return dx, grad_w, grad_b
+
+    def _setup_context(ctx, inputs, output) -> None:
+        x, weight, bias, n, _eps = inputs
+        _y, mean, rstd = output
+        ctx.mark_non_differentiable(mean, rstd)
+        _save_for_backward(ctx, x, weight, bias, n, mean, rstd)
+
+    def _backward(ctx, dy, _dmean, _drstd):
+        dx, grad_w, grad_b = _input_grads(ctx, dy)
+        return dx if ctx.needs_input_grad[0] else None, grad_w, grad_b, None, None
 
     _layer_norm_fwd.autograd(_backward, _setup_context)

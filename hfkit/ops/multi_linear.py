@@ -113,6 +113,4 @@ class _MultiLinear(torch.autograd.Function):
                 grad_b[i] = column_sums(dy2)
         if grad_x is not None:
             grad_x = grad_x.view(x.shape)
-        elif needs[0]:
-            grad_x = torch.zeros_like(x)
         return grad_x, None, *grad_w, *grad_b
