@@ -31,6 +31,7 @@ from hfkit.bench import (
     time_cpu,
     time_cuda,
     time_fn,
+    time_interleaved,
     with_speedup,
 )
 from hfkit.bench import results as results_mod
@@ -74,6 +75,41 @@ def test_time_fn_dispatches_on_device():
     calls = []
     t = time_fn(lambda: calls.append(1), "cpu", warmup=2, reps=5)
     assert t.method == "wall" and len(calls) == 7
+
+
+def test_time_interleaved_calls_every_callable_once_a_round_in_order(monkeypatch):
+    from hfkit.bench import timing
+
+    log: list[str] = []
+    monkeypatch.setattr(timing.gc, "collect", lambda: log.append("gc"))
+    fns = [lambda name=name: log.append(name) for name in "abc"]
+    out = time_interleaved(fns, "cpu", warmup=1, rounds=3)
+    # A collection before every call; a, b, c in turn in each of the 1 + 3 rounds (not a a a a b ...).
+    assert log == ["gc", "a", "gc", "b", "gc", "c"] * 4
+    assert [t.n for t in out] == [3, 3, 3] and {t.method for t in out} == {"wall"}
+    slow = time_interleaved([lambda: None, lambda: time.sleep(0.003)], "cpu", warmup=0, rounds=3)
+    assert slow[1].p20 >= 3.0 > slow[0].p80  # each sample is its own callable's time
+
+
+def test_time_interleaved_drops_a_failing_callable_and_times_the_others():
+    calls = {"ok": 0, "bad": 0}
+    failures = []
+
+    def bad():
+        calls["bad"] += 1
+        if calls["bad"] == 2:  # the first timed round, after the warm-up
+            raise RuntimeError("step exploded")
+
+    fns = [lambda: calls.__setitem__("ok", calls["ok"] + 1), bad]
+    out = time_interleaved(fns, "cpu", warmup=1, rounds=4, on_error=lambda i, e: failures.append((i, e)))
+    assert out[1] is None and out[0].n == 4 and calls == {"ok": 5, "bad": 2}  # not called again
+    assert [(i, str(e)) for i, e in failures] == [(1, "step exploded")]
+    assert failures[0][1].__traceback__ is None  # its frames (and their tensors) are not kept
+    with pytest.raises(RuntimeError, match="step exploded"):  # without on_error the error propagates
+        calls["bad"] = 1
+        time_interleaved([bad], "cpu", warmup=0, rounds=1)
+    with pytest.raises(ValueError, match="rounds"):
+        time_interleaved(fns, "cpu", rounds=0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")

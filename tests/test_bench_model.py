@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+import hfkit.bench.model as bench_model
 from hfkit.bench import load_results
 from hfkit.bench.model import (
     PRECISIONS,
@@ -19,6 +20,8 @@ from hfkit.bench.model import (
     make_block,
     make_variant,
     measure_train_step,
+    measure_waterfall,
+    present_ops,
     reference_ops_on_cpu,
     run_model_benchmark,
     summary_table,
@@ -26,7 +29,8 @@ from hfkit.bench.model import (
     waterfall_stages,
 )
 from hfkit.cli import main
-from hfkit.model import EvoformerStack
+from hfkit.model import AlphaFoldLite, EvoformerStack
+from hfkit.nn import to_hfkit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -166,6 +170,84 @@ def test_waterfall_stages_and_train_step_subset() -> None:
     out = measure_train_step(TINY, "cpu", "fp32", "hfkit", ops=["LayerNorm"], reps=1)
     assert "LayerNorm" in out["notes"]["swap"] and out["timing"].p50 > 0
     assert math.isfinite(out["loss"])
+
+
+def test_present_ops_lists_only_the_ops_the_model_holds(seed) -> None:
+    model = AlphaFoldLite(TINY)
+    held = present_ops(model)
+    assert held == [op for op in swappable_ops() if op in held]  # the registry's order
+    assert {"Attention", "LayerNorm", "PairTransition", "DropoutRowwise"} <= set(held)
+    # No nn.LSTM or nn.MultiheadAttention in AlphaFoldLite, and only subclasses of SharedDropout.
+    assert not {"LSTM", "MultiheadAttention", "SharedDropout"} & set(held)
+    assert type(model.evoformer.blocks[0].msa_att_row.layer_norm_m) is torch.nn.LayerNorm  # left as it is
+    # An opt-in op counts where the model holds it; a subclass is never swapped; nor is what is swapped.
+    lstm = torch.nn.Sequential(torch.nn.LSTM(4, 4), torch.nn.LayerNorm(4))
+    assert present_ops(lstm) == ["LayerNorm", "LSTM"]
+    assert present_ops(torch.nn.Sequential(type("MyNorm", (torch.nn.LayerNorm,), {})(4))) == []
+    assert present_ops(to_hfkit(lstm, inplace=False, include=["LayerNorm", "LSTM"])) == []
+
+
+def _fake_train_steps(log: list[str], fail: dict[str, str]):
+    """A stand-in for `_train_steps`: a step logs its stage's label; `fail` maps a label to "build"
+    (building it raises) or "step" (its third call, the first timed round after one warm-up, raises)."""
+
+    def build(config, device, precision, variant, ops, *args, launch="eager", batch=None, mode="fwd+bwd"):
+        label = "+graph" if launch == "graph" else f"+{ops[-1]}" if ops else "eager"
+        if fail.get(label) == "build":
+            raise RuntimeError(f"{label}: build exploded")
+        calls = []
+
+        def step():
+            calls.append(1)
+            log.append(label)
+            if fail.get(label) == "step" and len(calls) == 3:
+                raise RuntimeError(f"{label}: step exploded")
+
+        return bench_model.Steps(step, step, 1, lambda: {"batch": batch}, None)
+
+    return build
+
+
+def test_waterfall_times_eager_stages_in_interleaved_rounds_and_keeps_failures(monkeypatch) -> None:
+    log: list[str] = []
+    fake = _fake_train_steps(log, {"+Attention": "build", "+LSTM": "step"})
+    monkeypatch.setattr(bench_model, "_train_steps", fake)
+    ops = ["LayerNorm", "Attention", "LSTM"]
+    with pytest.warns(RuntimeWarning, match="exploded"):
+        rows = measure_waterfall(TINY, "cpu", "fp32", ops=ops, compile=False, rounds=(1, 3), batch={})
+    assert [r.provider for r in rows] == ["eager", "+LayerNorm", "+Attention", "+LSTM", "+graph"]
+    assert [r.extra["stage"] for r in rows] == [0, 1, 2, 3, 4]
+    eager = ["eager", "+LayerNorm", "+LSTM"]  # "+Attention" never built
+    # First calls stage by stage, then the rounds: every stage once a round, in stage order ("+LSTM"
+    # fails in the first timed round and is left out after); then the graphed stage on its own.
+    assert log == eager + eager + eager + ["eager", "+LayerNorm"] * 2 + ["+graph"] * 2
+    ok, layer_norm, attention, lstm, graph = rows
+    for row in (ok, layer_norm):
+        assert row.method == "wall" and row.n_reps == 3 and row.extra["timing"] == "interleaved"
+        assert row.extra["first_call_s"] >= 0 and row.extra["launch"] == "eager" and "error" not in row.extra
+    assert layer_norm.extra["ops"] == ["LayerNorm"] and layer_norm.extra["batch"] == {}
+    assert attention.method == "error" and "build exploded" in attention.extra["error"]
+    assert lstm.method == "error" and "step exploded" in lstm.extra["error"] and math.isnan(lstm.p50_ms)
+    assert graph.method == "wall" and "timing" not in graph.extra and graph.extra["launch"] == "graph"
+
+
+def test_waterfall_part_has_stages_only_for_ops_the_model_holds() -> None:
+    held = present_ops(AlphaFoldLite(TINY))
+    rows = run_model_benchmark("cpu", parts=("waterfall",), budget_s=1e-9, **QUICK)
+    assert [r.provider for r in rows] == ["eager", *(f"+{op}" for op in held), "+graph", "+compile"]
+    assert "+LSTM" not in [r.provider for r in rows]
+    assert all("budget" in r.extra["error"] for r in rows)
+    assert [r.extra["stage"] for r in rows] == list(range(len(rows)))
+    # Measured for real (a few stages): the eager ones in interleaved rounds, each on its own model.
+    real = measure_waterfall(TINY, "cpu", "fp32", ops=["LayerNorm"], compile=False, rounds=(0, 2))
+    assert [(r.provider, r.extra.get("timing")) for r in real] == [
+        ("eager", "interleaved"),
+        ("+LayerNorm", "interleaved"),
+        ("+graph", None),
+    ]
+    assert all(r.method == "wall" and r.p50_ms > 0 and "error" not in r.extra for r in real)
+    assert [r.n_reps for r in real] == [2, 2, 1] and "LayerNorm" in real[1].extra["swap"]
+    assert math.isfinite(real[0].extra["loss"]) and "swap" not in real[0].extra
 
 
 def test_reference_ops_on_cpu_runs_the_references(monkeypatch) -> None:

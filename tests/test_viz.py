@@ -514,36 +514,41 @@ def test_measure_train_step_steps_on_the_given_batch(tmp_path, one_thread):
 
 def test_batch_waterfall_measures_every_stage_on_the_batch_and_keeps_failures(monkeypatch):
     import hfkit.bench.model as bench_model
-    from hfkit.bench.timing import Timing
-    from hfkit.model import ModelConfig
+    from hfkit.model import AlphaFoldLite, ModelConfig
     from hfkit.viz.model import batch_waterfall, stage_bars, waterfall_figure
 
     batch = {"aatype": torch.zeros(1, 4, dtype=torch.int64)}
     calls = []
 
-    def fake(config, device, precision, variant, **kwargs):
-        calls.append((variant, kwargs))
-        if kwargs["launch"] == "graph" and variant == "compile_hfkit":
-            raise RuntimeError("measure_train_step: compile failed")
-        ms = 100.0 - 10 * len(calls)
-        return {"timing": Timing(ms, ms, ms, 1, "wall"), "first_call_s": 0.5, "peak_mem_bytes": 2**30}
+    def fake(config, device, precision, variant, ops, backend, compile_mode, *args, launch, batch, **kwargs):
+        calls.append({"variant": variant, "ops": ops, "launch": launch, "backend": backend, "batch": batch})
+        if variant == "compile_hfkit":
+            raise RuntimeError("compile failed")
+        return bench_model.Steps(lambda: None, lambda: None, 1, lambda: {}, None)
 
-    monkeypatch.setattr(bench_model, "measure_train_step", fake)
-    table = batch_waterfall(ModelConfig.tiny(), CPU, "fp32", batch, progress=False)
-    stages = bench_model.waterfall_stages()
+    monkeypatch.setattr(bench_model, "_train_steps", fake)
+    config = ModelConfig.tiny()
+    with pytest.warns(RuntimeWarning, match="compile failed"):
+        table = batch_waterfall(config, CPU, "fp32", batch, progress=False)
+    # The stages of the ops the model holds (the bench's), each built once, in stage order.
+    stages = bench_model.waterfall_stages(bench_model.present_ops(AlphaFoldLite(config)))
+    assert "+LSTM" not in table["stage"].tolist()
     assert table["stage"].tolist() == [label for label, *_ in stages]
     assert table["launch"].tolist() == [launch for *_, launch in stages]
-    assert [v for v, _ in calls] == [variant for _, variant, _, _ in stages]
-    assert all(k["batch"] is batch and k["compile_backend"] == "eager" for _, k in calls)
-    assert [k["ops"] for _, k in calls] == [ops for _, _, ops, _ in stages]
-    assert table["step_ms"].iloc[0] == 90.0 and (table["delta_ms"].iloc[1:-1] == -10.0).all()
+    assert [c["variant"] for c in calls] == [variant for _, variant, _, _ in stages]
+    assert [c["ops"] for c in calls] == [ops for _, _, ops, _ in stages]
+    assert all(c["batch"] is batch and c["backend"] == "eager" for c in calls)
+    measured = table.iloc[:-1]
+    assert (measured["step_ms"] > 0).all() and (measured["first call s"] >= 0).all()
+    deltas = measured["step_ms"].diff().fillna(measured["step_ms"])
+    assert measured["delta_ms"].tolist() == pytest.approx(deltas.tolist())
     assert math.isnan(table["step_ms"].iloc[-1]) and "compile failed" in table["error"].iloc[-1]
-    assert table["peak_GiB"].iloc[0] == 1.0
-    fig = stage_bars(table)
+    assert table["peak_GiB"].isna().all()  # measured on CUDA only
+    fig = stage_bars(table.assign(peak_GiB=1.0))
     assert len(fig.data) == 2 and list(fig.data[0].x) == table["stage"].tolist()
     colors = list(fig.data[0].marker.color)
     assert colors[0] == "#7f7f7f" and colors[-2] == "#2ca02c"  # launched from Python, graphed
-    assert len(stage_bars(table.assign(peak_GiB=math.nan)).data) == 1  # no memory measured: no panel
+    assert len(stage_bars(table).data) == 1  # no memory measured: no panel
     assert list(waterfall_figure(table).data[0].x)[-2] == "+graph"  # the failed stage is left out
 
 

@@ -33,7 +33,16 @@ from hfkit.bench.results import (
     with_speedup,
 )
 from hfkit.bench.runner import Benchmark, BenchResult, run_benchmark
-from hfkit.bench.timing import Timing, peak_memory, rotating, time_cpu, time_cuda, time_fn, time_step
+from hfkit.bench.timing import (
+    Timing,
+    peak_memory,
+    rotating,
+    time_cpu,
+    time_cuda,
+    time_fn,
+    time_interleaved,
+    time_step,
+)
 
 __all__ = [
     "BenchResult",
@@ -67,6 +76,7 @@ __all__ = [
     "time_cpu",
     "time_cuda",
     "time_fn",
+    "time_interleaved",
     "time_step",
     "with_speedup",
 ]

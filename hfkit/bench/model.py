@@ -22,9 +22,14 @@ Parts (`run_model_benchmark(parts=...)`, `hfkit bench model --parts`):
   from a Python loop as a user calls it. `step_launch` "eager": `hfkit.train.train_step`; "graph":
   the step `hfkit.train.graphed_step` makes (one CUDA graph; made once, its capture counted in
   `first_call_s`, eager where there is no CUDA), then `step(batch).item()` a call.
-- `waterfall`: the step with the registered ops of `hfkit.nn.convert.registered_ops()` swapped in
-  one at a time (cumulative, launched eagerly), then as a graphed step, then with compiled blocks
-  inside the graphed step (`waterfall_stages`).
+- `waterfall`: the step with the registered ops that `AlphaFoldLite` holds (`present_ops`, in
+  `hfkit.nn.convert.registered_ops()` order) swapped in one at a time (cumulative, launched eagerly),
+  then as a graphed step, then with compiled blocks inside the graphed step (`waterfall_stages`).
+  The eager stages take seconds a step and differ by about as much as the host's noise, so they are
+  built first and timed together in interleaved rounds (`hfkit.bench.timing.time_interleaved`: 1
+  warm-up and 5 timed rounds on CUDA, a step of every stage a round; rows' `extra["timing"]`
+  "interleaved"); the graphed stages one after another. `measure_waterfall` is the same measurement
+  on a given batch (notebook 05).
 - `profile`: `torch.profiler` of one step: the top operators and the LayerNorm input-shape census
   with torch's and hfkit's LayerNorm timed on every census shape.
 
@@ -77,8 +82,8 @@ from hfkit.bench.results import (
     row_environment,
     row_key,
 )
-from hfkit.bench.runner import Steps, free_memory, measure_case
-from hfkit.bench.timing import Timing
+from hfkit.bench.runner import Measurement, Steps, free_memory, measure_case
+from hfkit.bench.timing import Timing, time_interleaved
 from hfkit.model import AlphaFoldLite, EvoformerBlock, EvoformerStack, ModelConfig
 
 __all__ = [
@@ -98,6 +103,8 @@ __all__ = [
     "make_block",
     "make_variant",
     "measure_train_step",
+    "measure_waterfall",
+    "present_ops",
     "profile_train_step",
     "reference_ops_on_cpu",
     "run_model_benchmark",
@@ -320,6 +327,10 @@ def _grad_step(
     return step
 
 
+# The error of a row whose configuration would have started after the run's `budget_s`.
+_BUDGET_SPENT = "skipped: the run's time budget (budget_s) was spent"
+
+
 @dataclass
 class _Run:
     """What a benchmark run shares: device, row environment, ceilings, budget, output, collected rows."""
@@ -341,6 +352,10 @@ class _Run:
         if self.openfold_loaded is None:
             self.openfold_loaded = load_openfold()
         return self.openfold_loaded
+
+    def out_of_time(self) -> bool:
+        """Whether the run's time budget is spent: what starts now gets a `_BUDGET_SPENT` row."""
+        return self.deadline is not None and time.perf_counter() > self.deadline
 
     def skip(self, label: str, key: tuple, extra: Mapping[str, Any], reason: str) -> None:
         """Rows for a configuration that cannot run here: each mode of `key` (as in `measure`) gets a
@@ -372,10 +387,11 @@ class _Run:
         for mode in modes:
             row = dict(op=op, provider=provider, mode=mode, shape=shape, dtype=precision.name)
             row["flops"] = None if flops is None else flops * (3 if mode == "fwd+bwd" else 1)
-            if self.deadline is not None and time.perf_counter() > self.deadline:
-                error = "skipped: the run's time budget (budget_s) was spent"
+            if self.out_of_time():
                 self.rows.append(
-                    make_row(self.env, None, ceilings=self.ceilings, extra={**notes, "error": error}, **row)
+                    make_row(
+                        self.env, None, ceilings=self.ceilings, extra={**notes, "error": _BUDGET_SPENT}, **row
+                    )
                 )
                 continue
             warmup, reps, graph = timing
@@ -704,7 +720,6 @@ def measure_train_step(
     """
     device = resolve_device(device)
     prec = _precision(precision)
-    on_cuda = device.type == "cuda"
     check_choice("launch", [launch], LAUNCHES)
     build = functools.partial(
         _train_steps,
@@ -724,8 +739,8 @@ def measure_train_step(
             env=row_environment(device, None), ceilings=None, device=device, op="train_step",
             provider=variant, mode="fwd+bwd", shape=[config.max_msa_clusters, config.crop_size],
             dtype=prec.name, nbytes=0, flops=None, build=build, graph=False, first_call=True,
-            warmup=warmup if warmup is not None else (1 if on_cuda else 0),
-            reps=reps if reps is not None else (3 if on_cuda else 1), extra={"launch": launch},
+            warmup=_slow_timing(device)[0] if warmup is None else warmup,
+            reps=_slow_timing(device)[1] if reps is None else reps, extra={"launch": launch},
         )  # fmt: skip
     row = _graph_peak(row)
     if row.method == "error":
@@ -751,9 +766,16 @@ def _step_extra(config: ModelConfig) -> dict[str, Any]:
     }
 
 
-def _bench_train_steps(run: _Run, op: str, runs: list, precision: Precision, timing: tuple[int, int]) -> None:
-    """Training steps, a row each: `runs` of (provider, config, variant, swapped ops or None, launch,
-    notes); see `_train_steps` for the launches."""
+def _bench_train_steps(
+    run: _Run,
+    op: str,
+    runs: list,
+    precision: Precision,
+    timing: tuple[int, int],
+    batch: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Training steps, a row each, measured one after another: `runs` of (provider, config, variant,
+    swapped ops or None, launch, notes); see `_train_steps` for the launches and `batch`."""
     for provider, config, variant, ops, launch, notes in runs:
         key = (op, provider, ["fwd+bwd"], [config.max_msa_clusters, config.crop_size], precision, None)
         build = functools.partial(
@@ -766,6 +788,7 @@ def _bench_train_steps(run: _Run, op: str, runs: list, precision: Precision, tim
             run.compile_backend,
             run.compile_mode,
             launch=launch,
+            batch=batch,
         )
         label = f"{op} {provider} {launch} ckpt={config.checkpoint} {precision.name}"
         extra = {**_step_extra(config), "launch": launch, **notes}
@@ -776,9 +799,10 @@ def waterfall_stages(
     ops: Sequence[str] | None = None, compile: bool = True
 ) -> list[tuple[str, str, list[str], str]]:
     """The waterfall's stages as (label, variant, swapped ops, launch): "eager", then "+<op>" for each
-    op of `ops` (default: `swappable_ops()`) swapped in cumulatively, all launched eagerly
-    (`train_step`); then "+graph" (all swapped, the step made by `graphed_step`), then "+compile"
-    (all swapped, blocks compiled, inside the graphed step) unless `compile` is False."""
+    op of `ops` (default: every registered one, `swappable_ops()`; the benchmark passes the ops its
+    model holds, `present_ops`) swapped in cumulatively, all launched eagerly (`train_step`); then
+    "+graph" (all swapped, the step made by `graphed_step`), then "+compile" (all swapped, blocks
+    compiled, inside the graphed step) unless `compile` is False."""
     ops = swappable_ops() if ops is None else list(ops)
     stages = [("eager", "eager", [], "eager")]
     stages += [(f"+{op}", "hfkit", ops[: i + 1], "eager") for i, op in enumerate(ops)]
@@ -786,6 +810,167 @@ def waterfall_stages(
     if compile:
         stages.append(("+compile", "compile_hfkit", list(ops), "graph"))
     return stages
+
+
+def present_ops(model: nn.Module) -> list[str]:
+    """The registered op names (`swappable_ops()`, in that order, opt-in ones included) of which
+    `model` holds at least one module that `to_hfkit` swaps: those `to_hfkit(model, include=<every
+    name>)` reports as swapped, found on a copy (`model` is left as it is; one on the meta device
+    copies for nothing)."""
+    from hfkit.nn.convert import to_hfkit
+
+    names = swappable_ops()
+    _, report = to_hfkit(model, inplace=False, include=names, report=True)
+    swapped = report.counts("swapped")
+    return [name for name in names if swapped[name]]
+
+
+def _model_ops(config: ModelConfig) -> list[str]:
+    """`present_ops` of `AlphaFoldLite(config)`, built on the meta device (no memory, no init)."""
+    with torch.device("meta"):
+        return present_ops(AlphaFoldLite(config))
+
+
+def _waterfall_rounds(device: torch.device) -> tuple[int, int]:
+    """(warm-up, timed) interleaved rounds of the waterfall's eager stages: on CUDA 1 and 5 (a step
+    takes seconds at af2_initial); elsewhere 0 and 1 (the tiny preset's smoke run)."""
+    return (1, 5) if device.type == "cuda" else (0, 1)
+
+
+def _slow_timing(device: torch.device) -> tuple[int, int]:
+    """(warm-up, reps) of a call that takes about a second (the stack, the step): 1 and 3 on CUDA."""
+    return (1, 3) if device.type == "cuda" else (0, 1)
+
+
+def _bench_waterfall(
+    run: _Run,
+    config: ModelConfig,
+    precision: Precision,
+    stages: Sequence[tuple[str, str, list[str], str]],
+    timing: tuple[int, int],
+    rounds: tuple[int, int],
+    batch: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """The waterfall's rows, op "step_waterfall", one per stage of `stages` (`waterfall_stages`;
+    `extra["stage"]` its index), on `batch` (see `_train_steps`).
+
+    The stages launched from Python take seconds a step, and the host's speed wanders by more than
+    neighbouring stages differ, so they are timed together: each is built first (a fresh,
+    identically seeded model) and given its first call and peak-memory call (`Measurement.prepare`),
+    then all take `rounds` = (warm-up, timed) interleaved rounds (`time_interleaved`: one step of
+    every stage a round, in stage order; `extra["timing"]` "interleaved"). A stage failing in any of
+    these gets an error row and the others go on. The graphed stages (fast and stable) are then
+    measured one by one (`_Run.measure`, `timing` = (warm-up, reps)). A stage that would start after
+    the run's budget gets a skipped row."""
+    shape = [config.max_msa_clusters, config.crop_size]
+    common = {**precision.describe(), **_step_extra(config)}
+    eager = [(i, stage) for i, stage in enumerate(stages) if stage[3] == "eager"]
+    rows: dict[int, ResultRow] = {}  # by stage index
+    cases: dict[int, Measurement] = {}
+    for i, (label, variant, ops, launch) in eager:
+        key = dict(op="step_waterfall", provider=label, mode="fwd+bwd", shape=shape, dtype=precision.name)
+        key |= {"nbytes": 0, "flops": None}
+        notes = {**common, "launch": launch, "stage": i, "variant": variant, "ops": ops}
+        if run.out_of_time():
+            notes["error"] = _BUDGET_SPENT
+            rows[i] = make_row(run.env, None, ceilings=run.ceilings, extra=notes, **key)
+            continue
+        case = Measurement(run.env, run.ceilings, run.device, key, {**notes, "timing": "interleaved"})
+        cases[i] = case
+        run.progress.set_postfix_str(f"step_waterfall {label} (first call)")
+        build = functools.partial(
+            _train_steps,
+            config,
+            run.device,
+            precision,
+            variant,
+            ops,
+            run.compile_backend,
+            run.compile_mode,
+            launch=launch,
+            batch=batch,
+        )
+        with run.cpu_path():
+            case.prepare(build, first_call=True)
+    ready = [case for case in cases.values() if case.error is None]
+    run.progress.set_postfix_str(f"step_waterfall: {len(ready)} stages, {sum(rounds)} rounds")
+    with run.cpu_path():
+        # Each callable looks its steps up when called: a stage that fails drops its steps (and
+        # model) at once, not after the last round.
+        timings = time_interleaved(
+            [lambda case=case: case.steps.step() for case in ready],
+            run.device,
+            warmup=rounds[0],
+            rounds=rounds[1],
+            on_error=lambda index, err: ready[index].fail(err),
+        )
+    timed = {id(case): t for case, t in zip(ready, timings, strict=True)}
+    # Making a row drops its stage's steps: the models are gone before the graphed stages.
+    rows |= {i: _graph_peak(case.row(timed.get(id(case)))) for i, case in cases.items()}
+    run.rows.extend(rows[i] for i in sorted(rows))
+    run.done(len(eager))
+    graphed = [
+        (label, config, variant, ops, launch, {"stage": i, "variant": variant, "ops": ops})
+        for i, (label, variant, ops, launch) in enumerate(stages)
+        if launch != "eager"
+    ]
+    _bench_train_steps(run, "step_waterfall", graphed, precision, timing, batch)
+
+
+def measure_waterfall(
+    config: ModelConfig,
+    device: torch.device | str | None = None,
+    precision: str = "bf16_autocast",
+    *,
+    batch: Mapping[str, torch.Tensor] | None = None,
+    ops: Sequence[str] | None = None,
+    compile: bool = True,
+    compile_backend: str = "inductor",
+    compile_mode: str | None = None,
+    rounds: tuple[int, int] | None = None,
+    timing: tuple[int, int] | None = None,
+    interpret: bool = False,
+    progress: bool = False,
+) -> list[ResultRow]:
+    """The training-step waterfall of `AlphaFoldLite(config)` on `batch` (None: a synthetic batch of
+    the preset's shapes), measured as `hfkit bench model --parts waterfall` measures it: a
+    "step_waterfall" row per stage of `waterfall_stages(ops, compile)`, `ops` defaulting to the
+    registered ops the model holds (`present_ops`). The eager stages are timed in interleaved rounds,
+    `rounds` = (warm-up, timed) (default 1 and 5 on CUDA, 0 and 1 elsewhere); the graphed ones one by
+    one with `timing` = (warm-up, reps) (default 1 and 3 on CUDA, 0 and 1 elsewhere). Rows keep their
+    first call (`first_call_s`: compilation and capture), peak memory (CUDA) and notes; a failing stage
+    gives an error row. On a CPU hfkit's ops run their references unless `interpret`."""
+    from tqdm.auto import tqdm
+
+    device = resolve_device(device)
+    prec = _precision(precision)
+    stages = waterfall_stages(_model_ops(config) if ops is None else ops, compile=compile)
+    bar = tqdm(total=len(stages), disable=not progress, desc="waterfall")
+    run = _Run(
+        device=device,
+        env=row_environment(device, None),
+        ceilings=None,
+        deadline=None,
+        file=None,
+        compile_backend=compile_backend,
+        compile_mode=compile_mode,
+        progress=bar,
+        interpret=interpret,
+    )
+    try:
+        with _recompile_limit():
+            _bench_waterfall(
+                run,
+                config,
+                prec,
+                stages,
+                timing or _slow_timing(device),
+                rounds or _waterfall_rounds(device),
+                batch,
+            )
+    finally:
+        bar.close()
+    return run.rows
 
 
 def profile_train_step(
@@ -861,8 +1046,8 @@ def _profile_rows(run: _Run, config: ModelConfig, precision: Precision) -> list[
 def _bench_profile(run: _Run, config: ModelConfig, precision: Precision) -> None:
     """The profile's rows (top operators, the LayerNorm census); one error row if it fails."""
     run.progress.set_postfix_str("profile")
-    error = "skipped: the run's time budget (budget_s) was spent"
-    if run.deadline is None or time.perf_counter() <= run.deadline:
+    error = _BUDGET_SPENT
+    if not run.out_of_time():
         try:
             with run.cpu_path():
                 run.rows.extend(_profile_rows(run, config, precision))
@@ -970,6 +1155,8 @@ def run_model_benchmark(
     if budget_s is not None and budget_s <= 0:
         raise ValueError(f"budget_s: expected a positive number of seconds or None, got {budget_s}")
     config = bench_config(quick)
+    waterfall_config = config.replace(checkpoint=bool(checkpointing[-1]))
+    stages = waterfall_stages(_model_ops(waterfall_config)) if "waterfall" in parts else []
     t_start = time.perf_counter()
     ceilings = ceilings or bench_ceilings(device)
     env = environment_info(device, command)  # the file's meta; rows repeat its ENV_KEYS
@@ -978,7 +1165,7 @@ def run_model_benchmark(
         "block": len(block_launch) * len(dtypes) * len(shape_list) * len(variants) * len(modes),
         "stack": len(stack_launch) * len(stack_dtypes) * len(checkpointing) * len(variants),
         "step": len(step_launch) * len(checkpointing) * len(step_variants),
-        "waterfall": len(waterfall_stages()),
+        "waterfall": len(stages),
         "profile": 1,
     }
     bar = tqdm(total=sum(counts[p] for p in parts), disable=not progress, desc="model")
@@ -994,7 +1181,7 @@ def run_model_benchmark(
         interpret=interpret,
     )
     fast = (5, 20) if on_cuda else (1, 2)  # (warmup, reps): the block, milliseconds a call
-    slow = (1, 3) if on_cuda else (0, 1)  # the stack and the step, about a second a call
+    slow = _slow_timing(device)
     try:
         with _recompile_limit():
             for part in parts:
@@ -1013,13 +1200,8 @@ def run_model_benchmark(
                     ]
                     _bench_train_steps(run, "train_step", runs, step_precision, slow)
                 elif part == "waterfall":
-                    cfg = config.replace(checkpoint=bool(checkpointing[-1]))
-                    stages = enumerate(waterfall_stages())
-                    runs = [
-                        (label, cfg, v, ops, launch, {"stage": i, "variant": v, "ops": ops})
-                        for i, (label, v, ops, launch) in stages
-                    ]
-                    _bench_train_steps(run, "step_waterfall", runs, step_precision, slow)
+                    rounds = _waterfall_rounds(device)
+                    _bench_waterfall(run, waterfall_config, step_precision, stages, slow, rounds)
                 elif part == "profile":
                     # Checkpointed, as AlphaFold trains (and as the hfai profile's step presumably ran).
                     _bench_profile(run, config.replace(checkpoint=True), step_precision)

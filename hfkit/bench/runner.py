@@ -27,7 +27,7 @@ from torch import nn
 
 from hfkit.bench.ceilings import Ceilings, bench_ceilings, resolve_device
 from hfkit.bench.results import ResultRow, check_choice, make_row, row_environment
-from hfkit.bench.timing import peak_memory, time_step
+from hfkit.bench.timing import Timing, peak_memory, time_step
 
 __all__ = [
     "DTYPES",
@@ -35,6 +35,7 @@ __all__ = [
     "PROFILES",
     "BenchResult",
     "Benchmark",
+    "Measurement",
     "Option",
     "Prepared",
     "ShapeCase",
@@ -239,10 +240,115 @@ def _short(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[:300]}"
 
 
+@dataclass
+class Measurement:
+    """One row measured by `measure_case`'s protocol in its three parts, for callers that time several
+    rows together (`hfkit.bench.model`'s waterfall times its eager stages in interleaved rounds):
+    `prepare` builds the `Steps`, checks them, makes the first call and the peak-memory call; the
+    caller times `steps.step` (`time_step`, `time_interleaved`) and reports a failure with `fail`;
+    `row` reads the after-notes, drops the steps and makes the row, an error row when any part
+    failed.
+
+    `key` holds `make_row`'s op, provider, mode, shape, dtype, nbytes and flops; `extra` the row's
+    notes so far.
+    """
+
+    env: dict[str, Any]
+    ceilings: Ceilings | None
+    device: torch.device
+    key: dict[str, Any]
+    extra: dict[str, Any]
+    steps: Steps | None = None
+    peak: int | None = None
+    error: str | None = None
+
+    def prepare(self, build: Callable[[], Steps], first_call: bool = False) -> bool:
+        """Build, check, first call (`first_call`: its wall time, compilation included, as
+        `extra["first_call_s"]`), `extra["setup_s"]` and the peak memory of one call; return whether
+        all went well (else the error is kept for `row` and the steps are dropped)."""
+        key, steps = self.key, None
+        start = time.perf_counter()
+        try:
+            self.steps = steps = build()
+            if steps.check is not None:
+                self.extra.update(steps.check())
+                if self.extra.get("check_ok") is False:
+                    errors = {k: v for k, v in self.extra.items() if "err" in k}
+                    warnings.warn(
+                        f"{key['op']} {key['provider']} {key['dtype']} {list(key['shape'])}: output "
+                        f"disagrees with the reference ({errors}); row flagged check_ok=False",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+            if self.device.type == "cuda" or first_call:
+                # One call first: compilation, autotuning (trifast benchmarks its configs on first use)
+                # and lazy workspaces stay out of the peak. (On a CPU peak_memory's own call is the
+                # warm-up.)
+                called = time.perf_counter()
+                steps.single()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                if first_call:
+                    self.extra["first_call_s"] = time.perf_counter() - called
+            # Seconds spent before timing: input layouts, the check, compilation and autotuning.
+            self.extra["setup_s"] = round(time.perf_counter() - start, 2)
+            # On a CPU the peak-memory call is the warm-up, unless the first call was.
+            if self.device.type == "cuda" or not first_call:
+                self.peak, _ = peak_memory(steps.single, self.device)
+        except Exception as err:  # noqa: BLE001 - one failing provider (e.g. out of memory) must not end the run
+            self.fail(err)
+        if self.error is not None:
+            # Outside the except block: the traceback (and the tensors its frames hold) is gone by now.
+            steps = None
+            self._discard()
+        return self.error is None
+
+    def fail(self, err: BaseException) -> None:
+        """Record that a part of the measurement raised `err`: the row becomes an error row, and the
+        steps (and what they hold: inputs, a model) are dropped."""
+        self.error = _short(err)
+        self.steps = None
+
+    def row(self, timing: Timing | None, note: str | None = None) -> ResultRow:
+        """The row: `timing` (None or any recorded failure: an error row, NaN times, the error in
+        `extra["error"]` and a warning), the after-notes, `note` (e.g. why timing fell back to
+        eager calls) as `extra["note"]`."""
+        if self.error is None and self.steps is not None and self.steps.after is not None:
+            try:
+                self.extra.update(self.steps.after())
+            except Exception as err:  # noqa: BLE001 - reading the notes failed: an error row, not a lost run
+                self.fail(err)
+        if self.extra.get("peak_unmeasured"):  # the after-notes say why this peak means nothing
+            self.peak = None
+        if self.error is None and timing is None:
+            self.error = "not timed"
+        if self.error is not None:
+            timing = None
+            self._discard()
+            self.extra["error"] = self.error
+            key = self.key
+            warnings.warn(
+                f"{key['op']} {key['provider']} {key['mode']} {key['dtype']} {list(key['shape'])} failed: "
+                f"{self.error}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        elif note:
+            self.extra["note"] = note
+        self.steps = None  # measured: its inputs (a model, its optimizer) can go
+        return make_row(
+            self.env, timing, ceilings=self.ceilings, peak_mem_bytes=self.peak, extra=self.extra, **self.key
+        )
+
+    def _discard(self) -> None:
+        self.steps = self.peak = None
+        free_memory(self.device)
+
+
 def measure_case(
     *,
     env: dict[str, Any],
-    ceilings: Ceilings,
+    ceilings: Ceilings | None,
     device: torch.device,
     op: str,
     provider: str,
@@ -267,56 +373,17 @@ def measure_case(
     one call, `flops` its arithmetic (None for memory-bound ops): the row reports GB/s and TFLOP/s from
     the median time and percentages of `ceilings`. `graph` False times eager calls with CUDA events
     (what a loop launching from Python gets); `first_call` records the wall time of the first call,
-    compilation included, as `first_call_s`.
+    compilation included, as `first_call_s`. The parts are `Measurement`'s.
     """
-    extra = dict(extra or {})
-    error = timing = peak = None
-    start = time.perf_counter()
-    try:
-        steps = build()
-        if steps.check is not None:
-            extra.update(steps.check())
-            if extra.get("check_ok") is False:
-                warnings.warn(
-                    f"{op} {provider} {dtype} {list(shape)}: output disagrees with the reference "
-                    f"({ {k: v for k, v in extra.items() if 'err' in k} }); row flagged check_ok=False",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-        if device.type == "cuda" or first_call:
-            # One call first: compilation, autotuning (trifast benchmarks its configs on first use) and
-            # lazy workspaces stay out of the peak. (On a CPU peak_memory's own call is the warm-up.)
-            called = time.perf_counter()
-            steps.single()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if first_call:
-                extra["first_call_s"] = time.perf_counter() - called
-        # Seconds spent before timing: input layouts, the check, compilation and autotuning.
-        extra["setup_s"] = round(time.perf_counter() - start, 2)
-        if device.type == "cuda" or not first_call:  # on a CPU: the warm-up, unless the first call was
-            peak, _ = peak_memory(steps.single, device)
-        timing, note = time_step(steps.step, device, steps.calls, warmup, reps, graph)
-        if steps.after is not None:
-            extra.update(steps.after())
-        if extra.get("peak_unmeasured"):  # the after-notes say why this peak means nothing
-            peak = None
-    except Exception as err:  # noqa: BLE001 - one failing provider (e.g. out of memory) must not end the run
-        error = _short(err)
-    if error is not None:
-        # Outside the except block: the traceback (and the tensors its frames hold) is gone by now.
-        steps = peak = None
-        free_memory(device)
-        extra["error"] = error
-        warnings.warn(
-            f"{op} {provider} {mode} {dtype} {list(shape)} failed: {error}", RuntimeWarning, stacklevel=2
-        )
-    elif note:
-        extra["note"] = note
-    return make_row(
-        env, timing, op=op, provider=provider, mode=mode, shape=shape, dtype=dtype, nbytes=nbytes,
-        flops=flops, ceilings=ceilings, peak_mem_bytes=peak, extra=extra,
-    )  # fmt: skip
+    key = dict(op=op, provider=provider, mode=mode, shape=shape, dtype=dtype, nbytes=nbytes, flops=flops)
+    case = Measurement(env, ceilings, device, key, dict(extra or {}))
+    timing = note = None
+    if case.prepare(build, first_call):
+        try:
+            timing, note = time_step(case.steps.step, device, case.steps.calls, warmup, reps, graph)
+        except Exception as err:  # noqa: BLE001 - one failing provider (e.g. out of memory) must not end the run
+            case.fail(err)
+    return case.row(timing, note)
 
 
 def _build(

@@ -4,11 +4,15 @@ Every timer returns a `Timing` (20th/50th/80th percentile in milliseconds over m
 preferred method replays a CUDA graph of `fn` and times each replay with CUDA events: the small
 AlphaFold shapes are launch-bound in eager PyTorch, and a graph removes the host-side launch cost so
 what is left is the kernels' own time. `fn` should loop over several input sets (`rotating`) so that
-repeated runs read from HBM and not from the 50-60 MB L2 cache.
+repeated runs read from HBM and not from the 50-60 MB L2 cache. `time_interleaved` times several
+slow callables (whole training steps launched from Python) in rounds, so that host noise and drift
+fall on all of them alike.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -18,7 +22,16 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import torch
 
-__all__ = ["Timing", "peak_memory", "rotating", "time_cpu", "time_cuda", "time_fn", "time_step"]
+__all__ = [
+    "Timing",
+    "peak_memory",
+    "rotating",
+    "time_cpu",
+    "time_cuda",
+    "time_fn",
+    "time_interleaved",
+    "time_step",
+]
 
 TimingMethod = Literal["cuda_graph", "cuda_events", "wall"]
 T = TypeVar("T")
@@ -204,6 +217,83 @@ def time_step(
         torch.cuda.synchronize(device)
         note = f"CUDA graph capture failed ({type(err).__name__}: {str(err)[:200]}); timed eagerly"
         return time_fn(step, device, calls=calls, warmup=warmup, reps=reps, graph=False), note
+
+
+def _attempt(fn: Callable[[], Any]) -> Exception | None:
+    """Call `fn`; return what it raised, without its traceback (so its frames' tensors are freed)."""
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - handed to the caller's on_error
+        return err.with_traceback(None)
+    return None
+
+
+def time_interleaved(
+    fns: Sequence[Callable[[], Any]],
+    device: torch.device | str,
+    *,
+    warmup: int = 1,
+    rounds: int = 5,
+    on_error: Callable[[int, Exception], None] | None = None,
+) -> list[Timing | None]:
+    """Time several callables in interleaved rounds: every round calls each of `fns` once, in order,
+    so slow drift and bursts of host noise fall on all of them alike rather than on whichever ran
+    alone while they lasted. `warmup` untimed rounds, then `rounds` timed ones. Before each call:
+    `gc.collect()` and, on CUDA, a synchronize, so no call pays for another's garbage or waits for its
+    kernels. A call is timed with CUDA events on CUDA (its host launches and its kernels), with
+    `time.perf_counter` elsewhere.
+
+    Returns each callable's `Timing` over its `rounds` samples (method "cuda_events" or "wall"), in
+    the order of `fns`. A callable that raises is left out of later rounds and gets None; the error,
+    its traceback dropped (and with it the frames' tensors), goes to `on_error(index, error)`, called
+    outside the except block. Without `on_error` the error propagates.
+    """
+    if rounds < 1 or warmup < 0:
+        raise ValueError(
+            f"time_interleaved: expected rounds >= 1, warmup >= 0, got rounds={rounds}, warmup={warmup}"
+        )
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    live: list[Callable[[], Any] | None] = list(fns)
+    # Per callable, per timed round: (start, end) CUDA events, or milliseconds on the wall clock.
+    marks: list[list[Any]] = [[] for _ in live]
+    with torch.cuda.device(device) if cuda else contextlib.nullcontext():
+        for round_ in range(warmup + rounds):
+            timed = round_ >= warmup
+            for i, fn in enumerate(live):
+                if fn is None:
+                    continue
+                gc.collect()
+                if cuda:
+                    torch.cuda.synchronize()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                t0 = time.perf_counter()
+                if on_error is None:
+                    fn()
+                elif (failure := _attempt(fn)) is not None:
+                    live[i] = fn = None
+                    marks[i] = []
+                    on_error(i, failure)
+                    continue
+                if not timed:
+                    continue
+                if cuda:
+                    end.record()
+                    marks[i].append((start, end))
+                else:
+                    marks[i].append((time.perf_counter() - t0) * 1e3)
+        if cuda:
+            torch.cuda.synchronize()
+    method: TimingMethod = "cuda_events" if cuda else "wall"
+    out: list[Timing | None] = []
+    for fn, samples in zip(live, marks, strict=True):
+        if fn is None:
+            out.append(None)
+            continue
+        ms = [s.elapsed_time(e) for s, e in samples] if cuda else samples
+        out.append(Timing.from_samples(ms, method))
+    return out
 
 
 def peak_memory(fn: Callable[[], T], device: torch.device) -> tuple[int | None, T]:

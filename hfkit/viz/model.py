@@ -216,7 +216,8 @@ def model_time_bars(frame: pd.DataFrame, op: str = "evoformer_block", title: str
 def waterfall_frame(frame: pd.DataFrame) -> pd.DataFrame:
     """`step_waterfall` rows as the waterfall's table: stage, step time (ms), change from the stage
     before (ms), peak memory (GiB), swapped ops, error, launch ("eager": from Python, "graph": the
-    graphed step); ordered by stage. Failed stages keep NaN times."""
+    graphed step), first call s (compilation and capture; NaN where not recorded); ordered by stage.
+    Failed stages keep NaN times."""
     data = frame[frame["op"] == "step_waterfall"].copy()
     if data.empty:
         raise ValueError("frame: no 'step_waterfall' rows")
@@ -230,6 +231,9 @@ def waterfall_frame(frame: pd.DataFrame) -> pd.DataFrame:
             "ops": data["extra"].apply(lambda e: ", ".join((e or {}).get("ops", []))).to_numpy(),
             "error": data["extra"].apply(lambda e: (e or {}).get("error", "")).to_numpy(),
             "launch": data["extra"].apply(lambda e: (e or {}).get("launch", "eager")).to_numpy(),
+            "first call s": data["extra"]
+            .apply(lambda e: (e or {}).get("first_call_s", math.nan))
+            .to_numpy(dtype=float),
         }
     )
     table.insert(2, "delta_ms", table["step_ms"].diff().fillna(table["step_ms"]))
@@ -475,42 +479,22 @@ def batch_waterfall(
     progress: bool = True,
 ) -> pd.DataFrame:
     """The training-step waterfall on `batch` (e.g. `PipelineBatches.batch(config)`; None: a synthetic
-    batch): one `measure_train_step` of a fresh, identically seeded `AlphaFoldLite(config)` for each
-    stage of `waterfall_stages()` (eager, each op swapped in turn, the swapped step graphed, then
-    compiled inside the graph), in that order. Returns `waterfall_frame`'s table (stage, step_ms,
-    delta_ms, peak_GiB, ops, error) plus `launch` and `first call s` (compilation and capture); a
-    failed stage keeps NaN times and its error. Compiling uses Inductor on a GPU and Dynamo's "eager"
-    backend elsewhere unless `compile_backend` is given."""
-    from tqdm.auto import tqdm
-
-    from hfkit.bench.model import measure_train_step, waterfall_stages
+    batch), measured as `hfkit bench model` measures it (`hfkit.bench.model.measure_waterfall`): a
+    fresh, identically seeded `AlphaFoldLite(config)` for each stage of `waterfall_stages` over the
+    ops the model holds (eager, each op swapped in turn, the swapped step graphed, then compiled inside
+    the graph); the eager stages timed together in interleaved rounds. Returns `waterfall_frame`'s
+    table (stage, step_ms, delta_ms, peak_GiB, ops, error, launch, first call s: compilation and
+    capture); a failed stage keeps NaN times and its error. Compiling uses Inductor on a GPU and
+    Dynamo's "eager" backend elsewhere unless `compile_backend` is given."""
+    from hfkit.bench.model import measure_waterfall
+    from hfkit.bench.results import rows_to_frame
 
     device = resolve_device(device)
     backend = _step_backend(device, compile_backend)
-    rows = []
-    for label, variant, ops, launch in tqdm(waterfall_stages(), desc="waterfall", disable=not progress):
-        row = {"stage": label, "step_ms": math.nan, "peak_GiB": math.nan, "ops": ", ".join(ops)}
-        row |= {"error": "", "launch": launch, "first call s": math.nan}
-        try:
-            out = measure_train_step(
-                config,
-                device,
-                precision,
-                variant,
-                ops=ops,
-                launch=launch,
-                batch=batch,
-                compile_backend=backend,
-            )
-        except RuntimeError as err:
-            row["error"] = _error_text(err)
-        else:
-            row["step_ms"], row["first call s"] = out["timing"].p50, out["first_call_s"]
-            row["peak_GiB"] = _gib(out["peak_mem_bytes"]) if out["peak_mem_bytes"] is not None else math.nan
-        rows.append(row)
-    table = pd.DataFrame(rows)
-    table.insert(2, "delta_ms", table["step_ms"].diff().fillna(table["step_ms"]))
-    return table
+    rows = measure_waterfall(
+        config, device, precision, batch=batch, compile_backend=backend, progress=progress
+    )
+    return waterfall_frame(rows_to_frame(rows))
 
 
 def stage_bars(table: pd.DataFrame, title: str | None = None) -> go.Figure:
