@@ -31,7 +31,7 @@ def _store_gated(
         m = tl.load(Mask + rows, mask=p < NN, other=0.0).to(tl.float32)[:, None]
         a = a * m
         b = b * m
-    dst = (bat.to(tl.int64) * CH + c)[None, :] * NN + p[:, None]
+    dst = (tl.cast(bat, tl.int64) * CH + c)[None, :] * NN + p[:, None]
     tl.store(A + dst, a.to(A.dtype.element_ty), mask=ok)
     tl.store(B + dst, b.to(B.dtype.element_ty), mask=ok)
 
@@ -44,7 +44,7 @@ def _store_gate_grads(
     # Gradients of the four a/b projections from da, db (channel-first), written into columns
     # [0, 4 C_h) of d_proj (row-major); their float32 column sums over this program's pairs go to
     # its own row of Part (the projection-bias gradient; the host sums the rows).
-    cf = (bat.to(tl.int64) * CH + c)[None, :] * NN + p[:, None]
+    cf = (tl.cast(bat, tl.int64) * CH + c)[None, :] * NN + p[:, None]
     da = tl.load(DA + cf, mask=ok, other=0.0).to(tl.float32)
     db = tl.load(DB + cf, mask=ok, other=0.0).to(tl.float32)
     if HAS_MASK:
@@ -63,7 +63,7 @@ def _store_gate_grads(
     tl.store(dst + CH, d_ag.to(ty), mask=ok)
     tl.store(dst + 2 * CH, d_bp.to(ty), mask=ok)
     tl.store(dst + 3 * CH, d_bg.to(ty), mask=ok)
-    part = Part + part_off + (bat * num_p_blocks + pid_p).to(tl.int64) * stride_part + c
+    part = Part + part_off + tl.cast(bat * num_p_blocks + pid_p, tl.int64) * stride_part + c
     tl.store(part, tl.sum(d_ap, axis=0), mask=c_ok)
     tl.store(part + CH, tl.sum(d_ag, axis=0), mask=c_ok)
     tl.store(part + 2 * CH, tl.sum(d_bp, axis=0), mask=c_ok)
@@ -126,7 +126,7 @@ def _gate_ab_fwd_kernel(
     p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = (p < NN)[:, None] & (c < CH)[None, :]
-    rows = bat.to(tl.int64) * NN + p
+    rows = tl.cast(bat, tl.int64) * NN + p
     a_p, a_g, b_p, b_g = _load_projections(P, rows, c, ok, stride_p, CH)
     _store_gated(A, B, Mask, a_p, a_g, b_p, b_g, rows, p, c, ok, bat, NN, CH, HAS_MASK)
 
@@ -143,7 +143,7 @@ def _gate_ab_bwd_kernel(
     c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < CH
     ok = (p < NN)[:, None] & c_ok[None, :]
-    rows = bat.to(tl.int64) * NN + p
+    rows = tl.cast(bat, tl.int64) * NN + p
     a_p, a_g, b_p, b_g = _load_projections(P, rows, c, ok, stride_p, CH)
     _store_gate_grads(
         DA, DB, Mask, DP, Part, a_p, a_g, b_p, b_g, rows, p, c, ok, c_ok, bat, pid_p,
@@ -166,7 +166,7 @@ def _tile_indices(NN, CH, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     p_ok = p < NN
     c_ok = c < CH
     ok = p_ok[:, None] & c_ok[None, :]
-    rows = bat.to(tl.int64) * NN + p
+    rows = tl.cast(bat, tl.int64) * NN + p
     return rows, p, c, p_ok, c_ok, ok, bat, pid_p
 
 
@@ -219,7 +219,7 @@ def _ln_out_t_fwd_kernel(
     c = tl.arange(0, BLOCK_C)
     c_ok = c < CH
     ok = c_ok[:, None] & (p < NN)[None, :]
-    x = tl.load(X + (bat.to(tl.int64) * CH + c)[:, None] * NN + p[None, :], mask=ok, other=0.0)
+    x = tl.load(X + (tl.cast(bat, tl.int64) * CH + c)[:, None] * NN + p[None, :], mask=ok, other=0.0)
     x = x.to(tl.float32)
     mean = tl.sum(x, axis=0) / CH
     xc = tl.where(ok, x - mean[None, :], 0.0)
@@ -230,7 +230,7 @@ def _ln_out_t_fwd_kernel(
         y = y * tl.load(W + c, mask=c_ok, other=0.0).to(tl.float32)[:, None]
     if HAS_B:
         y = y + tl.load(Bias + c, mask=c_ok, other=0.0).to(tl.float32)[:, None]
-    rows = bat.to(tl.int64) * NN + p
+    rows = tl.cast(bat, tl.int64) * NN + p
     tl.store(Y + rows[None, :] * CH + c[:, None], y.to(Y.dtype.element_ty), mask=ok)
     tl.store(Mean + rows, mean, mask=p < NN)
     tl.store(Rstd + rows, rstd, mask=p < NN)
@@ -251,8 +251,8 @@ def _ln_out_t_bwd_kernel(
     c_ok = c < CH
     p_ok = p < NN
     ok = c_ok[:, None] & p_ok[None, :]
-    rows = bat.to(tl.int64) * NN + p
-    cf = (bat.to(tl.int64) * CH + c)[:, None] * NN + p[None, :]
+    rows = tl.cast(bat, tl.int64) * NN + p
+    cf = (tl.cast(bat, tl.int64) * CH + c)[:, None] * NN + p[None, :]
     x = tl.load(X + cf, mask=ok, other=0.0).to(tl.float32)
     dy = tl.load(DY + rows[None, :] * CH + c[:, None], mask=ok, other=0.0).to(tl.float32)
     mean = tl.load(Mean + rows, mask=p_ok, other=0.0)
@@ -267,7 +267,7 @@ def _ln_out_t_bwd_kernel(
     dx = (wdy - (xhat * c1[None, :] + c2[None, :])) * rstd[None, :]
     tl.store(DX + cf, dx.to(DX.dtype.element_ty), mask=ok)
     if HAS_DW:
-        part = Part + part_off + (bat * num_p_blocks + pid_p).to(tl.int64) * stride_part + c
+        part = Part + part_off + tl.cast(bat * num_p_blocks + pid_p, tl.int64) * stride_part + c
         tl.store(part, tl.sum(dy * xhat, axis=1), mask=c_ok)
         tl.store(part + CH, tl.sum(dy, axis=1), mask=c_ok)
 
@@ -311,48 +311,11 @@ def _out_gate_bwd_kernel(
 
 
 @triton.jit
-def _out_and_gate(
-    y, zn, WZ, BZ, WG, BG, h, h_ok, k, zc, zc_ok, CH, CZ,
-    HAS_BZ: tl.constexpr, HAS_BG: tl.constexpr, DOT: tl.constexpr,
-):  # fmt: skip
-    # o = y @ W_z.T + b_z and g = zn @ W_g.T + b_g for the output channels zc, float32 [BLOCK_P,
-    # BLOCK_ZC] each, from y [BLOCK_P, BLOCK_H] (compute dtype) and zn [BLOCK_P, BLOCK_Z]: K spans all
-    # of C_h (o) and of C_z (g, over the channels k) in one tl.dot each. Returns values only: the
-    # caller makes every store address (see `_tile_indices`).
-    wz_t = tl.load(WZ + zc[None, :] * CH + h[:, None], mask=h_ok[:, None] & zc_ok[None, :], other=0.0)
-    o = dot(y, wz_t, DOT)
-    wg_t = tl.load(WG + zc[None, :] * CZ + k[:, None], mask=(k < CZ)[:, None] & zc_ok[None, :], other=0.0)
-    g = dot(zn, wg_t, DOT)
-    if HAS_BZ:
-        o += tl.load(BZ + zc, mask=zc_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_BG:
-        g += tl.load(BG + zc, mask=zc_ok, other=0.0).to(tl.float32)[None, :]
-    return o, g
-
-
-@triton.jit
-def _out_kernel(
-    X, ZN, W, Bias, WZ, BZ, WG, BG, OUT, DOUT, DP, Y, Mean, Rstd, Part,
-    NN, CH, CZ, eps, stride_dout, stride_dp, dg_off, part_off, stride_part,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_BZ: tl.constexpr, HAS_BG: tl.constexpr,
-    BWD: tl.constexpr, DOT: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Z: tl.constexpr, BLOCK_ZC: tl.constexpr,
-):  # fmt: skip
-    # The output half of the update for BLOCK_P pairs: y = LN_out(x) (x read channel-first, all C_h
-    # channels in registers), o = y @ W_z.T + b_z and g = zn @ W_g.T + b_g, BLOCK_ZC output channels
-    # at a time. Forward: OUT = o * sigmoid(g); y, o and g never reach memory (traffic: read x and
-    # zn, write out). Backward (BWD), recomputing them for d(out): OUT = d(o) = d(out) * s and
-    # dg = d(out) * o * s (1 - s) into columns [dg_off, dg_off + C_z) of d_proj (s = sigmoid(g)),
-    # with y, LN_out's statistics and this program's row of float32 sums of d(o) and dg (the b_z and
-    # b_g gradients; the host sums the rows) for the rest of the backward. Grid (pair blocks, batch).
-    pid_p, bat = tl.program_id(0), tl.program_id(1)
-    p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    p_ok = p < NN
-    rows = bat.to(tl.int64) * NN + p
-    h = tl.arange(0, BLOCK_H)
-    h_ok = h < CH
+def _ln_out_rows(X, W, Bias, bat, p, p_ok, h, h_ok, NN, CH, eps, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    # LayerNorm-out of BLOCK_P pairs: x read channel-first [batch, C_h, N*N], all C_h channels in
+    # registers. Returns y [BLOCK_P, BLOCK_H] (float32) and the float32 mean and rstd per pair.
     ok_h = p_ok[:, None] & h_ok[None, :]
-    x = tl.load(X + (bat.to(tl.int64) * CH + h)[None, :] * NN + p[:, None], mask=ok_h, other=0.0)
+    x = tl.load(X + (tl.cast(bat, tl.int64) * CH + h)[None, :] * NN + p[:, None], mask=ok_h, other=0.0)
     x = x.to(tl.float32)
     mean = tl.sum(x, axis=1) / CH
     xc = tl.where(ok_h, x - mean[:, None], 0.0)
@@ -362,30 +325,67 @@ def _out_kernel(
         y = y * tl.load(W + h, mask=h_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_B:
         y = tl.where(ok_h, y + tl.load(Bias + h, mask=h_ok, other=0.0).to(tl.float32)[None, :], 0.0)
-    y = y.to(WZ.dtype.element_ty)
-    if BWD:
-        tl.store(Y + rows[:, None] * CH + h[None, :], y, mask=ok_h)
-        tl.store(Mean + rows, mean, mask=p_ok)
-        tl.store(Rstd + rows, rstd, mask=p_ok)
+    return y, mean, rstd
+
+
+@triton.jit
+def _out_kernel(
+    X, ZN, W, Bias, WZ, BZ, WG, BG, OUT, DOUT, DP, Y, Mean, Rstd, Part,
+    NN, CH, CZ, eps, stride_dout, stride_dp, dg_off, part_off, stride_part, num_tiles, tiles_per_batch,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_BZ: tl.constexpr, HAS_BG: tl.constexpr,
+    BWD: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Z: tl.constexpr,
+):  # fmt: skip
+    # The output half of the update, BLOCK_P pairs (a tile) at a time: y = LN_out(x), o = y @ W_z.T +
+    # b_z and g = zn @ W_g.T + b_g over all C_z output channels at once (K spans all of C_h for o and
+    # of C_z for g: one tl.dot each). Persistent: a program loads W_z, W_g and the biases once and
+    # walks the tiles tile = program, program + programs, ... (tile = batch * tiles_per_batch + pair
+    # block). Forward: OUT = o * sigmoid(g); y, o and g never reach memory (traffic: read x and zn,
+    # write out). Backward (BWD), recomputing them for d(out): OUT = d(o) = d(out) * s and dg = d(out)
+    # * o * s (1 - s) into columns [dg_off, dg_off + C_z) of d_proj (s = sigmoid(g)), with y, LN_out's
+    # statistics and the tile's row of float32 sums of d(o) and dg in Part (the b_z and b_g
+    # gradients; the host sums the rows) for the rest of the backward.
+    h = tl.arange(0, BLOCK_H)
+    h_ok = h < CH
     k = tl.arange(0, BLOCK_Z)
-    zn = tl.load(ZN + rows[:, None] * CZ + k[None, :], mask=p_ok[:, None] & (k < CZ)[None, :], other=0.0)
-    for z0 in range(0, CZ, BLOCK_ZC):
-        zc = z0 + tl.arange(0, BLOCK_ZC)
-        zc_ok = zc < CZ
-        ok = p_ok[:, None] & zc_ok[None, :]
-        o, g = _out_and_gate(y, zn, WZ, BZ, WG, BG, h, h_ok, k, zc, zc_ok, CH, CZ, HAS_BZ, HAS_BG, DOT)
+    k_ok = k < CZ
+    wz_t = tl.load(WZ + k[None, :] * CH + h[:, None], mask=h_ok[:, None] & k_ok[None, :], other=0.0)
+    wg_t = tl.load(WG + k[None, :] * CZ + k[:, None], mask=k_ok[:, None] & k_ok[None, :], other=0.0)
+    if HAS_BZ:
+        bz = tl.load(BZ + k, mask=k_ok, other=0.0).to(tl.float32)
+    if HAS_BG:
+        bg = tl.load(BG + k, mask=k_ok, other=0.0).to(tl.float32)
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        bat = tile // tiles_per_batch
+        p = (tile % tiles_per_batch) * BLOCK_P + tl.arange(0, BLOCK_P)
+        p_ok = p < NN
+        rows = tl.cast(bat, tl.int64) * NN + p
+        y, mean, rstd = _ln_out_rows(X, W, Bias, bat, p, p_ok, h, h_ok, NN, CH, eps, HAS_W, HAS_B)
+        y = y.to(WZ.dtype.element_ty)
+        if BWD:
+            tl.store(Y + rows[:, None] * CH + h[None, :], y, mask=p_ok[:, None] & h_ok[None, :])
+            tl.store(Mean + rows, mean, mask=p_ok)
+            tl.store(Rstd + rows, rstd, mask=p_ok)
+        ok = p_ok[:, None] & k_ok[None, :]
+        zn = tl.load(ZN + rows[:, None] * CZ + k[None, :], mask=ok, other=0.0)
+        o = dot(y, wz_t, DOT)
+        g = dot(zn, wg_t, DOT)
+        if HAS_BZ:
+            o += bz[None, :]
+        if HAS_BG:
+            g += bg[None, :]
         s = tl.sigmoid(g)
         if BWD:
-            dout = tl.load(DOUT + rows[:, None] * stride_dout + zc[None, :], mask=ok, other=0.0)
+            dout = tl.load(DOUT + rows[:, None] * stride_dout + k[None, :], mask=ok, other=0.0)
             dout = dout.to(tl.float32)
             do = dout * s
             dg = dout * o * s * (1.0 - s)
-            tl.store(OUT + rows[:, None] * CZ + zc[None, :], do.to(OUT.dtype.element_ty), mask=ok)
+            tl.store(OUT + rows[:, None] * CZ + k[None, :], do.to(OUT.dtype.element_ty), mask=ok)
             tl.store(
-                DP + rows[:, None] * stride_dp + dg_off + zc[None, :], dg.to(DP.dtype.element_ty), mask=ok
+                DP + rows[:, None] * stride_dp + dg_off + k[None, :], dg.to(DP.dtype.element_ty), mask=ok
             )
-            part = Part + part_off + (bat * tl.num_programs(0) + pid_p).to(tl.int64) * stride_part + zc
-            tl.store(part, tl.sum(do, axis=0), mask=zc_ok)
-            tl.store(part + CZ, tl.sum(dg, axis=0), mask=zc_ok)
+            part = Part + part_off + tl.cast(tile, tl.int64) * stride_part + k
+            tl.store(part, tl.sum(do, axis=0), mask=k_ok)
+            tl.store(part + CZ, tl.sum(dg, axis=0), mask=k_ok)
         else:
-            tl.store(OUT + rows[:, None] * CZ + zc[None, :], (o * s).to(OUT.dtype.element_ty), mask=ok)
+            tl.store(OUT + rows[:, None] * CZ + k[None, :], (o * s).to(OUT.dtype.element_ty), mask=ok)

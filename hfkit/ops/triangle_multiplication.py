@@ -57,6 +57,7 @@ from hfkit.ops._triton import (
     hfkit_op,
     launch,
     next_power_of_2,
+    num_sms,
     triton_can_run,
 )
 from hfkit.ops.layer_norm import (
@@ -102,12 +103,13 @@ PROJ_TILES = (64, 32, 64, 4)
 # The output half (LayerNorm-out, linear_z, linear_g and the gate) runs as one kernel each way where a
 # block of pairs with all C_h and all C_z channels fits in registers: C_h and C_z at most this.
 FUSED_OUT_MAX = 128
-# (BLOCK_P, BLOCK_ZC, num_warps) of that kernel, forward and backward: BLOCK_P pairs, BLOCK_ZC output
-# channels at a time. From a sweep of the module's bf16 forward and forward+backward at N = 256 and 384
-# on an H200 (CUDA-graph timed; 6-7 tiles each way): the forward 121 us at N = 256 against 144 us for
-# the steps it replaces, the best of the sweep at both sizes; (32, 32, 8) spilled, (64, 64, 8) was
-# 10% slower.
-OUT_TILES = {"fwd": (64, 32, 4), "bwd": (64, 32, 4)}
+# (BLOCK_P, num_warps, programs per SM) of that kernel, forward and backward: a persistent grid of
+# BLOCK_P-pair tiles, all C_z output channels at once. From a sweep on an H200 (bf16, CUDA-graph timed,
+# .gpu/out_probe.py): at N = 256 the forward takes 34.4 us and the backward 69.2 us against 39.4 and
+# 75.2 us for the previous kernel (one program a tile, 32 output channels at a time), at N = 384 71.0
+# and 145.8 us against 85.5 and 164.5; one program per SM or software pipelining was 30-50% slower,
+# 8 warps or 128 pairs a tile 20-40% slower.
+OUT_TILES = {"fwd": (64, 4, 2), "bwd": (64, 4, 2)}
 
 
 def triangle_multiplication_reference(
@@ -700,27 +702,30 @@ if HAS_TRITON:
         return do, d_proj
 
     def _out_config(c_h: int, c_z: int, way: str) -> dict:
-        """The tiles of `_out_kernel` (`way` "fwd" or "bwd") from `OUT_TILES[way]`: all C_h and C_z
-        channels (at least 16 for tl.dot), output channels BLOCK_ZC at a time."""
-        block_p, block_zc, warps = OUT_TILES[way]
-        block_z = max(16, next_power_of_2(c_z))
+        """The tiles of `_out_kernel` (`way` "fwd" or "bwd") from `OUT_TILES[way]`: BLOCK_P pairs with all
+        C_h and C_z channels (at least 16 for tl.dot), and the programs per SM."""
+        block_p, warps, per_sm = OUT_TILES[way]
         return {
-            "BLOCK_P": block_p, "BLOCK_H": max(16, next_power_of_2(c_h)), "BLOCK_Z": block_z,
-            "BLOCK_ZC": min(block_zc, block_z), "num_warps": warps,
+            "BLOCK_P": block_p, "BLOCK_H": max(16, next_power_of_2(c_h)),
+            "BLOCK_Z": max(16, next_power_of_2(c_z)), "num_warps": warps, "per_sm": per_sm,
         }  # fmt: skip
 
     def _launch_out(x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, batch, c_h, eps, grads=None) -> None:
         """`_out_kernel` over zn's [M, C_z] pairs into `out`: the forward, or with `grads` = (d(out),
-        d_proj, y, mean, rstd, part, part_off) the backward."""
+        d_proj, y, mean, rstd, part, part_off) the backward (a row of part for each tile)."""
         m, c_z = zn.shape
         nn_ = m // batch
         dout, d_proj, y, mean, rstd, part, part_off = grads or (None,) * 7
         bwd = grads is not None
         tiles = _out_config(c_h, c_z, "bwd" if bwd else "fwd")
-        launch(_out_kernel, (cdiv(nn_, tiles["BLOCK_P"]), batch),
+        per_sm = tiles.pop("per_sm")
+        tiles_per_batch = cdiv(nn_, tiles["BLOCK_P"])
+        num_tiles = tiles_per_batch * batch
+        launch(_out_kernel, (min(num_tiles, per_sm * num_sms(zn.device)),),
             x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, dout, d_proj, y, mean, rstd, part,
             nn_, c_h, c_z, eps, dout.stride(0) if bwd else 0, d_proj.stride(0) if bwd else 0,
             d_proj.shape[1] - c_z if bwd else 0, part_off if bwd else 0, part.stride(0) if bwd else 0,
+            num_tiles, tiles_per_batch,
             HAS_W=w_ln is not None, HAS_B=b_ln is not None, HAS_BZ=b_z is not None, HAS_BG=b_g is not None,
             BWD=bwd, DOT=dot_mode(zn), **tiles,
         )  # fmt: skip
