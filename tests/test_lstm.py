@@ -40,6 +40,15 @@ lstm_op = importlib.import_module("hfkit.ops.lstm")
 
 pytestmark = pytest.mark.usefixtures("seed")
 
+
+@pytest.fixture(autouse=True)
+def exact_float32(monkeypatch):
+    """The float32 checks here hold the kernels to about float32's accuracy: the recurrence's single
+    TF32 products, which `torch.backends.cudnn.allow_tf32` (torch's default, as for cuDNN's own LSTM)
+    selects on CUDA, are off for them; `test_float32_follows_cudnn_tf32_cuda` checks those."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+
+
 DTYPES = [torch.float32, torch.bfloat16]
 
 # Relative L2 error against a float32 computation on the same bfloat16 inputs and weights: the result
@@ -386,7 +395,7 @@ def run_module(module: nn.Module, x: torch.Tensor, hx: tuple[torch.Tensor, torch
     module.zero_grad(set_to_none=True)
     out, (h_n, c_n) = module(x, state)
     gen = torch.Generator().manual_seed(1)
-    loss = sum((t.float() * torch.randn(t.shape, generator=gen)).sum() for t in (out, h_n, c_n))
+    loss = sum((t.float() * torch.randn(t.shape, generator=gen).to(t.device)).sum() for t in (out, h_n, c_n))
     loss.backward()
     result = {"output": out, "h_n": h_n, "c_n": c_n, "dinput": x.grad}
     if state is not None:
@@ -744,6 +753,54 @@ print(len(c.COMPILED))
 
 def test_sequence_kernels_compile_for_hopper():
     assert _compiled_count(_COMPILE_SEQ_KERNELS) == "20"
+
+
+def test_recurrence_dot_follows_cudnn_allow_tf32(monkeypatch):
+    """float32 on CUDA: one TF32 product (mode 4) under `torch.backends.cudnn.allow_tf32`, as cuDNN's
+    LSTM, three (mode 3) without, whatever the float32 matmul precision; elsewhere `dot_mode`'s."""
+    from types import SimpleNamespace
+
+    from hfkit.ops._triton import dot_mode
+
+    cuda32 = SimpleNamespace(dtype=torch.float32, is_cuda=True)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    assert lstm_op.recurrence_dot(cuda32) == 4
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    assert lstm_op.recurrence_dot(cuda32) == 3
+    cuda16 = SimpleNamespace(dtype=torch.bfloat16, is_cuda=True)
+    cpu32 = torch.zeros(1)
+    assert lstm_op.recurrence_dot(cuda16) == dot_mode(cuda16) == 0
+    assert lstm_op.recurrence_dot(cpu32) == dot_mode(cpu32) == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("t_len,batch,hidden", [(1000, 4, 985), (37, 5, 130)])
+def test_float32_follows_cudnn_tf32_cuda(monkeypatch, t_len, batch, hidden):
+    """Under torch's default `torch.backends.cudnn.allow_tf32`, cuDNN's float32 nn.LSTM multiplies in
+    TF32 and so does hfkit's: outputs and every gradient against float64 no worse than 1.25x cuDNN's
+    own error (+ 1e-3), and each of them further from float64 than the exact float32 recurrence
+    (which the flag off gives), so that the check could fail."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    torch_lstm, hfkit_lstm = make_pair(hidden, hidden, torch.float64)
+    scale = 1 / (0.3 * hidden**0.5)
+    with torch.no_grad():
+        for p in torch_lstm.parameters():
+            p.mul_(scale)
+    torch_lstm.cuda()
+    hfkit_lstm.load_state_dict(torch_lstm.state_dict())
+    x, hx = module_inputs(batch, t_len, hidden, hidden, torch.float64, False, 1, 1, True)
+    x, hx = x.cuda(), tuple(t.cuda() for t in hx)
+    truth = run_module(torch_lstm, x, hx)
+    x32, hx32 = x.float(), tuple(t.float() for t in hx)
+    cudnn = run_module(copy.deepcopy(torch_lstm).float(), x32, hx32)
+    tf32 = run_module(hfkit_lstm.cuda().float(), x32, hx32)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    exact = run_module(hfkit_lstm, x32, hx32)
+    for name in truth:
+        err, ref_err = rel_err(tf32[name], truth[name]), rel_err(cudnn[name], truth[name])
+        assert err <= 1.25 * ref_err + 1e-3, (name, err, ref_err)
+    assert rel_err(tf32["output"], truth["output"]) > rel_err(exact["output"], truth["output"])
 
 
 @pytest.mark.cuda

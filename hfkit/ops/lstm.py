@@ -218,10 +218,22 @@ class _Tiles(NamedTuple):
     dot: int
 
 
+def recurrence_dot(w_hh: Tensor) -> int:
+    """The `dot` mode (`hfkit.ops._triton.dot_mode`) of the recurrence's products h @ w_hh^T and
+    dgates @ w_hh. As `dot_mode`, except for float32 on CUDA, which follows the flag that
+    `torch.nn.LSTM` obeys there, `torch.backends.cudnn.allow_tf32` (True by default: cuDNN's float32
+    LSTM then multiplies in TF32), rather than the float32 matmul precision: one TF32 product (4) where
+    it is set, three (3, about float32) where it is not. The input projection and the weight gradients
+    are torch matmuls and follow the matmul precision as everywhere else."""
+    if w_hh.dtype == torch.float32 and w_hh.is_cuda:
+        return 4 if torch.backends.cudnn.allow_tf32 else 3
+    return dot_mode(w_hh)
+
+
 def _tiles(x: Tensor, w_hh: Tensor) -> _Tiles:
     batch, hidden = x.shape[1], w_hh.shape[1]
     block_b = min(MAX_BLOCK_B, max(16, next_power_of_2(batch)))
-    return _Tiles((cdiv(hidden, BLOCK_H), cdiv(batch, block_b)), block_b, dot_mode(w_hh))
+    return _Tiles((cdiv(hidden, BLOCK_H), cdiv(batch, block_b)), block_b, recurrence_dot(w_hh))
 
 
 class _SeqTiles(NamedTuple):
@@ -269,7 +281,7 @@ def _persistent_tiles(
     bwd_split: bool | None = None,
 ) -> _SeqTiles | None:
     """Tiles of the sequence kernels for batch B, hidden H, weights and h of `element_size` bytes and
-    the `dot` mode (`dot_mode`) on a device of `sms` SMs, or None where the step kernels run instead.
+    the `dot` mode (`recurrence_dot`) on a device of `sms` SMs, or None where the step kernels run instead.
 
     Each kernel takes the smallest BLOCK_U (a power of two, >= 4: the dots' M = 4*BLOCK_U >= 16) whose
     grid has at most `sms` programs, so that every program is resident at once (what makes the grid
@@ -324,7 +336,7 @@ def _persistent_tiles(
 def _seq_tiles(x: Tensor, w_hh: Tensor) -> _SeqTiles | None:
     """`_persistent_tiles` for x [T, B, I] and w_hh [4H, H] (in x's dtype) on x's device."""
     return _persistent_tiles(
-        x.shape[1], w_hh.shape[1], w_hh.element_size(), dot_mode(w_hh), num_sms(x.device)
+        x.shape[1], w_hh.shape[1], w_hh.element_size(), recurrence_dot(w_hh), num_sms(x.device)
     )
 
 
@@ -354,7 +366,8 @@ def _fwd_seq(
     for t_first, n_steps in spans:
         launch(lstm_seq_fwd_kernel, tiles.fwd_grid,
             xp, bias, h0, w_hh, cs, y, gates, counter, t_first, n_steps, batch, hidden,
-            HAS_BIAS=bias is not None, PERSISTENT=persistent, RESIDENT=tiles.resident, DOT=dot_mode(w_hh),
+            HAS_BIAS=bias is not None, PERSISTENT=persistent, RESIDENT=tiles.resident,
+            DOT=recurrence_dot(w_hh),
             BLOCK_B=tiles.block_b, BLOCK_U=tiles.fwd_block_u, BLOCK_K=tiles.fwd_block_k,
             num_warps=SEQ_NUM_WARPS,
         )  # fmt: skip
@@ -385,7 +398,7 @@ def _bwd_seq(
         launch(lstm_seq_bwd_kernel, tiles.bwd_grid,
             dy, dh_n, w_hh, gates, cs, dc, dg, dgates, counter, t_first, n_steps, t_len, batch, hidden,
             PERSISTENT=persistent, RESIDENT=tiles.bwd_resident, SPLIT=tiles.bwd_split,
-            PREFETCH=tiles.bwd_prefetch, DOT=dot_mode(w_hh),
+            PREFETCH=tiles.bwd_prefetch, DOT=recurrence_dot(w_hh),
             BLOCK_B=tiles.bwd_block_b, BLOCK_U=tiles.bwd_block_u, BLOCK_K=tiles.bwd_block_k, KS=rows,
             num_warps=tiles.bwd_num_warps,
         )  # fmt: skip
@@ -495,7 +508,8 @@ def _use_graphs(x: Tensor) -> bool:
 def _graph_key(direction: str, x: Tensor, w_hh: Tensor, has_bias: bool) -> tuple:
     t_len, batch, _ = x.shape
     stream = torch.cuda.current_stream(x.device).stream_id
-    return (direction, t_len, batch, w_hh.shape[1], x.dtype, x.device, stream, has_bias)
+    dot = recurrence_dot(w_hh)  # a changed TF32 setting needs a new graph
+    return (direction, t_len, batch, w_hh.shape[1], x.dtype, x.device, stream, has_bias, dot)
 
 
 if HAS_TRITON:
