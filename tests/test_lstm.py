@@ -771,6 +771,18 @@ def test_recurrence_dot_follows_cudnn_allow_tf32(monkeypatch):
     cpu32 = torch.zeros(1)
     assert lstm_op.recurrence_dot(cuda16) == dot_mode(cuda16) == 0
     assert lstm_op.recurrence_dot(cpu32) == dot_mode(cpu32) == 1
+    # The op's torch matmuls take TF32 inside `_products_like_cudnn` exactly where the recurrence does.
+    cases = ((True, cuda32, True), (False, cuda32, False), (True, cuda16, False), (True, cpu32, False))
+    before = torch.backends.cuda.matmul.allow_tf32  # (monkeypatch cannot restore this flag)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for allow, w, inside in cases:
+            monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", allow)
+            with lstm_op._products_like_cudnn(w):
+                assert torch.backends.cuda.matmul.allow_tf32 is inside
+            assert torch.backends.cuda.matmul.allow_tf32 is False
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 @pytest.mark.cuda

@@ -22,8 +22,9 @@ The recurrence runs one of two ways (`_persistent_tiles` picks):
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -223,11 +224,27 @@ def recurrence_dot(w_hh: Tensor) -> int:
     dgates @ w_hh. As `dot_mode`, except for float32 on CUDA, which follows the flag that
     `torch.nn.LSTM` obeys there, `torch.backends.cudnn.allow_tf32` (True by default: cuDNN's float32
     LSTM then multiplies in TF32), rather than the float32 matmul precision: one TF32 product (4) where
-    it is set, three (3, about float32) where it is not. The input projection and the weight gradients
-    are torch matmuls and follow the matmul precision as everywhere else."""
+    it is set, three (3, about float32) where it is not. The input projection and the gradients' matmuls
+    (torch's) follow the same flag inside the op (`_products_like_cudnn`), as cuDNN's do."""
     if w_hh.dtype == torch.float32 and w_hh.is_cuda:
         return 4 if torch.backends.cudnn.allow_tf32 else 3
     return dot_mode(w_hh)
+
+
+@contextlib.contextmanager
+def _products_like_cudnn(w_hh: Tensor) -> Iterator[None]:
+    """Inside, torch's float32 matmuls take TF32 where the recurrence does (`recurrence_dot` 4: float32
+    on CUDA under `torch.backends.cudnn.allow_tf32`), as cuDNN's LSTM takes it for all of its
+    products; the matmul setting is restored on exit. Elsewhere, or where torch's matmuls already
+    take TF32, nothing changes."""
+    if recurrence_dot(w_hh) != 4 or torch.backends.cuda.matmul.allow_tf32:
+        yield
+        return
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def _tiles(x: Tensor, w_hh: Tensor) -> _Tiles:
@@ -536,7 +553,9 @@ if HAS_TRITON:
             bias = sum(b.float() for b in (b_ih, b_hh) if b is not None)
 
         def project(out: Tensor) -> None:
-            torch.matmul(x.reshape(t_len * batch, n_in), w_ih.t(), out=out.view(t_len * batch, 4 * hidden))
+            rows = t_len * batch
+            with _products_like_cudnn(w_hh):
+                torch.matmul(x.reshape(rows, n_in), w_ih.t(), out=out.view(rows, 4 * hidden))
 
         seq_tiles = _seq_tiles(x, w_hh)
         if seq_tiles is not None or not _use_graphs(x):
@@ -635,11 +654,12 @@ if HAS_TRITON:
         # The matmuls over every step at once, in x's dtype (float32 accumulation).
         dg_x = dg.to(x.dtype).view(t_len * batch, 4 * hidden)
         h_prev = torch.cat([h0.unsqueeze(0), y[:-1]]).view(t_len * batch, hidden)
-        dx = (dg_x @ w_ih).view(t_len, batch, n_in)
-        # float32: dh0 sums over the whole sequence's recurrence, like dc0 (small: [B, 4H] @ [4H, H]).
-        dh0 = (dg[0] @ w_hh.float()).to(x.dtype)
-        dw_ih = dg_x.t() @ x.reshape(t_len * batch, n_in)
-        dw_hh = dg_x.t() @ h_prev
+        with _products_like_cudnn(w_hh):
+            dx = (dg_x @ w_ih).view(t_len, batch, n_in)
+            # float32: dh0 sums over the whole sequence's recurrence, like dc0 (small: [B, 4H] @ [4H, H]).
+            dh0 = (dg[0] @ w_hh.float()).to(x.dtype)
+            dw_ih = dg_x.t() @ x.reshape(t_len * batch, n_in)
+            dw_hh = dg_x.t() @ h_prev
         db = dg.view(t_len * batch, 4 * hidden).sum(dim=0)
         return dx, dh0, dc.to(x.dtype), dw_ih, dw_hh, db
 
