@@ -114,5 +114,8 @@ class LSTM(nn.LSTM):
 register_swap(
     nn.LSTM,
     LSTM,
-    opt_in="slower than cuDNN's LSTM in float32 on the H200 at hfai's size (data/results/h200/lstm.json)",
+    opt_in=(
+        "its one-launch recurrence waits at a grid barrier that needs every program resident at once; "
+        "on a GPU whose SMs are shared (MPS limits, another persistent kernel) it could stall"
+    ),
 )
