@@ -235,8 +235,8 @@ def recurrence_dot(w_hh: Tensor) -> int:
 def _products_like_cudnn(w_hh: Tensor) -> Iterator[None]:
     """Inside, torch's float32 matmuls take TF32 where the recurrence does (`recurrence_dot` 4: float32
     on CUDA under `torch.backends.cudnn.allow_tf32`), as cuDNN's LSTM takes it for all of its
-    products; the matmul setting is restored on exit. Elsewhere, or where torch's matmuls already
-    take TF32, nothing changes."""
+    products; the matmul setting is restored on exit (it is process-wide: another thread's matmuls
+    meanwhile take it too). Elsewhere, or where torch's matmuls already take TF32, nothing changes."""
     if recurrence_dot(w_hh) != 4 or torch.backends.cuda.matmul.allow_tf32:
         yield
         return

@@ -475,8 +475,8 @@ if HAS_TRITON:
         return zn, mean, rstd
 
     def _partial_rows(z: torch.Tensor, batch: int, n: int, c_h: int, fuse: bool, fused_out: bool) -> int:
-        """Rows of the backward's shared buffer of partial sums: the most programs of any kernel that
-        writes one (each writes its own row, see `_part_widths`)."""
+        """Rows of the backward's shared buffer of partial sums: the most rows any kernel writes (a row
+        for each of its programs, or for each tile of the persistent `_out_kernel`; `_part_widths`)."""
         c_z, nn_ = z.shape[-1], n * n
         m = batch * nn_
         out = cdiv(nn_, OUT_TILES["bwd"][0]) * batch if fused_out else cdiv(m, _elementwise_config(c_z)[0])
