@@ -766,6 +766,31 @@ def _step_extra(config: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _step_builder(
+    run: _Run,
+    config: ModelConfig,
+    precision: Precision,
+    variant: str,
+    ops: Sequence[str] | None,
+    launch: str,
+    batch: Mapping[str, torch.Tensor] | None,
+) -> Callable[..., Steps]:
+    """`_train_steps` of one training-step configuration on the run's device and compile settings,
+    for `_Run.measure` (which passes the mode) or `Measurement.prepare`."""
+    return functools.partial(
+        _train_steps,
+        config,
+        run.device,
+        precision,
+        variant,
+        ops,
+        run.compile_backend,
+        run.compile_mode,
+        launch=launch,
+        batch=batch,
+    )
+
+
 def _bench_train_steps(
     run: _Run,
     op: str,
@@ -778,18 +803,7 @@ def _bench_train_steps(
     swapped ops or None, launch, notes); see `_train_steps` for the launches and `batch`."""
     for provider, config, variant, ops, launch, notes in runs:
         key = (op, provider, ["fwd+bwd"], [config.max_msa_clusters, config.crop_size], precision, None)
-        build = functools.partial(
-            _train_steps,
-            config,
-            run.device,
-            precision,
-            variant,
-            ops,
-            run.compile_backend,
-            run.compile_mode,
-            launch=launch,
-            batch=batch,
-        )
+        build = _step_builder(run, config, precision, variant, ops, launch, batch)
         label = f"{op} {provider} {launch} ckpt={config.checkpoint} {precision.name}"
         extra = {**_step_extra(config), "launch": launch, **notes}
         run.measure(label, key, extra, build, (*timing, False))
@@ -878,18 +892,7 @@ def _bench_waterfall(
         case = Measurement(run.env, run.ceilings, run.device, key, {**notes, "timing": "interleaved"})
         cases[i] = case
         run.progress.set_postfix_str(f"step_waterfall {label} (first call)")
-        build = functools.partial(
-            _train_steps,
-            config,
-            run.device,
-            precision,
-            variant,
-            ops,
-            run.compile_backend,
-            run.compile_mode,
-            launch=launch,
-            batch=batch,
-        )
+        build = _step_builder(run, config, precision, variant, ops, launch, batch)
         with run.cpu_path():
             case.prepare(build, first_call=True)
     ready = [case for case in cases.values() if case.error is None]
