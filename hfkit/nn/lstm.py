@@ -109,8 +109,9 @@ class LSTM(nn.LSTM):
         return states[0], states[1]
 
 
-# Opt-in: at hfai's size on the H200 it beats cuDNN's LSTM in bfloat16 but loses in float32
-# (data/results/h200/lstm.json), so a swap of every nn.LSTM would slow float32 models.
+# Opt-in: at hfai's size on the H200 it beats cuDNN's LSTM in bfloat16 and float32
+# (data/results/h200/lstm.json), but the sequence kernels' grid barrier spins until every program has
+# arrived, with no bound: one swap of every nn.LSTM should not risk a stall on a shared GPU.
 register_swap(
     nn.LSTM,
     LSTM,
