@@ -203,7 +203,6 @@ def triangle_multiplication_kernels(dtype: str = "bf16", dot: int = 0) -> None:
     for way in ("fwd", "bwd"):
         tiles = tm._out_config(c, c, way)
         warps = tiles.pop("num_warps")
-        tiles.pop("per_sm")  # the grid's size, not a kernel parameter
         compile_sm90(tmk._out_kernel, ptrs, {**flags, **tiles, "BWD": way == "bwd"}, warps)
 
 

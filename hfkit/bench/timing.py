@@ -272,7 +272,7 @@ def time_interleaved(
                 if on_error is None:
                     fn()
                 elif (failure := _attempt(fn)) is not None:
-                    live[i] = fn = None
+                    live[i] = None
                     marks[i] = []
                     on_error(i, failure)
                     continue

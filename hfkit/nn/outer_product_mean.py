@@ -29,8 +29,7 @@ class OuterProductMean(_PlainOuterProductMean):
     of the normalized MSA, no autograd add), and the division by the row counts as `row_scale`."""
 
     def _project(self, ln: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        a, b = linears_of(ln, (self.linear_1, self.linear_2))
-        return a, b
+        return linears_of(ln, (self.linear_1, self.linear_2))
 
     def _normalize(self, outer: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         return row_scale(outer, count, divide=True)

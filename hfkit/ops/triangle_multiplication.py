@@ -703,11 +703,11 @@ if HAS_TRITON:
 
     def _out_config(c_h: int, c_z: int, way: str) -> dict:
         """The tiles of `_out_kernel` (`way` "fwd" or "bwd") from `OUT_TILES[way]`: BLOCK_P pairs with all
-        C_h and C_z channels (at least 16 for tl.dot), and the programs per SM."""
-        block_p, warps, per_sm = OUT_TILES[way]
+        C_h and C_z channels (at least 16 for tl.dot); the programs per SM are the launcher's."""
+        block_p, warps, _ = OUT_TILES[way]
         return {
             "BLOCK_P": block_p, "BLOCK_H": max(16, next_power_of_2(c_h)),
-            "BLOCK_Z": max(16, next_power_of_2(c_z)), "num_warps": warps, "per_sm": per_sm,
+            "BLOCK_Z": max(16, next_power_of_2(c_z)), "num_warps": warps,
         }  # fmt: skip
 
     def _launch_out(x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, batch, c_h, eps, grads=None) -> None:
@@ -717,11 +717,12 @@ if HAS_TRITON:
         nn_ = m // batch
         dout, d_proj, y, mean, rstd, part, part_off = grads or (None,) * 7
         bwd = grads is not None
-        tiles = _out_config(c_h, c_z, "bwd" if bwd else "fwd")
-        per_sm = tiles.pop("per_sm")
+        way = "bwd" if bwd else "fwd"
+        tiles = _out_config(c_h, c_z, way)
         tiles_per_batch = cdiv(nn_, tiles["BLOCK_P"])
         num_tiles = tiles_per_batch * batch
-        launch(_out_kernel, (min(num_tiles, per_sm * num_sms(zn.device)),),
+        programs = min(num_tiles, OUT_TILES[way][2] * num_sms(zn.device))
+        launch(_out_kernel, (programs,),
             x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, dout, d_proj, y, mean, rstd, part,
             nn_, c_h, c_z, eps, dout.stride(0) if bwd else 0, d_proj.stride(0) if bwd else 0,
             d_proj.shape[1] - c_z if bwd else 0, part_off if bwd else 0, part.stride(0) if bwd else 0,
