@@ -239,8 +239,8 @@ def _split_gates(acc, BLOCK_U: tl.constexpr, BLOCK_B: tl.constexpr):
 def lstm_seq_fwd_kernel(
     XP, Bias, H0, W, CS, Y, G, Counter,
     t_first, n_steps, B, H,
-    HAS_BIAS: tl.constexpr, PERSISTENT: tl.constexpr, RESIDENT: tl.constexpr, PREFETCH: tl.constexpr,
-    DOT: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PERSISTENT: tl.constexpr, RESIDENT: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # Steps t_first .. t_first + n_steps - 1 of the forward recurrence over a grid of (unit tiles, batch
     # tiles): a program owns BLOCK_U hidden units (4*BLOCK_U rows of w_hh) for BLOCK_B batch rows. Its
@@ -250,9 +250,7 @@ def lstm_seq_fwd_kernel(
     # step; otherwise it is read from L2 at every step, BLOCK_K columns at a time. c stays in float32
     # registers from step to step (read from CS[t_first] on entry). PERSISTENT: the programs meet at
     # the grid barrier after each step (h_t = Y[t] is read by every program, through L2: .cg);
-    # otherwise a launch runs one step and the launches order the steps. PREFETCH: step t+1's input
-    # projection is loaded at the top of step t, its latency hidden behind h_{t-1}'s load, the dot
-    # and the barrier (otherwise after the dot, on the step's path). Traffic per step: h_{t-1}
+    # otherwise a launch runs one step and the launches order the steps. Traffic per step: h_{t-1}
     # once per program (from L2), xp[t], c, h_t and the gates once each; w_hh once per launch
     # (RESIDENT) or once per step over the grid.
     # XP: [T, B, 4H] (input projection without bias); Bias: [4H] float32; H0: [B, H]; W: w_hh [4H, H];
@@ -279,18 +277,7 @@ def lstm_seq_fwd_kernel(
     # (t*B + rows)*H + units (64-bit: T*B*4H may pass 2^31).
     c = tl.load(CS + (t_first * B + rows64)[None, :] * H + units[:, None], mask=ok, other=0.0)
     programs = tl.num_programs(0) * tl.num_programs(1)
-    if PREFETCH:
-        xp_next = tl.load(
-            XP + (t_first * B + rows64)[None, :] * (4 * H) + gate_col[:, None], mask=xp_ok, other=0.0
-        )
     for t in range(t_first, t_first + n_steps):
-        if PREFETCH:
-            xp = xp_next
-            # Past the launch's last step, a row bound of 0 masks the load off.
-            next_ok = row_ok[:, None] & (rows < tl.where(t + 1 < t_first + n_steps, B, 0))[None, :]
-            xp_next = tl.load(
-                XP + ((t + 1) * B + rows64)[None, :] * (4 * H) + gate_col[:, None], mask=next_ok, other=0.0
-            )
         # h_{t-1}: Y[t-1], or H0 at t = 0 (one load a tile: a single trip through shared memory into the dot).
         h_rows = tl.where(t > 0, Y + ((t - 1) * B + rows64)[None, :] * H, H0 + rows64[None, :] * H)
         if RESIDENT:
@@ -305,8 +292,7 @@ def lstm_seq_fwd_kernel(
                 h_ok = k_ok[:, None] & b_ok[None, :]
                 h = tl.load(h_rows + k0 + ks[:, None], mask=h_ok, other=0.0, cache_modifier=".cg")
                 acc += dot(w_k, h.to(w_k.dtype), DOT)
-        if not PREFETCH:
-            xp = tl.load(XP + (t * B + rows64)[None, :] * (4 * H) + gate_col[:, None], mask=xp_ok, other=0.0)
+        xp = tl.load(XP + (t * B + rows64)[None, :] * (4 * H) + gate_col[:, None], mask=xp_ok, other=0.0)
         acc += xp.to(tl.float32)
         if HAS_BIAS:
             acc += bias[:, None]

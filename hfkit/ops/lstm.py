@@ -75,8 +75,7 @@ NUM_WARPS = 4
 # (NB = 4*BLOCK_B, twice that with SPLIT's head and tail) in the h tile's place and held to
 # MAX_RESIDENT_SLICE elements like the slice; otherwise it reads the slice from L2 at every step, at
 # most SEQ_BWD_BLOCK_K rows and MAX_STREAMED_DGATES dgates elements at a time. SEQ_BWD_PREFETCH: the
-# backward loads a step's inputs from the forward one step ahead (see `lstm_seq_bwd_kernel`);
-# SEQ_FWD_PREFETCH: the forward loads a step's input projection one step ahead (`lstm_seq_fwd_kernel`).
+# backward loads a step's inputs from the forward one step ahead (see `lstm_seq_bwd_kernel`).
 # SEQ_BWD_SPLIT: the backward of 16-bit weights carries dgates into the product as a 16-bit head and
 # tail (about float32: two products, twice the dgates traffic a step) rather than rounded to w_hh's
 # dtype once a step, as cuDNN does in bfloat16. Off, because the rounding does not compound over the
@@ -101,7 +100,6 @@ SEQ_BWD_BLOCK_K = 64
 MAX_STREAMED_DGATES = 4096
 SEQ_BWD_SPLIT = False
 SEQ_BWD_PREFETCH = True
-SEQ_FWD_PREFETCH = True
 MIN_SEQ_FWD_BLOCK_U = 4
 MAX_SEQ_FWD_BLOCK_U = 32
 MIN_SEQ_BWD_BLOCK_U = 4
@@ -259,11 +257,10 @@ class _SeqTiles(NamedTuple):
     """Grids and tiles of the sequence kernels for one (B, H, dtype, SM count). The forward: one batch
     tile of block_b rows, programs of fwd_block_u units, their slice of w_hh on chip for the whole
     sequence when `resident` (fwd_block_k = next_pow2(H)) or read fwd_block_k columns at a time at
-    every step, a step's input projection loaded one step ahead when `fwd_prefetch`. The backward:
-    one batch tile of bwd_block_b rows, programs of bwd_block_u units, their column slice on chip when
-    `bwd_resident` (bwd_block_k = next_pow2(H)) or read bwd_block_k rows at a time, dgates carried
-    as a 16-bit head and tail when `bwd_split`, a step's inputs from the forward loaded one step
-    ahead when `bwd_prefetch`, bwd_num_warps warps a program.
+    every step. The backward: one batch tile of bwd_block_b rows, programs of bwd_block_u units, their
+    column slice on chip when `bwd_resident` (bwd_block_k = next_pow2(H)) or read bwd_block_k rows at
+    a time, dgates carried as a 16-bit head and tail when `bwd_split`, a step's inputs from the forward
+    loaded one step ahead when `bwd_prefetch`, bwd_num_warps warps a program.
     A sweep may `_replace` the backward's fields (with a grid of cdiv(H, bwd_block_u) programs, at most
     one per SM) as long as `bwd_split` only with 16-bit weights and bwd_block_k = next_pow2(H) with
     `bwd_resident`."""
@@ -274,7 +271,6 @@ class _SeqTiles(NamedTuple):
     fwd_block_u: int
     fwd_block_k: int
     resident: bool
-    fwd_prefetch: bool
     bwd_block_u: int
     bwd_block_k: int
     bwd_resident: bool
@@ -344,7 +340,6 @@ def _persistent_tiles(
         fwd_block_u=fwd_u,
         fwd_block_k=full_k if resident else SEQ_FWD_BLOCK_K,
         resident=resident,
-        fwd_prefetch=SEQ_FWD_PREFETCH,
         bwd_block_u=bwd_u,
         bwd_block_k=full_k if bwd_resident else streamed_k,
         bwd_resident=bwd_resident,
@@ -389,7 +384,7 @@ def _fwd_seq(
         launch(lstm_seq_fwd_kernel, tiles.fwd_grid,
             xp, bias, h0, w_hh, cs, y, gates, counter, t_first, n_steps, batch, hidden,
             HAS_BIAS=bias is not None, PERSISTENT=persistent, RESIDENT=tiles.resident,
-            PREFETCH=tiles.fwd_prefetch, DOT=recurrence_dot(w_hh),
+            DOT=recurrence_dot(w_hh),
             BLOCK_B=tiles.block_b, BLOCK_U=tiles.fwd_block_u, BLOCK_K=tiles.fwd_block_k,
             num_warps=SEQ_NUM_WARPS,
         )  # fmt: skip
