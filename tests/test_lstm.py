@@ -717,6 +717,8 @@ for dt, size, dot in (("bf16", 2, 0), ("fp16", 2, 0), ("fp32", 4, 3), ("fp32", 4
         flags.update(fwd_tiles)
         asm = c.compile_sm90(k.lstm_seq_fwd_kernel, fwd, flags, num_warps=warps)
         assert "cubin" in asm and "atom.global.gpu.acq_rel.add" in asm["ptx"]
+        spilled, log = spills(asm["ptx"])
+        assert int(spilled) <= 128, (dt, dot, has_bias, log)
     for split in ((True, False) if size == 2 else (False,)):
         tiles = op._persistent_tiles(4, 985, size, dot, 132, bwd_split=split)
         for prefetch in (True, False):

@@ -65,7 +65,7 @@ BLOCK_K = 64
 MAX_BLOCK_B = 64
 NUM_WARPS = 4
 
-# Sequence kernels, 8 warps a program. The forward keeps its w_hh slice [4*BLOCK_U, next_pow2(H)] on
+# Sequence kernels. The forward keeps its w_hh slice [4*BLOCK_U, next_pow2(H)] on
 # chip for the whole sequence where the slice and the h_{t-1} tile [next_pow2(H), BLOCK_B] (both staged
 # in shared memory as the dot's operands; the slice twice for float32's three-TF32 products) take at
 # most SEQ_RESIDENT_BYTES (H200: 227 KB a block) and, as they pass through registers into the dot, at
@@ -90,7 +90,12 @@ NUM_WARPS = 4
 # spills in bfloat16): at that size on the H200 (a sweep of the backward's tiles, not committed)
 # fwd+bwd took 10.1 ms in bfloat16 and 47.3 ms in float32 with 4, 11.2 and 53.4 ms with 8, the same
 # gradients bit for bit; `hfkit bench lstm` (data/results/h200/lstm.json) has the 4-warp kernels.
-SEQ_NUM_WARPS = 8
+# The forward runs 4 warps a program too: at that size on the H200 (a sweep of its warps, not
+# committed) the forward took 4.39 ms in bfloat16 and 5.44 ms in float32 (one TF32 product) with 4,
+# 5.51 and 7.43 ms with 8, 7.59 and 11.60 ms with 16, the same outputs bit for bit (a step's work is
+# a small dot and the gate update: fewer warps meet sooner at the barrier's CTA syncs). With 4 warps
+# the forward takes 255 registers and spills at most 92 bytes (ptxas), which the sweep's times include.
+SEQ_NUM_WARPS = 4
 SEQ_BWD_NUM_WARPS = 4
 SEQ_RESIDENT_BYTES = 192 * 1024
 MAX_RESIDENT_SLICE = 32768
