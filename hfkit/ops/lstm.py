@@ -84,12 +84,14 @@ NUM_WARPS = 4
 # exact one in dgates, dx and dw_hh, where torch's own bfloat16 nn.LSTM is 3.7e-3 from float64. The
 # kernels end to end (T = 200, H = 64, interpreter) are 2.6e-3 from float64 in dx either way (torch
 # bfloat16: 3.7e-3), 4.4e-3 in dw_hh (split 4.2e-3, torch 3.8e-3: the forward's rounding of h).
-# At hfai's H = 985, B = 4 on sm_90 (ptxas, 8 warps, PREFETCH): bfloat16 both on chip (forward 181
-# registers; backward 200, 198 with SPLIT), float32 forward on chip with one TF32 product and streamed
-# with three, the backward likewise; none spills. The backward runs 4 warps a program (a few bytes of
-# spills in bfloat16): at that size on the H200 (a sweep of the backward's tiles, not committed)
-# fwd+bwd took 10.1 ms in bfloat16 and 47.3 ms in float32 with 4, 11.2 and 53.4 ms with 8, the same
-# gradients bit for bit; `hfkit bench lstm` (data/results/h200/lstm.json) has the 4-warp kernels.
+# At hfai's H = 985, B = 4 on sm_90: bfloat16 both on chip, float32 forward on chip with one TF32
+# product and streamed with three, the backward likewise. With 8 warps (ptxas, PREFETCH) the forward
+# took 181 registers and the backward 200 (198 with SPLIT), none spilling. The backward runs 4 warps
+# a program (a few bytes of spills in bfloat16): at that size on the H200 (sweeps of the backward's
+# tiles, not committed) fwd+bwd took 10.1 ms in bfloat16 and 47.3 ms in float32 (three products)
+# with 4, 11.2 and 53.4 ms with 8; later, with the 4-warp forward and one TF32 product, 8.99 and
+# 11.5 ms with 4 and 19.0 and 27.7 ms with 2; the same gradients bit for bit. `hfkit bench lstm`
+# (data/results/h200/lstm.json) has the 4-warp kernels.
 # The forward runs 4 warps a program too: at that size on the H200 (a sweep of its warps, not
 # committed) the forward took 4.39 ms in bfloat16 and 5.44 ms in float32 (one TF32 product) with 4,
 # 5.51 and 7.43 ms with 8, 7.59 and 11.60 ms with 16, the same outputs bit for bit (a step's work is
