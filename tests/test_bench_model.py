@@ -297,7 +297,7 @@ def test_cli_bench_model(tmp_path, capsys) -> None:
 def test_waterfall_frame_and_figures() -> None:
     pytest.importorskip("plotly")
     from hfkit.bench import rows_to_frame
-    from hfkit.viz.model import model_time_bars, preset_config, waterfall_figure, waterfall_frame
+    from hfkit.viz.model import model_time_bars, preset_config, stage_bars, waterfall_figure, waterfall_frame
 
     rows = run_model_benchmark("cpu", parts=("block",), variants=("eager",), dtypes=("fp32",), **QUICK)
     frame = rows_to_frame(rows)
@@ -308,12 +308,17 @@ def test_waterfall_frame_and_figures() -> None:
     stages = []
     for stage, (label, ms) in enumerate([("eager", 10.0), ("+LayerNorm", 8.0), ("+compile", 5.0)]):
         row = rows[0].as_dict() | {"op": "step_waterfall", "provider": label, "p50_ms": ms}
+        row |= {"p20_ms": ms - 1.0, "p80_ms": ms + 0.5 * (stage + 1)}
         stages.append(row | {"extra": {"stage": stage, "ops": ["LayerNorm"] if stage else []}})
     table = waterfall_frame(rows_to_frame(stages[::-1]))
     assert list(table["stage"]) == ["eager", "+LayerNorm", "+compile"]
     assert list(table["delta_ms"]) == [10.0, -2.0, -3.0]
+    assert list(table["p20_ms"]) == [9.0, 7.0, 4.0] and list(table["p80_ms"]) == [10.5, 9.0, 6.5]
     fig = waterfall_figure(table)
     assert list(fig.data[0].measure) == ["absolute", "relative", "relative", "total"]
+    # The bars' whiskers run from each stage's 20th to its 80th percentile.
+    whiskers = stage_bars(table).data[0].error_y
+    assert list(whiskers.array) == [0.5, 1.0, 1.5] and list(whiskers.arrayminus) == [1.0, 1.0, 1.0]
     assert preset_config("af2_initial", on_cpu=True).no_blocks == 1
     assert preset_config("af2_finetune", crop=64).crop_size == 64
     with pytest.raises(ValueError, match="preset"):

@@ -214,10 +214,11 @@ def model_time_bars(frame: pd.DataFrame, op: str = "evoformer_block", title: str
 
 
 def waterfall_frame(frame: pd.DataFrame) -> pd.DataFrame:
-    """`step_waterfall` rows as the waterfall's table: stage, step time (ms), change from the stage
-    before (ms), peak memory (GiB), swapped ops, error, launch ("eager": from Python, "graph": the
-    graphed step), first call s (compilation and capture; NaN where not recorded); ordered by stage.
-    Failed stages keep NaN times."""
+    """`step_waterfall` rows as the waterfall's table: stage, step time (ms, the median), change from
+    the stage before (ms), the 20th and 80th percentiles of the step time (ms: how far the stage's
+    own steps spread; a change smaller than that is noise), peak memory (GiB), swapped ops, error,
+    launch ("eager": from Python, "graph": the graphed step), first call s (compilation and capture;
+    NaN where not recorded); ordered by stage. Failed stages keep NaN times."""
     data = frame[frame["op"] == "step_waterfall"].copy()
     if data.empty:
         raise ValueError("frame: no 'step_waterfall' rows")
@@ -227,6 +228,8 @@ def waterfall_frame(frame: pd.DataFrame) -> pd.DataFrame:
         {
             "stage": data["provider"].to_numpy(),
             "step_ms": data["p50_ms"].to_numpy(dtype=float),
+            "p20_ms": data["p20_ms"].to_numpy(dtype=float),
+            "p80_ms": data["p80_ms"].to_numpy(dtype=float),
             "peak_GiB": data["peak_mem_bytes"].astype(float).to_numpy() / 2**30,
             "ops": data["extra"].apply(lambda e: ", ".join((e or {}).get("ops", []))).to_numpy(),
             "error": data["extra"].apply(lambda e: (e or {}).get("error", "")).to_numpy(),
@@ -483,9 +486,9 @@ def batch_waterfall(
     fresh, identically seeded `AlphaFoldLite(config)` for each stage of `waterfall_stages` over the
     ops the model holds (eager, each op swapped in turn, the swapped step graphed, then compiled inside
     the graph); the eager stages timed together in interleaved rounds. Returns `waterfall_frame`'s
-    table (stage, step_ms, delta_ms, peak_GiB, ops, error, launch, first call s: compilation and
-    capture); a failed stage keeps NaN times and its error. Compiling uses Inductor on a GPU and
-    Dynamo's "eager" backend elsewhere unless `compile_backend` is given."""
+    table (stage, step_ms, delta_ms, p20_ms, p80_ms, peak_GiB, ops, error, launch, first call s:
+    compilation and capture); a failed stage keeps NaN times and its error. Compiling uses Inductor
+    on a GPU and Dynamo's "eager" backend elsewhere unless `compile_backend` is given."""
     from hfkit.bench.model import measure_waterfall
     from hfkit.bench.results import rows_to_frame
 
@@ -498,7 +501,8 @@ def batch_waterfall(
 
 
 def stage_bars(table: pd.DataFrame, title: str | None = None) -> go.Figure:
-    """Bars of a waterfall table (`batch_waterfall`, `waterfall_frame`): step time per stage on top,
+    """Bars of a waterfall table (`batch_waterfall`, `waterfall_frame`): step time per stage on top
+    (the median, with whiskers from the 20th to the 80th percentile where the table has them),
     peak memory per stage below (where measured: CUDA only), coloured by launch ("eager": from
     Python, "graph": the graphed step) when the table says."""
     import plotly.graph_objects as go
@@ -515,7 +519,19 @@ def stage_bars(table: pd.DataFrame, title: str | None = None) -> go.Figure:
         subplot_titles=["step time (ms)", *(["peak memory (GiB)"] if has_peak else [])],
     )
     hover = table.get("launch")
-    fig.add_trace(go.Bar(x=table["stage"], y=table["step_ms"], marker_color=colors, hovertext=hover), 1, 1)
+    spread = None
+    if {"p20_ms", "p80_ms"} <= set(table.columns) and table["p20_ms"].notna().any():
+        spread = {
+            "type": "data",
+            "symmetric": False,
+            "array": (table["p80_ms"] - table["step_ms"]).tolist(),
+            "arrayminus": (table["step_ms"] - table["p20_ms"]).tolist(),
+        }
+    fig.add_trace(
+        go.Bar(x=table["stage"], y=table["step_ms"], marker_color=colors, hovertext=hover, error_y=spread),
+        1,
+        1,
+    )
     if has_peak:
         fig.add_trace(
             go.Bar(x=table["stage"], y=table["peak_GiB"], marker_color=colors, hovertext=hover), 2, 1
