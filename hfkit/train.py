@@ -585,12 +585,15 @@ class GraphedStep:
             for _ in range(warmup_steps):
                 self.optimizer.zero_grad(set_to_none=True)
                 with _linears_cast(self.model, self.autocast_dtype):
-                    total, _ = self._forward_loss(self._static, cache_casts=False)
+                    total, parts = self._forward_loss(self._static, cache_casts=False)
                     total.backward()
                 self._clip_and_step()
         current.wait_stream(side)
         self._restore(snapshot)
-        del snapshot, total
+        # The warm-up's losses hold its autograd graph, and with it the parameters' AccumulateGrad
+        # nodes, made on the side stream: kept alive, the capture's backward (on the graph's own
+        # stream) would reuse them across streams (torch warns, and syncs the streams).
+        del snapshot, total, parts
         # Gradients allocated during the capture live in the graph's pool; each replay rewrites them.
         self.optimizer.zero_grad(set_to_none=True)
         self._graph = torch.cuda.CUDAGraph()
