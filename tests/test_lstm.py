@@ -266,8 +266,9 @@ def test_sequence_in_one_launch_interpreted(dtype, split, resident):
     in registers, the grid barrier after each step) with a single program, where the barrier passes at
     once: the same buffers as one step a launch."""
     t_len, batch, hidden = 37, 5, 30
+    dot = lstm_op.recurrence_dot(torch.empty(0, dtype=dtype))  # the mode the kernels take here
     tiles = lstm_op._persistent_tiles(
-        batch, hidden, dtype.itemsize, 1, 1, 1 << 30 if resident else 0, bwd_split=split
+        batch, hidden, dtype.itemsize, dot, 1, 1 << 30 if resident else 0, bwd_split=split
     )
     assert tiles is not None and tiles.fwd_grid == tiles.bwd_grid == (1, 1) and tiles.resident == resident
     assert tiles.bwd_resident == resident and tiles.bwd_split == split
@@ -299,7 +300,8 @@ def test_backward_prefetch_changes_nothing(dtype):
     in the step: the same dgates and dc, bit for bit, in one launch (a single program) and one step a
     launch."""
     t_len, batch, hidden = 9, 3, 30
-    tiles = lstm_op._persistent_tiles(batch, hidden, dtype.itemsize, 1, 1)
+    dot = lstm_op.recurrence_dot(torch.empty(0, dtype=dtype))  # the mode the kernels take here
+    tiles = lstm_op._persistent_tiles(batch, hidden, dtype.itemsize, dot, 1)
     assert tiles is not None and tiles.bwd_grid == (1, 1) and tiles.bwd_prefetch == lstm_op.SEQ_BWD_PREFETCH
     args = layer_args(t_len, batch, 7, hidden, dtype)
     xp = (args["x"] @ args["w_ih"].t()).contiguous()

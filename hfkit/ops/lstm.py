@@ -267,7 +267,8 @@ class _SeqTiles(NamedTuple):
     every step. The backward: one batch tile of bwd_block_b rows, programs of bwd_block_u units, their
     column slice on chip when `bwd_resident` (bwd_block_k = next_pow2(H)) or read bwd_block_k rows at
     a time, dgates carried as a 16-bit head and tail when `bwd_split`, a step's inputs from the forward
-    loaded one step ahead when `bwd_prefetch`, bwd_num_warps warps a program.
+    loaded one step ahead when `bwd_prefetch`, bwd_num_warps warps a program. Both kernels' products
+    take `dot` (`recurrence_dot`), the mode the tiles were chosen for.
     A sweep may `_replace` the backward's fields (with a grid of cdiv(H, bwd_block_u) programs, at most
     one per SM) as long as `bwd_split` only with 16-bit weights and bwd_block_k = next_pow2(H) with
     `bwd_resident`."""
@@ -285,6 +286,7 @@ class _SeqTiles(NamedTuple):
     bwd_split: bool
     bwd_prefetch: bool
     bwd_num_warps: int
+    dot: int
 
 
 def _smallest_block_u(hidden: int, smallest: int, sms: int) -> int:
@@ -354,6 +356,7 @@ def _persistent_tiles(
         bwd_split=bwd_split,
         bwd_prefetch=SEQ_BWD_PREFETCH,
         bwd_num_warps=SEQ_BWD_NUM_WARPS,
+        dot=dot,
     )
 
 
@@ -390,8 +393,7 @@ def _fwd_seq(
     for t_first, n_steps in spans:
         launch(lstm_seq_fwd_kernel, tiles.fwd_grid,
             xp, bias, h0, w_hh, cs, y, gates, counter, t_first, n_steps, batch, hidden,
-            HAS_BIAS=bias is not None, PERSISTENT=persistent, RESIDENT=tiles.resident,
-            DOT=recurrence_dot(w_hh),
+            HAS_BIAS=bias is not None, PERSISTENT=persistent, RESIDENT=tiles.resident, DOT=tiles.dot,
             BLOCK_B=tiles.block_b, BLOCK_U=tiles.fwd_block_u, BLOCK_K=tiles.fwd_block_k,
             num_warps=SEQ_NUM_WARPS,
         )  # fmt: skip
@@ -422,7 +424,7 @@ def _bwd_seq(
         launch(lstm_seq_bwd_kernel, tiles.bwd_grid,
             dy, dh_n, w_hh, gates, cs, dc, dg, dgates, counter, t_first, n_steps, t_len, batch, hidden,
             PERSISTENT=persistent, RESIDENT=tiles.bwd_resident, SPLIT=tiles.bwd_split,
-            PREFETCH=tiles.bwd_prefetch, DOT=recurrence_dot(w_hh),
+            PREFETCH=tiles.bwd_prefetch, DOT=tiles.dot,
             BLOCK_B=tiles.bwd_block_b, BLOCK_U=tiles.bwd_block_u, BLOCK_K=tiles.bwd_block_k, KS=rows,
             num_warps=tiles.bwd_num_warps,
         )  # fmt: skip
