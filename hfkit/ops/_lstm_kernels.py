@@ -9,9 +9,8 @@ that only it reads and writes.
 
 Sequence kernels (`lstm_seq_fwd_kernel`, `lstm_seq_bwd_kernel`) run many steps in one launch: on
 CUDA the whole sequence, every program resident at once (grid <= SM count) and meeting the others at
-a grid-wide barrier after each step (`_arrive` once h_t, dgates_t backward, is stored, `_await` after
-the step's other stores: an int32 counter, a releasing increment, acquiring polls), so that what the
-next step reads through L2 is complete before it starts. A program keeps its
+a grid-wide barrier (`_grid_barrier`: an int32 counter, release/acquire atomics) after each step, so
+that h_t (dgates_t backward), read through L2, is complete before the next step. A program keeps its
 slice of w_hh on chip across the steps where it fits (RESIDENT) and c (dc) in registers. With
 PERSISTENT off (the interpreter, whose programs run one after another) the same code runs one step a
 launch. Both write the same buffers in the same layouts as the step kernels.
@@ -210,32 +209,16 @@ def lstm_step_bwd_kernel(
 
 
 @triton.jit
-def _arrive(Counter):
-    # This program's half of the grid barrier after a step: the CTA barrier orders every thread's
-    # stores so far before thread 0's release-increment (gpu scope, cumulative). Stores issued after
-    # it are not covered: a kernel arrives once the stores the next step reads are issued, and writes
-    # what only later launches read while the other programs catch up.
+def _grid_barrier(Counter, target):
+    # Every program of the grid waits here until `target` arrivals were counted (step s of a launch:
+    # (s+1) * programs). The CTA barrier orders this program's stores of the step before thread 0's
+    # release-increment (gpu scope, cumulative), the acquiring spin and the second CTA barrier order
+    # the next step's loads after every program's stores. Safe only while every program is resident
+    # (grid <= SM count, one CTA per SM). Scalar atomics run on one thread of the program.
     tl.debug_barrier()
-    tl.atomic_add(Counter, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _load_acquire(ptr):
-    # An acquiring load of an int32 (gpu scope): a poll that, unlike an atomic read-modify-write,
-    # does not queue behind the other programs' increments at the L2's atomic unit.
-    return tl.inline_asm_elementwise(
-        "ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def _await(Counter, target):
-    # The other half: wait until `target` arrivals were counted (step s of a launch: (s+1) * programs);
-    # the acquiring polls and the CTA barrier order the next step's loads after every program's
-    # covered stores. Safe only while every program is resident (grid <= SM count, one CTA per SM).
-    count = _load_acquire(Counter)
+    count = tl.atomic_add(Counter, 1, sem="acq_rel", scope="gpu") + 1
     while count < target:
-        count = _load_acquire(Counter)
+        count = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
 
@@ -316,13 +299,11 @@ def lstm_seq_fwd_kernel(
         a_i, a_f, a_g, a_o = _split_gates(acc, BLOCK_U, BLOCK_B)
         i, f, g, o, c, h = _cell_fwd(a_i, a_f, a_g, a_o, c)
         at_t = (t * B + rows64)[None, :] * H + units[:, None]
-        tl.store(Y + at_t, h.to(Y.dtype.element_ty), mask=ok)
-        if PERSISTENT:  # h_t is what the next step reads: the rest is stored while the grid catches up
-            _arrive(Counter)
         tl.store(CS + at_t + B * H, c, mask=ok)
+        tl.store(Y + at_t, h.to(Y.dtype.element_ty), mask=ok)
         _store_gates(G + (t * B + rows64)[None, :] * (4 * H) + units[:, None], i, f, g, o, H, ok)
         if PERSISTENT:
-            _await(Counter, (t - t_first + 1) * programs)
+            _grid_barrier(Counter, (t - t_first + 1) * programs)
 
 
 @triton.jit
@@ -450,6 +431,7 @@ def lstm_seq_bwd_kernel(
                 product += dot(w_k, dgs, DOT)
         dh += _gate_diagonal(product, BLOCK_U, BLOCK_B, 1 + SPLIT)
         d_i, d_f, d_g, d_o, dc = _cell_bwd(dh, dc, i, f, g, o, c, c_prev)
+        _store_gates(DG + (t * B + rows64)[None, :] * (4 * H) + units[:, None], d_i, d_f, d_g, d_o, H, ok)
         # Slot t % 2: the one step t-1 reads while no program writes it (a program writes it again at
         # step t-2, past the barrier that every program reaches after reading it).
         dgs_t = DGS + (t % 2) * KS * NB
@@ -460,13 +442,10 @@ def lstm_seq_bwd_kernel(
                 _rounding_left(d_i, w_dtype), _rounding_left(d_f, w_dtype),
                 _rounding_left(d_g, w_dtype), _rounding_left(d_o, w_dtype), NB, BLOCK_B,
             )  # fmt: skip
-        if PERSISTENT:  # dgates_t is what the next step reads: DG is stored while the grid catches up
-            _arrive(Counter)
-        _store_gates(DG + (t * B + rows64)[None, :] * (4 * H) + units[:, None], d_i, d_f, d_g, d_o, H, ok)
         if PREFETCH:
             # Past the launch's last step, a row bound of 0 masks the loads off.
             next_ok = u_ok[:, None] & (rows < tl.where(s + 1 < n_steps, B, 0))[None, :]
             dy, i, f, g, o, c, c_prev = _bwd_step_inputs(DY, G, CS, t - 1, units, rows64, B, H, next_ok)
         if PERSISTENT:
-            _await(Counter, (s + 1) * programs)
+            _grid_barrier(Counter, (s + 1) * programs)
     tl.store(DC + state, dc, mask=ok)
