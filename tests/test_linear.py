@@ -24,6 +24,7 @@ from hfkit.ops.linear import (
     SMALL_OUTPUT_CONFIG,
     _matmul,
     _split_k,
+    _transposed,
     default_config,
     uses_triton,
 )
@@ -120,6 +121,22 @@ def test_matmul_split_k_and_strides(device, split_k, seed):
     expected = a.double() @ b.double() + bias.double()
     assert rel_err(out, expected) <= REL_TOL[device]
     assert torch.isnan(full[:, n:]).all(), "wrote past the output's columns"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m,n", [(1, 1), (5, 130), (129, 3), (70, 65)])
+@pytest.mark.parametrize("layout", ["rows", "columns", "strided"])
+def test_transposed_copy_is_exact(device, m, n, layout, seed):
+    # The backward's transposing copies: aᵀ, contiguous, value for value, from any strides.
+    if layout == "rows":
+        a = torch.randn(m, n, device=device)
+    elif layout == "columns":
+        a = torch.randn(n, m, device=device).t()
+    else:
+        a = torch.randn(2 * m, 3 * n, device=device)[::2, 1::3]
+    out = _transposed(a)
+    assert out.shape == (n, m) and out.is_contiguous() and out.dtype == a.dtype
+    assert torch.equal(out, a.t())
 
 
 @pytest.mark.parametrize("device", DEVICES)

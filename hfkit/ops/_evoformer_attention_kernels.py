@@ -56,8 +56,7 @@ def _logits(
     # BIAS_PRELOADED: `btile` holds this tile's bias already (float32), else it is loaded here.
     k_ok = offs_n < n_k
     kt = _ld(k_ptrs, k_ok[None, :] & k_ok_d, EVEN)
-    # (float32 explicitly: under torch.compile, Inductor may pass the scale as a float64 scalar.)
-    s = (dot(q, kt, DOT) * qk_scale).to(tl.float32)
+    s = dot(q, kt, DOT) * qk_scale
     if HAS_BIAS or HAS_KEY_BIAS:
         t = tl.zeros_like(s)
         if HAS_BIAS:
@@ -83,6 +82,8 @@ def _evo_fwd_kernel(
     EVEN_MN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
+    # Float arguments in float32 (torch.compile passes Python floats as float64 scalars).
+    qk_scale = tl.cast(qk_scale, tl.float32)
     # Grid (query blocks, B*S*H). Traffic: q and o once; k, v (and the bias rows) once per query
     # block. Registers hold the q tile, the [BLOCK_M, BLOCK_D] float32 accumulator and one logits
     # tile; o has its own strides (the host lays it out like q), the statistics are [B*S*H, Q].
@@ -197,7 +198,7 @@ def _dkdv_tile(
     mx = _ld(Mx + row0 + offs_m, m_ok, EVEN_MN)
     lg = _ld(Lg + row0 + offs_m, m_ok, EVEN_MN)
     delta = _ld(Delta + row0 + offs_m, m_ok, EVEN_MN)
-    st = (dot(k, qt, DOT) * qk_scale).to(tl.float32) + kbias[:, None]
+    st = dot(k, qt, DOT) * qk_scale + kbias[:, None]
     if HAS_BIAS:
         if not BIAS_PRELOADED:
             bt = _ld(b_ptrs, n_ok[:, None] & m_ok[None, :], EVEN_MN).to(tl.float32) * 1.4426950408889634
@@ -223,6 +224,9 @@ def _evo_bwd_kernel(
     EVEN: tl.constexpr, EVEN_MN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
+    # Float arguments in float32 (torch.compile passes Python floats as float64 scalars).
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
     # MODE 1 (dq):     grid (query blocks, B*S*H); walks the key blocks. Runs first: it also writes
     #                  delta = rowsum(do * o), which the other passes read.
     # MODE 0 (dk, dv): grid (key blocks, B*S*H); walks the query blocks.

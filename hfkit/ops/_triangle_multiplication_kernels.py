@@ -211,6 +211,8 @@ def _ln_out_t_fwd_kernel(
     X, Y, W, Bias, Mean, Rstd, NN, CH, eps,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
+    # Float arguments in float32 (torch.compile passes Python floats as float64 scalars).
+    eps = tl.cast(eps, tl.float32)
     # Traffic: read x channel-first [batch, C_h, N*N] once, write y row-major [batch * N*N, C_h]
     # once, plus 8 bytes of statistics per pair. A program owns BLOCK_P pairs with all channels,
     # so the reductions over channels stay in registers; the tile is transposed on the way out.
@@ -336,6 +338,8 @@ def _out_kernel(
     BWD: tl.constexpr, DOT: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Z: tl.constexpr,
 ):  # fmt: skip
+    # Float arguments in float32 (torch.compile passes Python floats as float64 scalars).
+    eps = tl.cast(eps, tl.float32)
     # The output half of the update, BLOCK_P pairs (a tile) at a time: y = LN_out(x), o = y @ W_z.T +
     # b_z and g = zn @ W_g.T + b_g over all C_z output channels at once (K spans all of C_h for o and
     # of C_z for g: one tl.dot each). Persistent: a program loads W_z, W_g and the biases once and

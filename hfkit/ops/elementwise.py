@@ -426,6 +426,9 @@ if HAS_TRITON:
         HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, MASK64: tl.constexpr, ROW_SHARED: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
+        # Float arguments in float32 (torch.compile passes Python floats as float64 scalars).
+        p = tl.cast(p, tl.float32)
+        scale = tl.cast(scale, tl.float32)
         # Traffic: read x and residual, write y (3 passes; eager: bernoulli mask, x * mask, / (1 - p),
         # + residual, + bias = 4-5 kernels and a mask tensor kept for backward). x viewed as [R, B].
         rows, cols = _tile_indices(B, BLOCK_M, BLOCK_N)
@@ -444,6 +447,9 @@ if HAS_TRITON:
         DY, DX, Seed, R, B, S, MB, MC, p, scale,
         MASK64: tl.constexpr, ROW_SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
+        # Float arguments in float32 (torch.compile passes Python floats as float64 scalars).
+        p = tl.cast(p, tl.float32)
+        scale = tl.cast(scale, tl.float32)
         # Traffic: read dy, write dx = dy * keep / (1 - p); keep is drawn again from the seed.
         rows, cols = _tile_indices(B, BLOCK_M, BLOCK_N)
         ok = (rows < R)[:, None] & (cols < B)[None, :]
@@ -454,6 +460,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _keep_mask_kernel(Seed, Mask, n, p, MASK64: tl.constexpr, BLOCK: tl.constexpr):
+        # Float arguments in float32 (torch.compile passes Python floats as float64 scalars).
+        p = tl.cast(p, tl.float32)
         # The keep mask itself, in mask order: the same draws `_keep` makes (for tests/statistics).
         pid = tl.program_id(0).to(tl.int64) if MASK64 else tl.program_id(0)
         idx = pid * BLOCK + tl.arange(0, BLOCK)

@@ -187,6 +187,8 @@ if HAS_TRITON:
         HAS_W: tl.constexpr, HAS_B: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
+        # Float arguments in float32 (torch.compile passes Python floats as float64 scalars).
+        eps = tl.cast(eps, tl.float32)
         # Traffic: read x once, write y once, plus 8 bytes of statistics per row. Each program owns
         # BLOCK_M whole rows held in registers, so the two reductions need no second pass over memory.
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)

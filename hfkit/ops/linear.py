@@ -202,6 +202,24 @@ if HAS_TRITON:
         tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _transpose_kernel(
+        Src, Dst, M, N, stride_sm, stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        # Dst [N, M] (contiguous) = Src [M, N]ᵀ, one [BLOCK_M, BLOCK_N] tile a program: loaded along
+        # Src's rows and stored along Dst's, the transpose between them through shared memory.
+        rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        mask = (rm < M)[:, None] & (rn < N)[None, :]
+        tile = tl.load(Src + rm[:, None] * stride_sm + rn[None, :] * stride_sn, mask=mask)
+        tl.store(Dst + rn[:, None] * M + rm[None, :], tl.trans(tile), mask=tl.trans(mask))
+
+
+TRANSPOSE_TILE = 64
+
+
 def default_config(device: torch.device, m: int, n: int) -> MatmulConfig:
     """The tiling `linear` uses on `device` for an [m, n] output: on CUDA `SMALL_OUTPUT_CONFIG` when the
     output has fewer 128 x 128 tiles than two per SM, else `CUDA_CONFIG`; `INTERPRETER_CONFIG` under the
@@ -279,6 +297,21 @@ if HAS_TRITON:
             _matmul(a, b, out, None, default_config(a.device, a.shape[0], b.shape[1]))
         return out
 
+    @hfkit_op("linear_transpose")
+    def _transposed(a: torch.Tensor) -> torch.Tensor:
+        """a [M, N] (any strides) -> aᵀ as a new contiguous [N, M] tensor: the transposing copies the
+        backward's products read. torch's `a.t().contiguous()` of a row-major float32 [320000, 1536]
+        matrix runs a strided elementwise copy (about 0.8 TB/s on the H200); a tiled transpose reads and
+        writes whole rows."""
+        m, n = a.shape
+        out = torch.empty((n, m), dtype=a.dtype, device=a.device)
+        if out.numel() > 0:
+            tile = TRANSPOSE_TILE
+            launch(_transpose_kernel, (cdiv(m, tile), cdiv(n, tile)),
+                a, out, m, n, a.stride(0), a.stride(1), BLOCK_M=tile, BLOCK_N=tile, num_warps=4,
+            )  # fmt: skip
+        return out
+
     def _setup_context(ctx, inputs, output) -> None:
         x, weight, bias = inputs
         ctx.save_for_backward(x, weight)
@@ -293,11 +326,11 @@ if HAS_TRITON:
         # Operands laid out along the reduction dim (copies where they are not): Hopper's TF32
         # tensor-core instruction reads both operands that way, and other layouts fall back to slower
         # ones (the backward measured 2-3x slower than the forward per FLOP). The copies cost one pass
-        # over dy, x and the weight each.
+        # over dy, x and the weight each (dy and x by the tiled transpose: they have a row per token).
         if needs[0]:
             grad_x = _linear_mm(dy2, weight.t().contiguous().t()).view(x.shape)
         if needs[1]:
-            grad_w = _linear_mm(dy2.t().contiguous(), x.reshape(-1, k).t().contiguous().t())
+            grad_w = _linear_mm(_transposed(dy2), _transposed(x.reshape(-1, k)).t())
         if ctx.has_bias and needs[2]:
             grad_b = column_sums(dy2)
         return grad_x, grad_w, grad_b

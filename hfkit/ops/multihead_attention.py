@@ -29,8 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from hfkit.ops._checks import check_float, check_matmul_dtype, check_same_device, describe
-from hfkit.ops.evoformer_attention import evoformer_attention
-from hfkit.ops.evoformer_attention import uses_triton as uses_kernel
 from hfkit.ops.linear import linear
 
 __all__ = ["multihead_attention", "multihead_attention_reference"]
@@ -191,9 +189,6 @@ def multihead_attention(
         attn = torch.matmul(probs, v)
         weights = probs.mean(dim=1) if average_attn_weights else probs
         weights = weights if p.batched else weights[0]
-    elif _kernel_attention(q, mask, dropout, causal_only):
-        # evoformer_attention takes [B, S, H, L, D]: the batch as B, one row (S = 1).
-        attn = evoformer_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)).squeeze(1)
     else:
         attn = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal_only
@@ -243,23 +238,6 @@ def _project(
     w_k, w_v = w_kv.chunk(2)
     b_k, b_v = b_kv.chunk(2) if b_kv is not None else (None, None)
     return q, _linear(key, w_k, b_k), _linear(value, w_v, b_v)
-
-
-def _kernel_attention(q: Tensor, mask: Tensor | None, dropout: float, causal: bool) -> bool:
-    """Whether the attention runs hfkit's flash-style kernel (`evoformer_attention`) rather than SDPA:
-    float32 on CUDA without a mask, dropout or causal masking, head dim at most its MAX_HEAD_DIM.
-    SDPA has no float32 flash kernel; its memory-efficient one multiplies float32 off the tensor cores,
-    where hfkit's kernel takes three TF32 products per product on them (about 1e-6 relative, as
-    `hfkit.ops.linear`). Masks stay with SDPA: a query row whose keys are all masked gives NaN there
-    and uniform weights in the kernel's finite masking."""
-    return (
-        q.is_cuda
-        and q.dtype == torch.float32
-        and mask is None
-        and dropout == 0.0
-        and not causal
-        and uses_kernel(q)
-    )
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
