@@ -66,6 +66,8 @@ CUDA_CONFIG = MatmulConfig(128, 128, 32, 8, 8, 3)
 SMALL_OUTPUT_CONFIG = MatmulConfig(128, 64, 32, 8, 4, 4)
 # The interpreter runs programs one after another in Python: small tiles keep odd sizes cheap.
 INTERPRETER_CONFIG = MatmulConfig(32, 32, 32, 4, 4, 1)
+# The transposing copies' square tile (float32: 16 KiB through shared memory a program).
+TRANSPOSE_TILE = 64
 # Candidates for a sweep on the GPU (`_matmul(..., config)` with each).
 CONFIGS: tuple[MatmulConfig, ...] = (
     CUDA_CONFIG,
@@ -201,9 +203,6 @@ if HAS_TRITON:
         )
         tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
-
-if HAS_TRITON:
-
     @triton.jit
     def _transpose_kernel(
         Src, Dst, M, N, stride_sm, stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -215,9 +214,6 @@ if HAS_TRITON:
         mask = (rm < M)[:, None] & (rn < N)[None, :]
         tile = tl.load(Src + rm[:, None] * stride_sm + rn[None, :] * stride_sn, mask=mask)
         tl.store(Dst + rn[:, None] * M + rm[None, :], tl.trans(tile), mask=tl.trans(mask))
-
-
-TRANSPOSE_TILE = 64
 
 
 def default_config(device: torch.device, m: int, n: int) -> MatmulConfig:
@@ -300,9 +296,9 @@ if HAS_TRITON:
     @hfkit_op("linear_transpose")
     def _transposed(a: torch.Tensor) -> torch.Tensor:
         """a [M, N] (any strides) -> aᵀ as a new contiguous [N, M] tensor: the transposing copies the
-        backward's products read. torch's `a.t().contiguous()` of a row-major float32 [320000, 1536]
-        matrix runs a strided elementwise copy (about 0.8 TB/s on the H200); a tiled transpose reads and
-        writes whole rows."""
+        backward's products read. torch's `a.t().contiguous()` runs a strided elementwise copy: of a
+        row-major float32 [320000, 1536] matrix 6.2 ms on the H200 (0.64 TB/s read + written), where
+        this tiled transpose, reading and writing whole rows, took 1.0 ms (3.9 TB/s)."""
         m, n = a.shape
         out = torch.empty((n, m), dtype=a.dtype, device=a.device)
         if out.numel() > 0:
