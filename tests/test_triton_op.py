@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
 
 import pytest
@@ -134,6 +135,35 @@ def test_direct_and_dispatched_routes_agree(case, monkeypatch):
     direct = _run(inputs, call)
     for a, b in zip(direct, dispatched, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_kernels_take_float_arguments_as_float32(monkeypatch):
+    # torch.compile hands a user-defined Triton kernel Python floats as float64 scalars: a kernel that
+    # computed with one would run float64 arithmetic there (slower, and unlike eager, e.g. dropout's
+    # threshold). Every kernel the cases launch with a float argument casts it to float32 on entry.
+    import hfkit.ops._triton as triton_module
+
+    real = triton_module.launch
+    floats: dict[object, set[str]] = {}
+
+    def spy(kernel, grid, *args, **meta):
+        for name, arg in zip(inspect.signature(kernel.fn).parameters, args, strict=False):
+            if isinstance(arg, float):
+                floats.setdefault(kernel, set()).add(name)
+        return real(kernel, grid, *args, **meta)
+
+    for name in MODULES:
+        module = importlib.import_module(f"hfkit.ops.{name}")
+        if getattr(module, "launch", None) is real:
+            monkeypatch.setattr(module, "launch", spy)
+    for _name, inputs, call, _ops in _cases():
+        _run(inputs, call)
+    launched = {kernel.fn.__name__ for kernel in floats}
+    assert {"_layer_norm_fwd_kernel", "_evo_fwd_kernel", "_bias_dropout_add_kernel"} <= launched, launched
+    for kernel, names in floats.items():
+        source = inspect.getsource(kernel.fn)
+        for name in names:
+            assert f"{name} = tl.cast({name}, tl.float32)" in source, f"{kernel.fn.__name__}: {name}"
 
 
 def test_direct_call_rule():

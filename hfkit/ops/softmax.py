@@ -141,6 +141,8 @@ if HAS_TRITON:
         HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
+        # Float arguments in float32 (torch.compile passes Python floats as float64 scalars).
+        mask_inf = tl.cast(mask_inf, tl.float32)
         # Traffic: read x (and the broadcast bias and mask, mostly cache hits), write y once. Each
         # program owns BLOCK_M whole rows in registers; x and y are contiguous [M, K].
         rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
