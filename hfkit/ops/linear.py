@@ -308,6 +308,12 @@ if HAS_TRITON:
             )  # fmt: skip
         return out
 
+    def _along_rows(a: torch.Tensor) -> torch.Tensor:
+        """aᵀ [N, M] contiguous for a [M, N]: a view where a is column-major already, else a tiled
+        transposed copy (`_transposed` returns a new tensor: a custom op may not alias its input)."""
+        t = a.t()
+        return t if t.is_contiguous() else _transposed(a)
+
     def _setup_context(ctx, inputs, output) -> None:
         x, weight, bias = inputs
         ctx.save_for_backward(x, weight)
@@ -326,7 +332,7 @@ if HAS_TRITON:
         if needs[0]:
             grad_x = _linear_mm(dy2, weight.t().contiguous().t()).view(x.shape)
         if needs[1]:
-            grad_w = _linear_mm(_transposed(dy2), _transposed(x.reshape(-1, k)).t())
+            grad_w = _linear_mm(_along_rows(dy2), _along_rows(x.reshape(-1, k)).t())
         if ctx.has_bias and needs[2]:
             grad_b = column_sums(dy2)
         return grad_x, grad_w, grad_b
