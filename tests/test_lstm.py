@@ -186,7 +186,11 @@ def test_persistent_tiles_rule():
     assert fp32 is not None and not fp32.resident and fp32.fwd_block_k == lstm_op.SEQ_FWD_BLOCK_K
     assert not fp32.bwd_resident and fp32.bwd_block_k == lstm_op.SEQ_BWD_BLOCK_K and not fp32.bwd_split
     one_tf32 = lstm_op._persistent_tiles(4, 985, 4, 4, 132)
-    assert one_tf32 is not None and one_tf32.resident and one_tf32.bwd_resident
+    assert one_tf32 is not None and one_tf32.resident and one_tf32.bwd_resident and one_tf32.half
+    assert not fp32.half and not lstm_op._persistent_tiles(4, 985, 2, 0, 132).half
+    # The forward's float16 operands count 2 bytes: (4*8 + 16) * 1024 * 2 on chip fits 96 KB, not 95.
+    assert lstm_op._persistent_tiles(4, 985, 4, 4, 132, resident_bytes=96 * 1024).half
+    assert not lstm_op._persistent_tiles(4, 985, 4, 4, 132, resident_bytes=95 * 1024).resident
     with pytest.raises(ValueError, match="bwd_split"):
         lstm_op._persistent_tiles(4, 985, 4, 4, 132, bwd_split=True)
     # B = 64: the backward's dgates operand [1024, 8*64] off chip, streamed in chunks of at most
@@ -292,6 +296,46 @@ def test_sequence_in_one_launch_interpreted(dtype, split, resident):
         assert torch.equal(one_launch[name], per_step[name]), name
     if dtype == torch.float32:
         assert_close(one_launch["y"], lstm_reference(**args)[0], msg="y")
+
+
+def test_pow2_rows_scale_exactly_into_float16_range():
+    """`_pow2_rows`: every row's largest |value| lands in [2^14, 2^15) (float16's top binade), the
+    factors are powers of two that undo the scaling exactly, and zero rows and extreme rows stay finite."""
+    x = torch.randn(6, 40) * torch.tensor([1.0, 1e-30, 1e30, 3e-5, 7e4, 0.0])[:, None]
+    scaled, unscale = lstm_op._pow2_rows(x)
+    amax = scaled.abs().amax(dim=1)
+    assert ((amax[:5] >= 2**14) & (amax[:5] < 2**15)).all() and amax[5] == 0, amax
+    assert torch.equal(torch.frexp(unscale)[0], torch.full((6,), 0.5))  # powers of two
+    assert torch.equal(scaled * unscale[:, None], x) and torch.isfinite(scaled.half()).all()
+
+
+@pytest.mark.parametrize(
+    "w_range,h0_range,t_len", [(1.0, 1.0, 37), (1e-6, 1e6, 37), (1e5, 1e-5, 2)], ids=["unit", "w-small", "w-big"]
+)
+def test_float32_forward_in_float16_operands_interpreted(w_range, h0_range, t_len):
+    """float32 weights with one TF32 product (`recurrence_dot` 4, CUDA's default) run the forward's
+    product on float16 operands on chip (`half`): rows of w_hh and, at t = 0, batch rows of h0 scaled
+    by powers of two into float16's range. With weights and an h0 outside that range (unscaled, w_hh
+    1e5 and h0 1e6 overflow float16 to inf, and w_hh 1e-6 keeps 2 bits of 11), y and c_n stay within
+    2e-3 relative L2 of the float64 reference, TF32's accuracy (2^-11 a product). (Over many steps
+    w_hh 1e5 saturates every gate and amplifies any rounding: 2 steps there.)"""
+    batch, hidden = 5, 30
+    tiles = lstm_op._persistent_tiles(batch, hidden, 4, 4, 1)
+    assert tiles is not None and tiles.resident and tiles.half
+    args = layer_args(t_len, batch, 7, hidden, torch.float32)
+    args["w_hh"] = args["w_hh"] * w_range
+    args["w_hh"][5] *= 1e-3  # rows of different sizes: each row has its own scale
+    args["h0"] = args["h0"] * h0_range
+    args["h0"][1] *= 1e-3
+    xp = (args["x"] @ args["w_ih"].t()).contiguous()
+    y = torch.empty(t_len, batch, hidden)
+    cs = torch.empty(t_len + 1, batch, hidden)
+    cs[0] = args["c0"]
+    gates = torch.empty(t_len, batch, 4 * hidden)
+    lstm_op._fwd_seq(xp, args["b_ih"] + args["b_hh"], args["h0"], args["w_hh"], cs, y, gates, tiles, False)
+    truth_y, _, truth_c = lstm_reference(**{k: v.double() for k, v in args.items()})
+    assert rel_err(y, truth_y) <= 2e-3, rel_err(y, truth_y)
+    assert rel_err(cs[-1], truth_c) <= 2e-3, rel_err(cs[-1], truth_c)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -710,12 +754,13 @@ def bwd_tiles(tiles):
 for dt, size, dot in (("bf16", 2, 0), ("fp16", 2, 0), ("fp32", 4, 3), ("fp32", 4, 4)):
     tiles = op._persistent_tiles(4, 985, size, dot, 132)
     assert tiles.resident == tiles.bwd_resident == (dot != 3), tiles
-    fwd = {"XP": dt, "Bias": "fp32", "H0": dt, "W": dt, "CS": "fp32", "Y": dt, "G": "fp32"}
+    fwd = {"XP": dt, "Bias": "fp32", "H0": dt, "W": "fp16" if tiles.half else dt, "CS": "fp32", "Y": dt}
+    fwd.update(G="fp32", WUnscale="fp32", H0Unscale="fp32")
     bwd = {"DY": dt, "DHN": dt, "W": dt, "G": "fp32", "CS": "fp32", "DC": "fp32", "DG": "fp32", "DGS": dt}
     fwd["Counter"] = bwd["Counter"] = "i32"
     fwd_tiles = {"BLOCK_B": tiles.block_b, "BLOCK_U": tiles.fwd_block_u, "BLOCK_K": tiles.fwd_block_k}
     for has_bias in (True, False):
-        flags = {"HAS_BIAS": has_bias, "PERSISTENT": True, "RESIDENT": tiles.resident, "DOT": dot}
+        flags = {"HAS_BIAS": has_bias, "PERSISTENT": True, "RESIDENT": tiles.resident, "DOT": dot, "HALF": tiles.half}
         flags.update(fwd_tiles)
         asm = c.compile_sm90(k.lstm_seq_fwd_kernel, fwd, flags, num_warps=warps)
         assert "cubin" in asm and "atom.global.gpu.acq_rel.add" in asm["ptx"]
@@ -737,15 +782,16 @@ def shared_bytes(fn, pointers, constexprs):
         signature[p.name] = "constexpr" if p.is_constexpr else pointer
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     return triton.compile(source, target=c.HOPPER, options={"num_warps": warps}).metadata.shared
-# fp32, one TF32 product, resident: (4*8 + 16) * 1024 * 4 bytes, the rule's SEQ_RESIDENT_BYTES.
-flags = {"HAS_BIAS": True, "PERSISTENT": True, "RESIDENT": True, "DOT": 4, **fwd_tiles}
-resident_bytes = (4 * tiles.fwd_block_u + tiles.block_b) * tiles.fwd_block_k * 4
-assert tiles.resident and resident_bytes == op.SEQ_RESIDENT_BYTES
+# fp32, one TF32 product, resident: the forward's operands in float16 (HALF), (4*8 + 16) * 1024 * 2 bytes.
+flags = {"HAS_BIAS": True, "PERSISTENT": True, "RESIDENT": True, "DOT": 4, "HALF": True, **fwd_tiles}
+assert tiles.resident and tiles.half
 assert shared_bytes(k.lstm_seq_fwd_kernel, fwd, flags) <= 227 * 1024
-# The backward on chip: float32 with one TF32 product (4*8 + 4*4) * 1024 * 4 bytes, bfloat16 with the
-# split (4*8 + 8*4) * 1024 * 2.
+# The backward on chip: float32 with one TF32 product (4*8 + 4*4) * 1024 * 4 bytes, the rule's
+# SEQ_RESIDENT_BYTES; bfloat16 with the split (4*8 + 8*4) * 1024 * 2.
 flags = {"PERSISTENT": True, "RESIDENT": True, "SPLIT": False, "PREFETCH": True, "DOT": 4, **bwd_tiles(tiles)}
-assert tiles.bwd_resident and shared_bytes(k.lstm_seq_bwd_kernel, bwd, flags) <= 227 * 1024
+resident_bytes = (4 * tiles.bwd_block_u + 4 * tiles.bwd_block_b) * tiles.bwd_block_k * 4
+assert tiles.bwd_resident and resident_bytes == op.SEQ_RESIDENT_BYTES
+assert shared_bytes(k.lstm_seq_bwd_kernel, bwd, flags) <= 227 * 1024
 tiles = op._persistent_tiles(4, 985, 2, 0, 132, bwd_split=True)
 bwd.update({k: "bf16" for k in ("DY", "DHN", "W", "DGS")})
 flags = {"PERSISTENT": True, "RESIDENT": True, "SPLIT": True, "PREFETCH": True, "DOT": 0, **bwd_tiles(tiles)}

@@ -237,10 +237,10 @@ def _split_gates(acc, BLOCK_U: tl.constexpr, BLOCK_B: tl.constexpr):
 # do_not_specialize: the first step and the step count take every value; one compiled kernel serves them.
 @triton.jit(do_not_specialize=["t_first", "n_steps"])
 def lstm_seq_fwd_kernel(
-    XP, Bias, H0, W, CS, Y, G, Counter,
+    XP, Bias, H0, W, CS, Y, G, Counter, WUnscale, H0Unscale,
     t_first, n_steps, B, H,
     HAS_BIAS: tl.constexpr, PERSISTENT: tl.constexpr, RESIDENT: tl.constexpr, DOT: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # Steps t_first .. t_first + n_steps - 1 of the forward recurrence over a grid of (unit tiles, batch
     # tiles): a program owns BLOCK_U hidden units (4*BLOCK_U rows of w_hh) for BLOCK_B batch rows. Its
@@ -253,6 +253,12 @@ def lstm_seq_fwd_kernel(
     # otherwise a launch runs one step and the launches order the steps. Traffic per step: h_{t-1}
     # once per program (from L2), xp[t], c, h_t and the gates once each; w_hh once per launch
     # (RESIDENT) or once per step over the grid.
+    # HALF (float32 layers in place of one TF32 product, RESIDENT): the product's operands are
+    # float16, which has TF32's 11-bit significand, at half the on-chip bytes and shared-memory
+    # traffic a step. W is then w_hh in float16 with each row scaled by a power of two into float16's
+    # range, WUnscale [4H] float32 the factors that undo it; H0 is h0 scaled the same way per batch
+    # row, H0Unscale [B] its factors (`_pow2_rows` in `hfkit.ops.lstm`). h_t = o*tanh(c_t), in (-1,
+    # 1), needs no scaling. Otherwise both are unused.
     # XP: [T, B, 4H] (input projection without bias); Bias: [4H] float32; H0: [B, H]; W: w_hh [4H, H];
     # CS: [T+1, B, H] float32 with CS[0] = c0; Y: [T, B, H]; G: [T, B, 4H] float32 (activated gates);
     # Counter: int32, zero on entry to a PERSISTENT launch.
@@ -271,6 +277,9 @@ def lstm_seq_fwd_kernel(
     rows64 = rows.to(tl.int64)
     u_ok = units < H
     b_ok = rows < B
+    if HALF:
+        w_unscale = tl.load(WUnscale + gate_col, mask=row_ok, other=1.0)
+        h0_unscale = tl.load(H0Unscale + rows, mask=b_ok, other=1.0)
     ok = u_ok[:, None] & b_ok[None, :]  # [BLOCK_U, BLOCK_B]
     xp_ok = row_ok[:, None] & b_ok[None, :]  # [4*BLOCK_U, BLOCK_B]
     # Everything below is transposed (units along dim 0): [t, rows, units] of a [*, B, H] tensor is at
@@ -283,7 +292,11 @@ def lstm_seq_fwd_kernel(
         if RESIDENT:
             h_ok = (ks < H)[:, None] & b_ok[None, :]
             h = tl.load(h_rows + ks[:, None], mask=h_ok, other=0.0, cache_modifier=".cg")
-            acc = dot(w, h.to(w.dtype), DOT)
+            if HALF:
+                acc = dot(w, h.to(w.dtype), 0) * w_unscale[:, None]
+                acc = acc * tl.where(t == 0, h0_unscale, 1.0)[None, :]
+            else:
+                acc = dot(w, h.to(w.dtype), DOT)
         else:
             acc = tl.zeros([4 * BLOCK_U, BLOCK_B], dtype=tl.float32)
             for k0 in range(0, H, BLOCK_K):

@@ -268,7 +268,8 @@ class _SeqTiles(NamedTuple):
     column slice on chip when `bwd_resident` (bwd_block_k = next_pow2(H)) or read bwd_block_k rows at
     a time, dgates carried as a 16-bit head and tail when `bwd_split`, a step's inputs from the forward
     loaded one step ahead when `bwd_prefetch`, bwd_num_warps warps a program. Both kernels' products
-    take `dot` (`recurrence_dot`), the mode the tiles were chosen for.
+    take `dot` (`recurrence_dot`), the mode the tiles were chosen for, except the forward's with `half`
+    (float32 weights, one TF32 product, on chip): float16 operands, scaled (see the kernel).
     A sweep may `_replace` the backward's fields (with a grid of cdiv(H, bwd_block_u) programs, at most
     one per SM) as long as `bwd_split` only with 16-bit weights and bwd_block_k = next_pow2(H) with
     `bwd_resident`."""
@@ -287,6 +288,7 @@ class _SeqTiles(NamedTuple):
     bwd_prefetch: bool
     bwd_num_warps: int
     dot: int
+    half: bool
 
 
 def _smallest_block_u(hidden: int, smallest: int, sms: int) -> int:
@@ -314,8 +316,8 @@ def _persistent_tiles(
     barrier safe) and the grid is as wide as that allows. None when B > MAX_BLOCK_B (one batch tile)
     or that BLOCK_U passes MAX_SEQ_FWD_BLOCK_U / MAX_SEQ_BWD_BLOCK_U. The forward keeps its w_hh slice
     on chip (`resident`) when the slice (twice for dot mode 3) and the h tile take at most
-    `resident_bytes`, the slice at most MAX_RESIDENT_SLICE elements and the h tile MAX_RESIDENT_H; the
-    backward its column slice when the slice (twice for dot mode 3) and the dgates operand take at
+    `resident_bytes` (in float16 for dot mode 4: `half`), the slice at most MAX_RESIDENT_SLICE elements
+    and the h tile MAX_RESIDENT_H; the backward its column slice when the slice (twice for dot mode 3) and the dgates operand take at
     most `resident_bytes` and each at most MAX_RESIDENT_SLICE elements. `bwd_split` (16-bit weights
     only; None: SEQ_BWD_SPLIT for 16-bit weights) carries the backward's dgates as a head and a tail."""
     if batch > MAX_BLOCK_B:
@@ -331,8 +333,10 @@ def _persistent_tiles(
         raise ValueError(f"bwd_split: expected False for {element_size}-byte weights (16-bit only), got True")
     full_k = next_power_of_2(hidden)
     slice_copies = 2 if dot == 3 else 1
+    # One TF32 product (float32 weights): the forward's operands on chip are float16 (HALF).
+    fwd_size = 2 if dot == 4 else element_size
     resident = (
-        (4 * fwd_u * slice_copies + block_b) * full_k * element_size <= resident_bytes
+        (4 * fwd_u * slice_copies + block_b) * full_k * fwd_size <= resident_bytes
         and 4 * fwd_u * full_k <= MAX_RESIDENT_SLICE
         and block_b * full_k <= MAX_RESIDENT_H
     )
@@ -357,6 +361,7 @@ def _persistent_tiles(
         bwd_prefetch=SEQ_BWD_PREFETCH,
         bwd_num_warps=SEQ_BWD_NUM_WARPS,
         dot=dot,
+        half=dot == 4 and resident,
     )
 
 
@@ -374,6 +379,18 @@ def _one_launch(x: Tensor) -> bool:
     return x.is_cuda and not interpreting()
 
 
+def _pow2_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [R, K] float32 with each row scaled by a power of two that brings its largest |value| into
+    [2^14, 2^15), float16's top binade (below its largest, 65504), and the [R] float32 factors that
+    undo it: both exact. The sequence forward's HALF operands (see the kernel): rounded to float16,
+    the rows keep 11 significant bits down to 2^-28 of their largest value, as TF32 does. A row of
+    zeros gets 2^15; the exponents stay within [-126, 126], so that both factors are normal floats."""
+    _, exponent = torch.frexp(x.abs().amax(dim=1))  # largest |value| = m * 2^exponent, m in [0.5, 1)
+    shift = (15 - exponent).clamp(-126, 126)
+    scale, unscale = (((e + 127).to(torch.int32) << 23).view(torch.float32) for e in (shift, -shift))
+    return x * scale[:, None], unscale
+
+
 def _fwd_seq(
     xp: Tensor,
     bias: Tensor | None,
@@ -389,12 +406,17 @@ def _fwd_seq(
     one launch for every step when `persistent`, else one launch a step."""
     t_len, batch, hidden = y.shape
     counter = torch.zeros(1, device=y.device, dtype=torch.int32)
+    w_unscale = h0_unscale = None
+    if tiles.half:
+        w_hh, w_unscale = _pow2_rows(w_hh)
+        w_hh = w_hh.to(torch.float16)
+        h0, h0_unscale = _pow2_rows(h0)
     spans = [(0, t_len)] if persistent else [(t, 1) for t in range(t_len)]
     for t_first, n_steps in spans:
         launch(lstm_seq_fwd_kernel, tiles.fwd_grid,
-            xp, bias, h0, w_hh, cs, y, gates, counter, t_first, n_steps, batch, hidden,
+            xp, bias, h0, w_hh, cs, y, gates, counter, w_unscale, h0_unscale, t_first, n_steps, batch, hidden,
             HAS_BIAS=bias is not None, PERSISTENT=persistent, RESIDENT=tiles.resident, DOT=tiles.dot,
-            BLOCK_B=tiles.block_b, BLOCK_U=tiles.fwd_block_u, BLOCK_K=tiles.fwd_block_k,
+            HALF=tiles.half, BLOCK_B=tiles.block_b, BLOCK_U=tiles.fwd_block_u, BLOCK_K=tiles.fwd_block_k,
             num_warps=SEQ_NUM_WARPS,
         )  # fmt: skip
 
