@@ -754,8 +754,9 @@ def bwd_tiles(tiles):
 for dt, size, dot in (("bf16", 2, 0), ("fp16", 2, 0), ("fp32", 4, 3), ("fp32", 4, 4)):
     tiles = op._persistent_tiles(4, 985, size, dot, 132)
     assert tiles.resident == tiles.bwd_resident == (dot != 3), tiles
-    fwd = {"XP": dt, "Bias": "fp32", "H0": dt, "W": "fp16" if tiles.half else dt, "CS": "fp32", "Y": dt}
-    fwd.update(G="fp32", WUnscale="fp32", H0Unscale="fp32")
+    half = "fp16" if tiles.half else dt
+    fwd = {"XP": dt, "Bias": "fp32", "H0": half, "W": half, "CS": "fp32", "Y": dt, "G": "fp32"}
+    fwd.update(WUnscale="fp32", H0Unscale="fp32", HRing="fp16")
     bwd = {"DY": dt, "DHN": dt, "W": dt, "G": "fp32", "CS": "fp32", "DC": "fp32", "DG": "fp32", "DGS": dt}
     fwd["Counter"] = bwd["Counter"] = "i32"
     fwd_tiles = {"BLOCK_B": tiles.block_b, "BLOCK_U": tiles.fwd_block_u, "BLOCK_K": tiles.fwd_block_k}

@@ -237,7 +237,7 @@ def _split_gates(acc, BLOCK_U: tl.constexpr, BLOCK_B: tl.constexpr):
 # do_not_specialize: the first step and the step count take every value; one compiled kernel serves them.
 @triton.jit(do_not_specialize=["t_first", "n_steps"])
 def lstm_seq_fwd_kernel(
-    XP, Bias, H0, W, CS, Y, G, Counter, WUnscale, H0Unscale,
+    XP, Bias, H0, W, CS, Y, G, Counter, WUnscale, H0Unscale, HRing,
     t_first, n_steps, B, H,
     HAS_BIAS: tl.constexpr, PERSISTENT: tl.constexpr, RESIDENT: tl.constexpr, DOT: tl.constexpr,
     HALF: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -256,9 +256,12 @@ def lstm_seq_fwd_kernel(
     # HALF (float32 layers in place of one TF32 product, RESIDENT): the product's operands are
     # float16, which has TF32's 11-bit significand, at half the on-chip bytes and shared-memory
     # traffic a step. W is then w_hh in float16 with each row scaled by a power of two into float16's
-    # range, WUnscale [4H] float32 the factors that undo it; H0 is h0 scaled the same way per batch
-    # row, H0Unscale [B] its factors (`_pow2_rows` in `hfkit.ops.lstm`). h_t = o*tanh(c_t), in (-1,
-    # 1), needs no scaling. Otherwise both are unused.
+    # range, WUnscale [4H] float32 the factors that undo it; H0 is h0 in float16, scaled the same way
+    # per batch row, H0Unscale [B] its factors (`_pow2_rows` in `hfkit.ops.lstm`). h_t = o*tanh(c_t),
+    # in (-1, 1), needs no scaling: each step also writes it in float16 to HRing [2 (step parity), B,
+    # H], which the next step reads (half the bytes of Y's float32; slot t % 2 is written again at
+    # step t + 2, past the barrier every program reaches after reading it). Otherwise all three are
+    # unused.
     # XP: [T, B, 4H] (input projection without bias); Bias: [4H] float32; H0: [B, H]; W: w_hh [4H, H];
     # CS: [T+1, B, H] float32 with CS[0] = c0; Y: [T, B, H]; G: [T, B, 4H] float32 (activated gates);
     # Counter: int32, zero on entry to a PERSISTENT launch.
@@ -287,8 +290,12 @@ def lstm_seq_fwd_kernel(
     c = tl.load(CS + (t_first * B + rows64)[None, :] * H + units[:, None], mask=ok, other=0.0)
     programs = tl.num_programs(0) * tl.num_programs(1)
     for t in range(t_first, t_first + n_steps):
-        # h_{t-1}: Y[t-1], or H0 at t = 0 (one load a tile: a single trip through shared memory into the dot).
-        h_rows = tl.where(t > 0, Y + ((t - 1) * B + rows64)[None, :] * H, H0 + rows64[None, :] * H)
+        # h_{t-1}: Y[t-1] (HRing's slot with HALF), or H0 at t = 0 (one load a tile: a single trip
+        # through shared memory into the dot).
+        if HALF:
+            h_rows = tl.where(t > 0, HRing + (((t - 1) % 2) * B + rows64)[None, :] * H, H0 + rows64[None, :] * H)
+        else:
+            h_rows = tl.where(t > 0, Y + ((t - 1) * B + rows64)[None, :] * H, H0 + rows64[None, :] * H)
         if RESIDENT:
             h_ok = (ks < H)[:, None] & b_ok[None, :]
             h = tl.load(h_rows + ks[:, None], mask=h_ok, other=0.0, cache_modifier=".cg")
@@ -314,6 +321,8 @@ def lstm_seq_fwd_kernel(
         at_t = (t * B + rows64)[None, :] * H + units[:, None]
         tl.store(CS + at_t + B * H, c, mask=ok)
         tl.store(Y + at_t, h.to(Y.dtype.element_ty), mask=ok)
+        if HALF:
+            tl.store(HRing + ((t % 2) * B + rows64)[None, :] * H + units[:, None], h.to(tl.float16), mask=ok)
         _store_gates(G + (t * B + rows64)[None, :] * (4 * H) + units[:, None], i, f, g, o, H, ok)
         if PERSISTENT:
             _grid_barrier(Counter, (t - t_first + 1) * programs)

@@ -406,15 +406,16 @@ def _fwd_seq(
     one launch for every step when `persistent`, else one launch a step."""
     t_len, batch, hidden = y.shape
     counter = torch.zeros(1, device=y.device, dtype=torch.int32)
-    w_unscale = h0_unscale = None
-    if tiles.half:
-        w_hh, w_unscale = _pow2_rows(w_hh)
-        w_hh = w_hh.to(torch.float16)
-        h0, h0_unscale = _pow2_rows(h0)
+    w_unscale = h0_unscale = h_ring = None
+    if tiles.half:  # float16 operands, scaled (see the kernel)
+        (w_hh, w_unscale), (h0, h0_unscale) = _pow2_rows(w_hh), _pow2_rows(h0)
+        w_hh, h0 = w_hh.to(torch.float16), h0.to(torch.float16)
+        h_ring = torch.empty(2, batch, hidden, device=y.device, dtype=torch.float16)
     spans = [(0, t_len)] if persistent else [(t, 1) for t in range(t_len)]
     for t_first, n_steps in spans:
         launch(lstm_seq_fwd_kernel, tiles.fwd_grid,
-            xp, bias, h0, w_hh, cs, y, gates, counter, w_unscale, h0_unscale, t_first, n_steps, batch, hidden,
+            xp, bias, h0, w_hh, cs, y, gates, counter, w_unscale, h0_unscale, h_ring,
+            t_first, n_steps, batch, hidden,
             HAS_BIAS=bias is not None, PERSISTENT=persistent, RESIDENT=tiles.resident, DOT=tiles.dot,
             HALF=tiles.half, BLOCK_B=tiles.block_b, BLOCK_U=tiles.fwd_block_u, BLOCK_K=tiles.fwd_block_k,
             num_warps=SEQ_NUM_WARPS,
