@@ -310,7 +310,9 @@ def test_pow2_rows_scale_exactly_into_float16_range():
 
 
 @pytest.mark.parametrize(
-    "w_range,h0_range,t_len", [(1.0, 1.0, 37), (1e-6, 1e6, 37), (1e5, 1e-5, 2)], ids=["unit", "w-small", "w-big"]
+    "w_range,h0_range,t_len",
+    [(1.0, 1.0, 37), (1e-6, 1e6, 37), (1e5, 1e-5, 2)],
+    ids=["unit", "w-small", "w-big"],
 )
 def test_float32_forward_in_float16_operands_interpreted(w_range, h0_range, t_len):
     """float32 weights with one TF32 product (`recurrence_dot` 4, CUDA's default) run the forward's
@@ -761,8 +763,8 @@ for dt, size, dot in (("bf16", 2, 0), ("fp16", 2, 0), ("fp32", 4, 3), ("fp32", 4
     fwd["Counter"] = bwd["Counter"] = "i32"
     fwd_tiles = {"BLOCK_B": tiles.block_b, "BLOCK_U": tiles.fwd_block_u, "BLOCK_K": tiles.fwd_block_k}
     for has_bias in (True, False):
-        flags = {"HAS_BIAS": has_bias, "PERSISTENT": True, "RESIDENT": tiles.resident, "DOT": dot, "HALF": tiles.half}
-        flags.update(fwd_tiles)
+        flags = {"HAS_BIAS": has_bias, "PERSISTENT": True, "RESIDENT": tiles.resident, "DOT": dot}
+        flags.update(HALF=tiles.half, **fwd_tiles)
         asm = c.compile_sm90(k.lstm_seq_fwd_kernel, fwd, flags, num_warps=warps)
         assert "cubin" in asm and "atom.global.gpu.acq_rel.add" in asm["ptx"]
         spilled, log = spills(asm["ptx"])

@@ -293,9 +293,10 @@ def lstm_seq_fwd_kernel(
         # h_{t-1}: Y[t-1] (HRing's slot with HALF), or H0 at t = 0 (one load a tile: a single trip
         # through shared memory into the dot).
         if HALF:
-            h_rows = tl.where(t > 0, HRing + (((t - 1) % 2) * B + rows64)[None, :] * H, H0 + rows64[None, :] * H)
+            h_prev = HRing + (((t - 1) % 2) * B + rows64)[None, :] * H
         else:
-            h_rows = tl.where(t > 0, Y + ((t - 1) * B + rows64)[None, :] * H, H0 + rows64[None, :] * H)
+            h_prev = Y + ((t - 1) * B + rows64)[None, :] * H
+        h_rows = tl.where(t > 0, h_prev, H0 + rows64[None, :] * H)
         if RESIDENT:
             h_ok = (ks < H)[:, None] & b_ok[None, :]
             h = tl.load(h_rows + ks[:, None], mask=h_ok, other=0.0, cache_modifier=".cg")

@@ -85,7 +85,9 @@ NUM_WARPS = 4
 # kernels end to end (T = 200, H = 64, interpreter) are 2.6e-3 from float64 in dx either way (torch
 # bfloat16: 3.7e-3), 4.4e-3 in dw_hh (split 4.2e-3, torch 3.8e-3: the forward's rounding of h).
 # At hfai's H = 985, B = 4 on sm_90: bfloat16 both on chip, float32 forward on chip with one TF32
-# product and streamed with three, the backward likewise. With 8 warps (ptxas, PREFETCH) the forward
+# product (as float16 operands, `half`) and streamed with three, the backward on chip with one TF32
+# product and streamed with three. The float16 operands took the float32 forward's kernel from 4.63
+# to 4.08 ms (torch.profiler, H200; bfloat16's: 3.82 ms). With 8 warps (ptxas, PREFETCH) the forward
 # took 181 registers and the backward 200 (198 with SPLIT), none spilling. The backward runs 4 warps
 # a program (a few bytes of spills in bfloat16): at that size on the H200 (sweeps of the backward's
 # tiles, not committed) fwd+bwd took 10.1 ms in bfloat16 and 47.3 ms in float32 (three products)
@@ -96,7 +98,8 @@ NUM_WARPS = 4
 # committed) the forward took 4.39 ms in bfloat16 and 5.44 ms in float32 (one TF32 product) with 4,
 # 5.51 and 7.43 ms with 8, 7.59 and 11.60 ms with 16, the same outputs bit for bit (a step's work is
 # a small dot and the gate update: fewer warps meet sooner at the barrier's CTA syncs). With 4 warps
-# the forward takes 255 registers and spills at most 92 bytes (ptxas), which the sweep's times include.
+# the forward takes 255 registers and spills at most 92 bytes (ptxas), which the sweep's times include
+# (56 bytes with float16 operands in float32).
 SEQ_NUM_WARPS = 4
 SEQ_BWD_NUM_WARPS = 4
 SEQ_RESIDENT_BYTES = 192 * 1024
@@ -317,9 +320,10 @@ def _persistent_tiles(
     or that BLOCK_U passes MAX_SEQ_FWD_BLOCK_U / MAX_SEQ_BWD_BLOCK_U. The forward keeps its w_hh slice
     on chip (`resident`) when the slice (twice for dot mode 3) and the h tile take at most
     `resident_bytes` (in float16 for dot mode 4: `half`), the slice at most MAX_RESIDENT_SLICE elements
-    and the h tile MAX_RESIDENT_H; the backward its column slice when the slice (twice for dot mode 3) and the dgates operand take at
-    most `resident_bytes` and each at most MAX_RESIDENT_SLICE elements. `bwd_split` (16-bit weights
-    only; None: SEQ_BWD_SPLIT for 16-bit weights) carries the backward's dgates as a head and a tail."""
+    and the h tile MAX_RESIDENT_H; the backward its column slice when the slice (twice for dot mode 3)
+    and the dgates operand take at most `resident_bytes` and each at most MAX_RESIDENT_SLICE elements.
+    `bwd_split` (16-bit weights only; None: SEQ_BWD_SPLIT for 16-bit weights) carries the backward's
+    dgates as a head and a tail."""
     if batch > MAX_BLOCK_B:
         return None
     block_b = max(16, next_power_of_2(batch))
