@@ -667,6 +667,49 @@ def test_module_bad_inputs_raise_value_error(x, hx, match):
         LSTM(5, 4)(x, hx)
 
 
+def _flashrnn_like(wx, r, b, function, backend, dtype):
+    """FlashRNN's `flashrnn` as `hfkit.bench.peers` documents it, in plain torch: Wx [B, T, 4, 1, D],
+    R [4, 1, D, P] (gate g's D outputs from the P inputs), b [4, 1, D], gates i, f, z, o; returns the
+    states [2 (h, c), B, T, 1, D] and the last."""
+    assert function == "lstm" and backend == "cuda" and dtype == "float32"
+    batch, steps, _, _, hidden = wx.shape
+    h = c = wx.new_zeros(batch, hidden)
+    hs, cs = [], []
+    for t in range(steps):
+        raw = wx[:, t, :, 0] + torch.einsum("gdp,bp->bgd", r[:, 0], h) + b[None, :, 0]
+        i, f, z, o = raw.unbind(1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(z)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        hs.append(h)
+        cs.append(c)
+    states = torch.stack([torch.stack(hs, 1), torch.stack(cs, 1)])[:, :, :, None]
+    return states, states[:, :, -1:]
+
+
+def test_flashrnn_peer_takes_torchs_weights_in_its_layout():
+    """The benchmark's FlashRNN provider hands an nn.LSTM's own weights to `flashrnn` in its layout:
+    with a stand-in that computes what FlashRNN documents, its outputs and every gradient are
+    nn.LSTM's. Without a CUDA device the provider skips, with the reason."""
+    from hfkit.bench.runner import Skip
+
+    torch_lstm = nn.LSTM(7, 33, batch_first=True)
+    peer = lstm_bench._FlashRNNLSTM(torch_lstm, _flashrnn_like)
+    x = torch.randn(3, 5, 7, requires_grad=True)
+    expected, actual = torch_lstm(x)[0], peer(x)[0]
+    assert_close(actual, expected, msg="y")
+    dy = torch.randn_like(expected)
+    params = list(torch_lstm.parameters())
+    for name, a, e in zip(
+        ["x", *[n for n, _ in torch_lstm.named_parameters()]],
+        torch.autograd.grad(actual, [x, *params], dy),
+        torch.autograd.grad(expected, [x, *params], dy),
+        strict=True,
+    ):
+        assert_close(a, e, msg=name)
+    with pytest.raises(Skip, match="flashrnn needs a CUDA device"):
+        lstm_bench._provider("flashrnn", lstm_bench.lstm_cases("smoke")[0], torch.device("cpu"))
+
+
 def test_benchmark_rows_on_cpu():
     ceilings = Ceilings(copy_gbps=10.0, matmul_tflops=0.1, device_name="CPU (test)", matmul_dtype="fp32")
     result = run_benchmark(

@@ -1,10 +1,10 @@
-"""Peers the benchmarks compare against, imported only if present: the kernel libraries trifast and
-cuEquivariance, and OpenFold's own modules.
+"""Peers the benchmarks compare against, imported only if present: the kernel libraries trifast,
+cuEquivariance and FlashRNN, and OpenFold's own modules.
 
-Neither is a dependency of hfkit. Each loader returns `(functions, None)` when the library imports and
+None is a dependency of hfkit. Each loader returns `(functions, None)` when the library imports and
 can run on the device, else `(None, reason)` with a reason fit for a log line and a results file
-("not installed", "needs a CUDA device", the import error). Both need a CUDA device: trifast reads the
-GPU's name when it is imported, and cuEquivariance's kernels are CUDA binaries.
+("not installed", "needs a CUDA device", the import error). All need a CUDA device: trifast reads the
+GPU's name when it is imported, and cuEquivariance's and FlashRNN's kernels are CUDA code.
 
 - trifast (PyPI `trifast`): `triangle_attention(q, k, v, b, mask)` with q/k/v [B, H, N, N, D], bias
   [B, H, N, N] and a boolean mask [B, N, N] whose True entries are *masked* (its kernels do
@@ -13,6 +13,10 @@ GPU's name when it is imported, and cuEquivariance's kernels are CUDA binaries.
   `triangle_attention(q, k, v, bias, mask, scale)` with q/k/v [B, S, H, Q, D], bias [B, 1, H, Q, K]
   (float32 for the Hopper kernels), boolean mask [B, S, 1, 1, K] with True = *keep*; and
   `triangle_multiplicative_update(x, direction, mask, norm_in_weight, ...)`.
+- FlashRNN (PyPI `flashrnn`): `flashrnn(Wx, R, b, function="lstm", backend=..., dtype=...)` with the
+  input projection Wx [B, T, 4, heads, D], R [4, heads, D, D] and b [4, heads, D], gates in torch's
+  order (its i, f, z, o); it returns the states [2 (h, c), B, T, heads, D]. Its CUDA backends compile
+  their kernels on first use (nvcc through torch's extension builder).
 - OpenFold (`load_openfold`): its `openfold` package read from a peers folder (one that holds
   `openfold/`): the `peers_dir` argument, else the environment variable `HFKIT_OPENFOLD_PEERS`, else
   `shared/peers` beside or above the repository (see `shared/peers/NOTICE.md`: its code is never
@@ -46,6 +50,7 @@ __all__ = [
     "CueqFunctions",
     "find_openfold_peers",
     "load_cuequivariance",
+    "load_flashrnn",
     "load_openfold",
     "load_trifast",
     "openfold_evoformer_block",
@@ -54,7 +59,7 @@ __all__ = [
     "peer_status",
 ]
 
-PEERS = ("trifast", "cuequivariance")
+PEERS = ("trifast", "cuequivariance", "flashrnn")
 
 
 class CueqFunctions(NamedTuple):
@@ -115,10 +120,26 @@ def load_cuequivariance(device: torch.device | str) -> tuple[CueqFunctions | Non
     return (None, reason) if reason else _cueq()
 
 
+@cache
+def _flashrnn() -> tuple[Callable[..., Any] | None, str | None]:
+    try:
+        module = importlib.import_module("flashrnn")
+    except Exception as err:  # noqa: BLE001 - any import failure is a reason
+        return None, _import_reason(err, "flashrnn", "flashrnn")
+    return module.flashrnn, None
+
+
+def load_flashrnn(device: torch.device | str) -> tuple[Callable[..., Any] | None, str | None]:
+    """FlashRNN's `flashrnn`, or None and why it cannot run on `device`."""
+    reason = _device_reason(device)
+    return (None, reason) if reason else _flashrnn()
+
+
 def peer_status(device: torch.device | str) -> dict[str, str]:
     """Each peer's state on `device`: "available" or the reason it is not (for results files)."""
     status = {}
-    for name, load in (("trifast", load_trifast), ("cuequivariance", load_cuequivariance)):
+    loaders = {"trifast": load_trifast, "cuequivariance": load_cuequivariance, "flashrnn": load_flashrnn}
+    for name, load in loaders.items():
         fn, reason = load(device)
         status[name] = "available" if fn is not None else str(reason)
     return status

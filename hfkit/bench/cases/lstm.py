@@ -1,5 +1,6 @@
-"""LSTM benchmark: `hfkit.nn.LSTM` against `torch.nn.LSTM` (eager: cuDNN on a GPU) and `torch.compile`
-of it.
+"""LSTM benchmark: `hfkit.nn.LSTM` against `torch.nn.LSTM` (eager: cuDNN on a GPU), `torch.compile`
+of it and FlashRNN (`flashrnn`, where installed: its alternating CUDA backend on the same weights,
+`_FlashRNNLSTM`).
 
 The cases are one layer, one direction, `batch_first=True`, shape [B, T, I, H]: hfai.nn's published
 configuration (batch 4, sequence 1000, input and hidden 985), a sweep of the sequence length at that
@@ -15,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from hfkit.bench.cases._module import (
@@ -25,11 +27,13 @@ from hfkit.bench.cases._module import (
     module_provider,
     module_steps,
 )
+from hfkit.bench.peers import load_flashrnn
 from hfkit.bench.runner import (
     DTYPES,
     Option,
     Prepared,
     ShapeCase,
+    Skip,
     Steps,
     max_abs_err,
     op_benchmark,
@@ -74,7 +78,36 @@ def lstm_flops(shape: Sequence[int], backward: bool) -> int:
     return 3 * fwd if backward else fwd
 
 
+_FLASHRNN_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+class _FlashRNNLSTM(nn.Module):
+    """A one-layer, batch_first `nn.LSTM`'s own parameters run by FlashRNN: the input projection as one
+    matmul (as hfkit's), then `flashrnn`'s recurrence with the "cuda" backend (its alternating kernels:
+    a matmul and a pointwise kernel a step; its fused backend did not build on the H200) in x's dtype.
+    FlashRNN's gates i, f, z, o are torch's i, f, g, o, so w_hh [4H, H] is its R [4, 1 head, H, H]."""
+
+    def __init__(self, lstm: nn.LSTM, flashrnn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.lstm, self.flashrnn = lstm, flashrnn
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        lstm, (batch, steps, _) = self.lstm, x.shape
+        hidden = lstm.hidden_size
+        wx = F.linear(x, lstm.weight_ih_l0).view(batch, steps, 4, 1, hidden)
+        r = lstm.weight_hh_l0.view(4, 1, hidden, hidden)
+        bias = (lstm.bias_ih_l0 + lstm.bias_hh_l0).view(4, 1, hidden)
+        dtype = _FLASHRNN_DTYPES[x.dtype]
+        states, _ = self.flashrnn(wx, r, bias, function="lstm", backend="cuda", dtype=dtype)
+        return (states[0].reshape(batch, steps, hidden),)
+
+
 def _provider(name: str, case: ShapeCase, device: torch.device) -> Wrap:
+    if name == "flashrnn":
+        flashrnn, reason = load_flashrnn(device)
+        if flashrnn is None:
+            raise Skip(f"flashrnn {reason}")
+        return lambda module: _FlashRNNLSTM(module, flashrnn)
     return module_provider(name, "LSTM")
 
 
@@ -126,9 +159,10 @@ def _cost(case: ShapeCase, dtype_name: str, mode: str) -> tuple[int, int]:
 
 BENCHMARK = op_benchmark(
     "lstm",
-    "LSTM, one layer, batch_first: hfkit vs eager (cuDNN), compile",
+    "LSTM, one layer, batch_first: hfkit vs eager (cuDNN), compile, FlashRNN",
     lstm_cases,
     (_prepare, _provider, _build, _cost),
+    providers=("hfkit", "eager", "compile", "flashrnn"),
     default_dtypes=("bf16", "fp32"),
     options=(Option("shapes", "shapes", "shapes BxTxIxH, e.g. 4x1000x985x985"),),
     gpu_warmup=2,
