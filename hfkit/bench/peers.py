@@ -77,7 +77,7 @@ def _device_reason(device: torch.device | str) -> str | None:
 
 
 def _import_reason(err: BaseException, package: str, pip_name: str) -> str:
-    if isinstance(err, ModuleNotFoundError) and err.name and err.name.split(".")[0] == package:
+    if isinstance(err, ModuleNotFoundError) and err.name == package:  # the package itself, not a part of it
         return f"not installed (pip install {pip_name})"
     text = " ".join(str(err).split())[:200]
     return f"import failed ({type(err).__name__}: {text})"
