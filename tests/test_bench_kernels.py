@@ -23,7 +23,7 @@ from hfkit.bench.cases import triangle_multiplication as trimul_bench
 from hfkit.bench.cases.softmax import softmax_bytes, softmax_cases
 from hfkit.bench.cases.triangle_multiplication import TrimulCase, cueq_trimul, make_trimul_module
 from hfkit.bench.kernels import best_peer_table, kernel_frame, load_kernel_results
-from hfkit.bench.peers import _import_reason, load_cuequivariance, load_trifast, peer_status
+from hfkit.bench.peers import _import_reason, load_cuequivariance, load_flashrnn, load_trifast, peer_status
 from hfkit.bench.runner import Steps, measure_case, run_benchmark
 from hfkit.cli import main
 from hfkit.viz.kernels import kernel_goals
@@ -223,9 +223,13 @@ def test_trimul_benchmark_rows_on_cpu():
 def test_peers_give_reasons_on_cpu():
     assert load_trifast("cpu") == (None, "needs a CUDA device (running on cpu)")
     assert load_cuequivariance("cpu")[0] is None
-    assert set(peer_status("cpu")) == {"trifast", "cuequivariance"}
+    assert load_flashrnn("cpu") == (None, "needs a CUDA device (running on cpu)")
+    assert set(peer_status("cpu")) == {"trifast", "cuequivariance", "flashrnn"}
     missing = ModuleNotFoundError("No module named 'trifast'", name="trifast")
     assert _import_reason(missing, "trifast", "trifast") == "not installed (pip install trifast)"
+    # A module the package imports that is missing is the package failing to import, not absent.
+    part = ModuleNotFoundError("No module named 'trifast.kernels'", name="trifast.kernels")
+    assert "import failed" in _import_reason(part, "trifast", "trifast")
     assert "import failed" in _import_reason(RuntimeError("no GPU"), "trifast", "trifast")
 
 
