@@ -84,12 +84,13 @@ def _import_reason(err: BaseException, package: str, pip_name: str) -> str:
 
 
 @cache
-def _trifast() -> tuple[Callable[..., torch.Tensor] | None, str | None]:
+def _import_function(package: str, name: str) -> tuple[Callable[..., Any] | None, str | None]:
+    """`package.name` of a package whose PyPI name is its own, or None and why it does not import."""
     try:
-        module = importlib.import_module("trifast")
+        module = importlib.import_module(package)
     except Exception as err:  # noqa: BLE001 - any import failure (a missing dependency too) is a reason
-        return None, _import_reason(err, "trifast", "trifast")
-    return module.triangle_attention, None
+        return None, _import_reason(err, package, package)
+    return getattr(module, name), None
 
 
 @cache
@@ -111,7 +112,7 @@ def _cueq() -> tuple[CueqFunctions | None, str | None]:
 def load_trifast(device: torch.device | str) -> tuple[Callable[..., torch.Tensor] | None, str | None]:
     """trifast's `triangle_attention`, or None and why it cannot run on `device`."""
     reason = _device_reason(device)
-    return (None, reason) if reason else _trifast()
+    return (None, reason) if reason else _import_function("trifast", "triangle_attention")
 
 
 def load_cuequivariance(device: torch.device | str) -> tuple[CueqFunctions | None, str | None]:
@@ -120,19 +121,10 @@ def load_cuequivariance(device: torch.device | str) -> tuple[CueqFunctions | Non
     return (None, reason) if reason else _cueq()
 
 
-@cache
-def _flashrnn() -> tuple[Callable[..., Any] | None, str | None]:
-    try:
-        module = importlib.import_module("flashrnn")
-    except Exception as err:  # noqa: BLE001 - any import failure is a reason
-        return None, _import_reason(err, "flashrnn", "flashrnn")
-    return module.flashrnn, None
-
-
 def load_flashrnn(device: torch.device | str) -> tuple[Callable[..., Any] | None, str | None]:
     """FlashRNN's `flashrnn`, or None and why it cannot run on `device`."""
     reason = _device_reason(device)
-    return (None, reason) if reason else _flashrnn()
+    return (None, reason) if reason else _import_function("flashrnn", "flashrnn")
 
 
 def peer_status(device: torch.device | str) -> dict[str, str]:

@@ -390,9 +390,8 @@ def _pow2_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     the rows keep 11 significant bits down to 2^-28 of their largest value, as TF32 does. A row of
     zeros gets 2^15; the exponents stay within [-126, 126], so that both factors are normal floats."""
     _, exponent = torch.frexp(x.abs().amax(dim=1))  # largest |value| = m * 2^exponent, m in [0.5, 1)
-    shift = (15 - exponent).clamp(-126, 126)
-    scale, unscale = (((e + 127).to(torch.int32) << 23).view(torch.float32) for e in (shift, -shift))
-    return x * scale[:, None], unscale
+    scale = ((142 - exponent).clamp(1, 253).to(torch.int32) << 23).view(torch.float32)  # 2^(15 - exponent)
+    return x * scale[:, None], scale.reciprocal()
 
 
 def _fwd_seq(
