@@ -84,6 +84,14 @@ class Config(NamedTuple):
 # D 8), 4% at N = 512. Forward+backward, `hfkit bench evoformer_attention --providers
 # hfkit,hfkit_three_pass` (data/results/h200/evoformer_attention.json): 0.330 against 0.362 ms at
 # N = 256. (BLOCK_M, BLOCK_N, warps, stages[, rows]).
+# The forward at N = 4096 (triangle attention, [1, 4096, 4, 4096, 32], bf16, H200; probes of the
+# kernel before its logits took two fused multiply-adds, not committed): no tiling of 14 beat
+# (128, 32, 4, 3) by more than 1.5% (128 x 128 tiles were 30% slower) and no group size beat
+# GROUP_ROWS = 16. Nsight Compute (N = 1024): 73% of issue slots busy, 127 registers, 4 warps per
+# scheduler, ~15 instructions per logit in the loop (14.4 now): bound by instruction issue, the pair
+# bias's load and conversion about a quarter of the time (195 ms against 142 ms without it at
+# N = 4096). exp2 of packed 16-bit pairs (`ex2.approx.f16x2` / `.bf16x2`) compiles to two MUFU.EX2
+# on sm_90: no saving there.
 CONFIGS_SMALL_D: dict[str, tuple[int, ...]] = {
     "fwd": (128, 32, 4, 3),
     "dkdv": (32, 128, 4, 3),
