@@ -56,7 +56,9 @@ def _logits(
     # BIAS_PRELOADED: `btile` holds this tile's bias already (float32), else it is loaded here.
     # Two fused multiply-adds per logit, the key bias joining the scaling and the bias the next one
     # (the softmax is issue-bound at small head dims: one instruction of ~15 per logit less than a
-    # multiply and two adds). Every pass computes its logits here, in this order.
+    # multiply and two adds). The forward, dq and dbias passes take their logits from here; the
+    # dk/dv pass (`_dkdv_tile`) adds the same terms in the same order, its bias term (bias times
+    # log2(e), shared by the rows it walks) rounded once more.
     k_ok = offs_n < n_k
     kt = _ld(k_ptrs, k_ok[None, :] & k_ok_d, EVEN)
     s = dot(q, kt, DOT)
