@@ -471,6 +471,8 @@ if HAS_TRITON:
         need_w = weight is not None and ctx.needs_input_grad[1]
         need_b = ctx.bias_meta is not None and ctx.needs_input_grad[2]
         dx, dwb = _layer_norm_bwd(dy, x, weight, mean, rstd, ctx.n, need_w or need_b, dres)
+        if need_w and need_b and weight.dtype == ctx.bias_meta[1]:
+            dwb = dwb.to(weight.dtype)  # both sums in one cast (none for float32 parameters)
         grad_w = dwb[0].to(weight.dtype).view(weight.shape) if need_w else None
         grad_b = dwb[1].to(ctx.bias_meta[1]).view(ctx.bias_meta[0]) if need_b else None
         return dx, grad_w, grad_b
