@@ -57,8 +57,8 @@ def _logits(
     # Two fused multiply-adds per logit, the key bias joining the scaling and the bias the next one
     # (the softmax is issue-bound at small head dims: one instruction of ~15 per logit less than a
     # multiply and two adds). The forward, dq and dbias passes take their logits from here; the
-    # dk/dv pass (`_dkdv_tile`, on the transposed tile) computes them with the same two fused
-    # multiply-adds, so every pass rounds them alike.
+    # dk/dv pass (`_dkdv_tile`) adds the same terms in the same order, its bias term (bias times
+    # log2(e), shared by the rows it walks) rounded once more.
     k_ok = offs_n < n_k
     kt = _ld(k_ptrs, k_ok[None, :] & k_ok_d, EVEN)
     s = dot(q, kt, DOT)
@@ -197,19 +197,18 @@ def _dkdv_tile(
 ):  # fmt: skip
     # pᵀ and dsᵀ of one (key block, query block) tile of one row, transposed ([keys, queries]) so
     # that they come out of the softmax in the layout the dv and dk products take (no register
-    # transposes), with the q and do tiles those products read and the bias tile (float32, natural
-    # units; `bt` when BIAS_PRELOADED, else loaded from b_ptrs). kbias: the key bias, base 2. The
-    # logits as `_logits` computes them: two fused multiply-adds.
+    # transposes), with the q and do tiles those products read and the bias tile (float32, base-2
+    # units; `bt` when BIAS_PRELOADED, else loaded from b_ptrs). kbias: the key bias, base 2.
     qt = _ld(q_base + offs_m[None, :] * sqn + offs_d[:, None], d_ok[:, None] & m_ok[None, :], EVEN)
     do = _ld(do_base + offs_m[:, None] * sdon + offs_d[None, :], m_ok[:, None] & d_ok[None, :], EVEN)
     mx = _ld(Mx + row0 + offs_m, m_ok, EVEN_MN)
     lg = _ld(Lg + row0 + offs_m, m_ok, EVEN_MN)
     delta = _ld(Delta + row0 + offs_m, m_ok, EVEN_MN)
-    st = tl.fma(dot(k, qt, DOT), qk_scale, kbias[:, None])
+    st = dot(k, qt, DOT) * qk_scale + kbias[:, None]
     if HAS_BIAS:
         if not BIAS_PRELOADED:
-            bt = _ld(b_ptrs, n_ok[:, None] & m_ok[None, :], EVEN_MN).to(tl.float32)
-        st = tl.fma(bt, 1.4426950408889634, st)  # LOG2E
+            bt = _ld(b_ptrs, n_ok[:, None] & m_ok[None, :], EVEN_MN).to(tl.float32) * 1.4426950408889634
+        st += bt
     pt = tl.exp2((st - mx[None, :]) - lg[None, :])
     if not EVEN_MN:
         pt = tl.where(n_ok[:, None] & m_ok[None, :], pt, 0.0)
