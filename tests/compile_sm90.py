@@ -183,7 +183,7 @@ def triangle_multiplication_kernels(dtype: str = "bf16", dot: int = 0) -> None:
         "BG",
     )
     ptrs = {**{k: dtype for k in names}, **{k: "fp32" for k in fp32}}
-    block_p, block_c, block_k, warps = tm.PROJ_TILES
+    block_p, block_c, block_k, warps, _stages = tm.PROJ_TILES
     proj = {"HAS_BIAS": True, "HAS_MASK": True, "DOT": dot, "BLOCK_P": block_p, "BLOCK_C": block_c}
     proj["BLOCK_K"] = block_k
     compile_sm90(tmk._proj_gate_fwd_kernel, ptrs, proj, warps)

@@ -93,13 +93,13 @@ __all__ = [
 
 # The transposed LayerNorm-out kernels hold all hidden channels of a block of pairs in registers.
 MAX_HIDDEN = 1024
-# (BLOCK_P, BLOCK_C, BLOCK_K, num_warps) of the fused projection kernels: four float32 accumulators of
-# BLOCK_P x BLOCK_C. Each program re-reads the [4 BLOCK_C, C_z] weight slices from L2, so the weight
-# traffic is 4 C_h C_z x (pairs / BLOCK_P). From a sweep of the module's bf16 forward+backward at N = 256
-# and 384 on an H200, with `_ln_out_config` and `_elementwise_config` below: 0.54 ms at N = 256 and
-# 1.01 ms at 384, against 0.61 and 1.15 ms with (128, 32, 64, 8), 8K-element LayerNorm tiles on 8
-# warps and 4K-element gate tiles on 8 warps.
-PROJ_TILES = (64, 32, 64, 4)
+# (BLOCK_P, BLOCK_C, BLOCK_K, num_warps, num_stages) of the fused projection kernels: four float32
+# accumulators of BLOCK_P x BLOCK_C. Each program re-reads the [4 BLOCK_C, C_z] weight slices from
+# L2, so the weight traffic is 4 C_h C_z x (pairs / BLOCK_P). From a sweep of the module's bf16
+# forward+backward at N = 256 and 384 on an H200, with `_ln_out_config` and `_elementwise_config`
+# below: 0.54 ms at N = 256 and 1.01 ms at 384, against 0.61 and 1.15 ms with (128, 32, 64, 8),
+# 8K-element LayerNorm tiles on 8 warps and 4K-element gate tiles on 8 warps.
+PROJ_TILES = (64, 32, 64, 4, 3)
 # The output half (LayerNorm-out, linear_z, linear_g and the gate) runs as one kernel each way where a
 # block of pairs with all C_h and all C_z channels fits in registers: C_h and C_z at most this.
 FUSED_OUT_MAX = 128
@@ -546,15 +546,14 @@ if HAS_TRITON:
             HAS_MASK=mask is not None, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps,
         )  # fmt: skip
 
-    def _proj_config(c_h: int, c_z: int, zn: torch.Tensor) -> tuple[int, int, int, int, int]:
-        """(BLOCK_P, BLOCK_C, BLOCK_K, num_warps, DOT) of the fused projection kernels, from
+    def _proj_config(c_h: int, c_z: int, zn: torch.Tensor) -> tuple[int, int, int, tuple[int, int], int]:
+        """(BLOCK_P, BLOCK_C, BLOCK_K, (num_warps, num_stages), DOT) of the fused projection kernels, from
         `PROJ_TILES` (channel and K blocks shrunk to the problem, at least 16 for tl.dot); DOT as
         `_dot` takes it."""
-        block_p, block_c, block_k, warps = PROJ_TILES
+        block_p, block_c, block_k, warps, stages = PROJ_TILES
         block_c = min(block_c, max(16, next_power_of_2(c_h)))
         block_k = min(block_k, max(16, next_power_of_2(c_z)))
-        dot = dot_mode(zn)
-        return block_p, block_c, block_k, warps, dot
+        return block_p, block_c, block_k, (warps, stages), dot_mode(zn)
 
     @hfkit_op("tri_mul_proj_gate_fwd")
     def _proj_gate_fwd(
@@ -570,12 +569,12 @@ if HAS_TRITON:
         c_z = zn.shape[1]
         a = zn.new_empty((batch, c_h, n, n))
         b = zn.new_empty((batch, c_h, n, n))
-        block_p, block_c, block_k, warps, dot = _proj_config(c_h, c_z, zn)
+        block_p, block_c, block_k, (warps, stages), dot = _proj_config(c_h, c_z, zn)
         grid = (cdiv(n * n, block_p) * cdiv(c_h, block_c), batch)
         launch(_proj_gate_fwd_kernel, grid,
             zn, w_ab, b_ab, mask, a, b, n * n, c_h, c_z,
             HAS_BIAS=b_ab is not None, HAS_MASK=mask is not None, DOT=dot,
-            BLOCK_P=block_p, BLOCK_C=block_c, BLOCK_K=block_k, num_warps=warps,
+            BLOCK_P=block_p, BLOCK_C=block_c, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         return a, b
 
@@ -597,13 +596,13 @@ if HAS_TRITON:
         """Writes columns [0, 4 C_h) of d_proj, and their float32 partial sums over each program's pairs
         to columns [part_off, part_off + 4 C_h) of its row of part."""
         c_z = zn.shape[1]
-        block_p, block_c, block_k, warps, dot = _proj_config(c_h, c_z, zn)
+        block_p, block_c, block_k, (warps, stages), dot = _proj_config(c_h, c_z, zn)
         num_p_blocks = cdiv(n * n, block_p)
         launch(_proj_gate_bwd_kernel, (num_p_blocks * cdiv(c_h, block_c), batch),
             da.contiguous(), db.contiguous(), zn, w_ab, b_ab, mask, d_proj, part,
             n * n, c_h, c_z, d_proj.stride(0), num_p_blocks, part_off, part.stride(0),
             HAS_BIAS=b_ab is not None, HAS_MASK=mask is not None, DOT=dot,
-            BLOCK_P=block_p, BLOCK_C=block_c, BLOCK_K=block_k, num_warps=warps,
+            BLOCK_P=block_p, BLOCK_C=block_c, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         )  # fmt: skip
 
     @hfkit_op("tri_mul_ln_out_t_fwd")
