@@ -113,6 +113,9 @@ FUSED_OUT_MAX = 128
 # 75.2 us for the previous kernel (one program a tile, 32 output channels at a time), at N = 384 71.0
 # and 145.8 us against 85.5 and 164.5; one program per SM or software pipelining was 30-50% slower,
 # 8 warps or 128 pairs a tile 20-40% slower.
+# The backward spills at these tiles (Nsight Compute at N = 256: 255 registers, 273K local-memory
+# requests, 12.5% occupancy), yet every tiling without spills was slower in a later sweep of the
+# module's fwd+bwd (.gpu/tri_sweep.py): 32 pairs 4-9%, 8 warps 4-5%, 16 pairs 15%.
 OUT_TILES = {"fwd": (64, 4, 2), "bwd": (64, 4, 2)}
 
 
