@@ -100,9 +100,9 @@ MAX_HIDDEN = 1024
 # below: 0.54 ms at N = 256 and 1.01 ms at 384, against 0.61 and 1.15 ms with (128, 32, 64, 8),
 # 8K-element LayerNorm tiles on 8 warps and 4K-element gate tiles on 8 warps.
 # num_stages (the K loop's pipelining, 74 KB of shared memory a program at 3) from a later sweep
-# (.gpu/tri_sweep.py, CUDA-graph timed, both directions): 1 stage was 4% slower at N = 256 and 384
-# (more resident programs, no overlap of the loads), 2 within 1% of 3, 4 stages with BLOCK_K 32 1%
-# slower; 128-pair or 64-channel tiles 3-12% slower.
+# (module fwd+bwd, CUDA-graph timed, outgoing and incoming): 1 stage was 4% slower at N = 256 and
+# 384, 2 within 1% of 3, 4 stages with BLOCK_K 32 1% slower; 128-pair or 64-channel tiles 3-12%
+# slower.
 PROJ_TILES = (64, 32, 64, 4, 3)
 # The output half (LayerNorm-out, linear_z, linear_g and the gate) runs as one kernel each way where a
 # block of pairs with all C_h and all C_z channels fits in registers: C_h and C_z at most this.
@@ -115,7 +115,7 @@ FUSED_OUT_MAX = 128
 # 8 warps or 128 pairs a tile 20-40% slower.
 # The backward spills at these tiles (Nsight Compute at N = 256: 255 registers, 273K local-memory
 # requests, 12.5% occupancy), yet every tiling without spills was slower in a later sweep of the
-# module's fwd+bwd (.gpu/tri_sweep.py): 32 pairs 4-9%, 8 warps 4-5%, 16 pairs 15%.
+# module's fwd+bwd: 32 pairs 4-9%, 8 warps 4-5%, 16 pairs 15%.
 OUT_TILES = {"fwd": (64, 4, 2), "bwd": (64, 4, 2)}
 
 
