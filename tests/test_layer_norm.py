@@ -90,7 +90,7 @@ def test_many_row_blocks_reduce_weight_grads(device, prefetch, acc2d):
     x = torch.randn(m, n, device=device) * 3 + 0.5
     w, b, dy = torch.randn(n, device=device), torch.randn(n, device=device), torch.randn(m, n, device=device)
     with torch.no_grad():
-        y, mean, rstd = ln._layer_norm_fwd(x, w, b, n, 1e-5)
+        y, mean, rstd = ln._layer_norm_fwd(x, w, b, n, 1e-5, x.dtype)
         cfg = ln._bwd_config(n, x.element_size())
         blocks = -(-m // cfg[0])
         # At most a third of the row blocks: several blocks a program on any device (an H200's 132
@@ -152,6 +152,40 @@ def test_agrees_with_torch(device):
     x = torch.randn(7, 3, 130, device=device)
     w, b = torch.randn(130, device=device), torch.randn(130, device=device)
     torch.testing.assert_close(layer_norm(x, (130,), w, b, 1e-6), F.layer_norm(x, (130,), w, b, 1e-6))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_out_dtype_writes_the_cast_values(device, residual, seed):
+    """A float32 x normalized into bfloat16 (`out_dtype`): the values of the float32 output cast to
+    bfloat16, and the same gradients as that cast's backward gives (x's in float32), with and
+    without the residual pass-through."""
+    x = (torch.randn(5, 19, 72, device=device) * 2 + 0.4).requires_grad_(True)
+    w = torch.randn(72, device=device, requires_grad=True)
+    b = torch.randn(72, device=device, requires_grad=True)
+    dy = torch.randn(5, 19, 72, device=device, dtype=torch.bfloat16)
+    if residual:
+        y, r = layer_norm_with_residual(x, 72, w, b, out_dtype=torch.bfloat16)
+        assert torch.equal(r, x)
+    else:
+        y = layer_norm(x, 72, w, b, out_dtype=torch.bfloat16)
+    want = layer_norm(x, 72, w, b).to(torch.bfloat16)
+    assert y.dtype == torch.bfloat16
+    # Compiled kernels round to nearest as the cast does; the interpreter's stores may truncate.
+    assert torch.equal(y, want) if device == "cuda" else rel_err(y, want) < TOL[torch.bfloat16]
+    got = torch.autograd.grad(y, (x, w, b), dy)
+    expected = torch.autograd.grad(want, (x, w, b), dy)
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == torch.float32
+        assert_close(g, e, dtype=torch.float32)
+
+
+def test_out_dtype_must_be_a_floating_dtype():
+    x = torch.randn(3, 8)
+    for bad in (torch.int32, "bfloat16"):
+        with pytest.raises(ValueError, match="^out_dtype:"):
+            layer_norm(x, 8, out_dtype=bad)
+    assert layer_norm(x, 8, out_dtype=torch.float64).dtype == torch.float64
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -252,7 +286,8 @@ def test_opcheck_cuda():
     x = torch.randn(9, 64, device="cuda", requires_grad=True)
     w = torch.randn(64, device="cuda", requires_grad=True)
     b = torch.randn(64, device="cuda", requires_grad=True)
-    torch.library.opcheck(torch.ops.hfkit.layer_norm_fwd.default, (x, w, b, 64, 1e-5))
+    for out_dtype in (torch.float32, torch.bfloat16):
+        torch.library.opcheck(torch.ops.hfkit.layer_norm_fwd.default, (x, w, b, 64, 1e-5, out_dtype))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -117,3 +117,56 @@ def test_swapped_block_matches_the_plain_block(seed):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     for a, b in zip(g_got, g_want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+# The swapped block's LayerNorms whose output only one fused matmul reads (`normalize_for_matmul`).
+MATMUL_FED_NORMS = {
+    "msa_att_col._msa_att.layer_norm_m",
+    "core.msa_transition.layer_norm",
+    "core.outer_product_mean.layer_norm",
+    "core.tri_att_start.layer_norm",
+    "core.tri_att_end.layer_norm",
+    "core.pair_transition.layer_norm",
+}
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="the fused ops run Triton under TRITON_INTERPRET=1 only")
+def test_autocast_layer_norms_write_the_matmul_dtype(seed, monkeypatch):
+    """Under autocast, the swapped block's LayerNorms that feed one fused matmul write bfloat16, the
+    others keep float32; outputs and gradients are as close to the float32 block's as those of the
+    block whose LayerNorms all write float32 (which the matmuls then cast to the same values, up to
+    the interpreter's bfloat16 rounding, which may truncate)."""
+    swapped = hnn.to_hfkit(_block(), inplace=False)
+    m, z, msa_mask, pair_mask = _inputs()
+    dm, dz = torch.randn_like(m), torch.randn_like(z)
+    written: dict[str, torch.dtype] = {}
+    for name, module in swapped.named_modules():
+        if isinstance(module, hnn.LayerNorm):
+            module.register_forward_hook(lambda _m, _a, out, name=name: written.__setitem__(name, out.dtype))
+
+    def run(autocast: bool = True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = swapped(m, z, msa_mask, pair_mask)
+        return (*out, *torch.autograd.grad(out, [m, z, *swapped.parameters()], [dm, dz]))
+
+    got = run()
+    assert {name for name, dtype in written.items() if dtype == torch.bfloat16} == MATMUL_FED_NORMS
+    assert all(written[name] == torch.float32 for name in written.keys() - MATMUL_FED_NORMS)
+    exact = run(autocast=False)
+    forward = hnn.LayerNorm.forward
+    monkeypatch.setattr(hnn.LayerNorm, "forward", lambda self, x, out_dtype=None: forward(self, x))
+    want = run()
+    assert set(written.values()) == {torch.float32}
+
+    # Relative errors, skipping gradients that are zero in exact arithmetic (row attention's pair-bias
+    # LayerNorm bias shifts every logit of a row alike: only rounding noise reaches it).
+    kept = [i for i, e in enumerate(exact) if e.norm() > 1e-4]
+    assert len(kept) > len(exact) - 3
+
+    def errors(values):
+        return torch.tensor([((values[i].float() - exact[i]).norm() / exact[i].norm()).item() for i in kept])
+
+    assert all(a.dtype == b.dtype for a, b in zip(got, want, strict=True))
+    err_got, err_want = errors(got), errors(want)
+    assert err_want.max() < 0.1  # bfloat16 matmuls on a tiny block
+    assert err_got.mean() < 1.25 * err_want.mean() and err_got.max() < 1.5 * err_want.max()

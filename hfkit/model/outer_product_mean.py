@@ -34,8 +34,9 @@ class OuterProductMean(nn.Module):
         """outer [*, N, N, C_z] / count [*, N, N, 1] (eps + the rows where both residues are present)."""
         return outer / count
 
-    def _project(self, ln: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(linear_1(ln), linear_2(ln))."""
+    def _project(self, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear_1(ln), linear_2(ln)) of ln = layer_norm(m)."""
+        ln = self.layer_norm(m)
         return self.linear_1(ln), self.linear_2(ln)
 
     def forward(
@@ -45,7 +46,7 @@ class OuterProductMean(nn.Module):
         if mask is None:
             mask = m.new_ones(m.shape[:-1])
         mask = mask.to(m.dtype)[..., None]
-        a, b = self._project(self.layer_norm(m))
+        a, b = self._project(m)
         a, b = a * mask, b * mask
         outer = chunk_apply(lambda a_: self._outer(a_, b), [a], [-2], -3, chunk_size)
         # Number of rows where both residues are present: [*, N, N, 1].

@@ -16,6 +16,7 @@ from torch import nn
 
 from hfkit.model.primitives import Attention, mask_bias
 from hfkit.nn.convert import register_swap
+from hfkit.nn.layer_norm import normalize_for_matmul, writes_matmul_dtype
 from hfkit.ops.evoformer_attention import evoformer_attention, uses_triton
 from hfkit.ops.gated_linear import gated_linear
 from hfkit.ops.linear import linear
@@ -197,13 +198,21 @@ def attend_axis(
         return None
     if chunk_size is not None and chunk_size < x.shape[-2 if columns else -3]:
         return None
-    xn = layer_norm(x)
+    extra = () if bias_projection is None else (bias_projection,)
+    used = [
+        lyr for lyr in (mha.linear_q, mha.linear_k, mha.linear_v, mha.linear_g, *extra) if lyr is not None
+    ]
+    # Where one multi_linear is all that reads the normalized x (`project`), under autocast it is
+    # written in the autocast dtype; the masks keep the dtype the LayerNorm's output has otherwise.
+    to_matmul = writes_matmul_dtype(layer_norm, x) and fusable_linears(x, used)
+    xn = normalize_for_matmul(layer_norm, x) if to_matmul else layer_norm(x)
+    dtype = x.dtype if to_matmul else xn.dtype
     if mask is None:
-        mask = xn.new_ones(xn.shape[:-1])
-    projections = project(mha, xn, xn, () if bias_projection is None else (bias_projection,))
+        mask = x.new_ones(x.shape[:-1], dtype=dtype)
+    projections = project(mha, xn, xn, extra)
     # The biases of the model's row attention (on the transposed x for columns): views, no copies.
     along = (lambda t: t.transpose(-2, -3)) if columns else (lambda t: t)  # [*, R, N, ...] tensors
-    mask = mask.to(xn.dtype)
+    mask = mask.to(dtype)
     biases = [mask_bias(mask.transpose(-1, -2) if columns else mask, inf)]
     if bias_projection is not None:
         biases.append(along(projections[4]).movedim(-1, -3).unsqueeze(-4))

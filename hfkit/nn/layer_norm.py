@@ -19,7 +19,7 @@ from hfkit.nn.convert import register_swap
 from hfkit.ops import layer_norm
 from hfkit.ops.layer_norm import layer_norm_with_residual
 
-__all__ = ["LayerNorm"]
+__all__ = ["LayerNorm", "normalize_for_matmul", "writes_matmul_dtype"]
 
 
 class LayerNorm(nn.LayerNorm):
@@ -27,20 +27,44 @@ class LayerNorm(nn.LayerNorm):
 
     Same constructor as `torch.nn.LayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True,
     bias=True, device=None, dtype=None)` and the same parameters (`weight`, `bias`, either may be
-    None). `forward(input: [*, *normalized_shape]) -> [*, *normalized_shape]` uses the Triton kernel
-    on CUDA (and on CPU under `TRITON_INTERPRET=1`) and the plain-torch reference otherwise.
+    None). `forward(input: [*, *normalized_shape], out_dtype=None) -> [*, *normalized_shape]` uses the
+    Triton kernel on CUDA (and on CPU under `TRITON_INTERPRET=1`) and the plain-torch reference
+    otherwise; the output is in `out_dtype` (default input's dtype, as torch's module).
     """
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         taps = active_residual_taps()
         if taps is not None and taps.wants(input):
             y, passthrough = layer_norm_with_residual(
-                input, self.normalized_shape, self.weight, self.bias, self.eps
+                input, self.normalized_shape, self.weight, self.bias, self.eps, out_dtype=out_dtype
             )
             if passthrough is not input:
                 taps.record(input, passthrough)
             return y
-        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, out_dtype=out_dtype)
+
+
+def writes_matmul_dtype(norm: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `normalize_for_matmul(norm, x)` writes the autocast dtype: `norm` is hfkit's LayerNorm
+    and autocast is on for x's device with a dtype other than x's."""
+    kind = x.device.type
+    return (
+        isinstance(norm, LayerNorm)
+        and torch.is_autocast_enabled(kind)
+        and torch.get_autocast_dtype(kind) != x.dtype
+    )
+
+
+def normalize_for_matmul(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`norm(x)` for a LayerNorm whose output only feeds matmuls that run under autocast (one
+    `hfkit.ops.multi_linear` or `relu_mlp`, which cast their operands to the autocast dtype):
+    where `writes_matmul_dtype`, the LayerNorm writes it in the autocast dtype, the values those
+    matmuls would cast it to, without the float32 tensor and the casts of it and of its gradient;
+    otherwise `norm(x)`. Callers keep x's dtype for anything else they derive from the output
+    (masks), as the output's dtype would otherwise have given."""
+    if writes_matmul_dtype(norm, x):
+        return norm(x, out_dtype=torch.get_autocast_dtype(x.device.type))
+    return norm(x)
 
 
 register_swap(nn.LayerNorm, LayerNorm)

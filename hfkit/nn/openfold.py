@@ -359,9 +359,10 @@ def _outer_product_mean_forward(
     return _PlainOuterProductMean.forward(self, m, mask, chunk_size)
 
 
-def _opm_project(self: nn.Module, ln: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    # `hfkit.nn.OuterProductMean._project` (not imported, as for `_outer_product`).
-    return linears_of(ln, (self.linear_1, self.linear_2))
+def _opm_project(self: nn.Module, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # The model's `_project` (layer_norm, then linear_1 and linear_2) as one `multi_linear` where the
+    # linears are plain (`hfkit.nn.OuterProductMean._project` without the LayerNorm's autocast dtype).
+    return linears_of(self.layer_norm(m), (self.linear_1, self.linear_2))
 
 
 def _opm_normalize(self: nn.Module, outer: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,11 @@ from __future__ import annotations
 import torch
 
 from hfkit.model.outer_product_mean import OuterProductMean as _PlainOuterProductMean
-from hfkit.nn.attention import linears_of
+from hfkit.nn.attention import fusable_linears, linears_of
 from hfkit.nn.convert import register_swap
+from hfkit.nn.layer_norm import normalize_for_matmul
 from hfkit.ops.elementwise import row_scale
+from hfkit.ops.multi_linear import multi_linear
 from hfkit.ops.outer_product_linear import outer_product_linear
 
 __all__ = ["OuterProductMean"]
@@ -28,8 +30,15 @@ class OuterProductMean(_PlainOuterProductMean):
     linear_1 and linear_2 as one `hfkit.ops.multi_linear` where they are plain linears (one gradient
     of the normalized MSA, no autograd add), and the division by the row counts as `row_scale`."""
 
-    def _project(self, ln: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return linears_of(ln, (self.linear_1, self.linear_2))
+    def _project(self, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        layers = (self.linear_1, self.linear_2)
+        if fusable_linears(m, layers):  # one multi_linear reads the LayerNorm's output
+            return multi_linear(
+                normalize_for_matmul(self.layer_norm, m),
+                [lyr.weight for lyr in layers],
+                [lyr.bias for lyr in layers],
+            )
+        return linears_of(self.layer_norm(m), layers)
 
     def _normalize(self, outer: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         return row_scale(outer, count, divide=True)

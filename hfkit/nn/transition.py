@@ -14,7 +14,9 @@ import torch
 
 from hfkit.model.evoformer import MSATransition as _PlainMSATransition
 from hfkit.model.pair_transition import PairTransition as _PlainPairTransition
+from hfkit.model.primitives import chunk_apply
 from hfkit.nn.convert import register_swap
+from hfkit.nn.layer_norm import normalize_for_matmul, writes_matmul_dtype
 from hfkit.ops.elementwise import row_scale
 from hfkit.ops.relu_mlp import relu_mlp
 
@@ -23,14 +25,28 @@ __all__ = ["MSATransition", "PairTransition"]
 
 class _RecomputedHidden:
     """The transitions' `_transition` through `relu_mlp` (linear_1 and linear_2's parameters are read
-    directly: their forward hooks, if any, do not run), masked by `row_scale`."""
+    directly: their forward hooks, if any, do not run), masked by `row_scale`; under autocast the
+    LayerNorm writes the autocast dtype (`normalize_for_matmul`)."""
 
+    layer_norm: torch.nn.Module
     linear_1: torch.nn.Linear
     linear_2: torch.nn.Linear
 
     def _transition(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         l1, l2 = self.linear_1, self.linear_2
         return row_scale(relu_mlp(x, l1.weight, l1.bias, l2.weight, l2.bias), mask)
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, chunk_size: int | None = None
+    ) -> torch.Tensor:
+        """The model's transition; where `writes_matmul_dtype` (hfkit's LayerNorm under autocast), the
+        LayerNorm writes the autocast dtype, which `relu_mlp` would cast its input to."""
+        if not writes_matmul_dtype(self.layer_norm, x):
+            return super().forward(x, mask, chunk_size)  # type: ignore[misc]
+        if mask is None:
+            mask = x.new_ones(x.shape[:-1])
+        xn = normalize_for_matmul(self.layer_norm, x)
+        return chunk_apply(self._transition, [xn, mask.to(x.dtype)[..., None]], [-3, -3], -3, chunk_size)
 
 
 class MSATransition(_RecomputedHidden, _PlainMSATransition):

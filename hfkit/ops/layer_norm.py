@@ -110,21 +110,35 @@ def layer_norm(
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     eps: float = 1e-5,
+    *,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Fused LayerNorm over the trailing `normalized_shape` dims of x, a drop-in for `F.layer_norm`.
 
     x: [*, *normalized_shape] in float32, bfloat16 or float16 (float64 runs the reference), any leading
     shape, contiguous or not; weight, bias: `normalized_shape` or None, any floating dtype and strides
-    (the output keeps x's dtype; their gradients keep theirs). Statistics and gradient sums are in float32.
+    (their gradients keep their dtypes). The output is in `out_dtype` (default x's dtype: a float32 x
+    normalized for a bfloat16 matmul can be written in bfloat16 directly, the values the matmul's cast
+    would give; x's gradient stays in x's dtype). Statistics and gradient sums are in float32.
     Raises ValueError naming the argument on a wrong shape, dtype or device.
     """
     shape = _as_shape(normalized_shape)
     _check_inputs(x, shape, weight, bias, eps)
+    out_dtype = _check_out_dtype(x, out_dtype)
     n = math.prod(shape)
     if not uses_triton(x, n):
-        return layer_norm_reference(x, shape, weight, bias, eps)
-    y, _, _ = _layer_norm_fwd(x, _by_column(weight), _by_column(bias), n, float(eps))
+        return layer_norm_reference(x, shape, weight, bias, eps).to(out_dtype)
+    y, _, _ = _layer_norm_fwd(x, _by_column(weight), _by_column(bias), n, float(eps), out_dtype)
     return y
+
+
+def _check_out_dtype(x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    """`out_dtype`, x's dtype for None; ValueError unless a floating dtype the kernels write."""
+    if out_dtype is None:
+        return x.dtype
+    if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
+        raise ValueError(f"out_dtype: expected a floating torch.dtype or None, got {out_dtype!r}")
+    return out_dtype
 
 
 def _by_column(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -139,9 +153,11 @@ def layer_norm_with_residual(
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     eps: float = 1e-5,
+    *,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`layer_norm(x, ...)`, r), where r holds x's values: x passed through for the residual
-    connection around the LayerNorm's block (`r + block(y)` in place of `x + block(y)`).
+    """(`layer_norm(x, ..., out_dtype=out_dtype)`, r), where r holds x's values: x passed through for
+    the residual connection around the LayerNorm's block (`r + block(y)` in place of `x + block(y)`).
 
     x then has one consumer instead of two, so autograd never adds its two gradients: the LayerNorm
     backward kernel adds r's gradient into dx as it writes it (one read more in that kernel, against
@@ -150,22 +166,23 @@ def layer_norm_with_residual(
     """
     shape = _as_shape(normalized_shape)
     _check_inputs(x, shape, weight, bias, eps)
+    out_dtype = _check_out_dtype(x, out_dtype)
     n = math.prod(shape)
     if (
         not uses_triton(x, n)
         or not (torch.is_grad_enabled() and x.requires_grad)
         or torch.compiler.is_compiling()
     ):
-        return layer_norm(x, shape, weight, bias, eps), x
-    return _LayerNormResidual.apply(x, _by_column(weight), _by_column(bias), n, float(eps))
+        return layer_norm(x, shape, weight, bias, eps, out_dtype=out_dtype), x
+    return _LayerNormResidual.apply(x, _by_column(weight), _by_column(bias), n, float(eps), out_dtype)
 
 
 class _LayerNormResidual(torch.autograd.Function):
     """LayerNorm with x's residual pass-through as a second output (`layer_norm_with_residual`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, n, eps):
-        y, mean, rstd = _layer_norm_fwd(x, weight, bias, n, eps)
+    def forward(ctx, x, weight, bias, n, eps, out_dtype):
+        y, mean, rstd = _layer_norm_fwd(x, weight, bias, n, eps, out_dtype)
         _save_for_backward(ctx, x, weight, bias, n, mean, rstd)
         ctx.set_materialize_grads(False)
         return y, x.view_as(x)
@@ -174,8 +191,8 @@ class _LayerNormResidual(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy, dres):
         if dy is None:  # only the pass-through was used
-            return dres, None, None, None, None
-        return *_input_grads(ctx, dy, dres), None, None
+            return dres, None, None, None, None, None
+        return *_input_grads(ctx, dy, dres), None, None, None
 
 
 if HAS_TRITON:
@@ -416,10 +433,12 @@ if HAS_TRITON:
         bias: torch.Tensor | None,
         n: int,
         eps: float,
+        out_dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(y in out_dtype, float32 mean and rstd a row)."""
         x2 = _rows_view(x, n)
         m = x2.shape[0]
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         mean = torch.empty(m, dtype=torch.float32, device=x.device)
         rstd = torch.empty(m, dtype=torch.float32, device=x.device)
         if m == 0:
@@ -478,13 +497,13 @@ if HAS_TRITON:
         return dx, grad_w, grad_b
 
     def _setup_context(ctx, inputs, output) -> None:
-        x, weight, bias, n, _eps = inputs
+        x, weight, bias, n, _eps, _out_dtype = inputs
         _y, mean, rstd = output
         ctx.mark_non_differentiable(mean, rstd)
         _save_for_backward(ctx, x, weight, bias, n, mean, rstd)
 
     def _backward(ctx, dy, _dmean, _drstd):
         dx, grad_w, grad_b = _input_grads(ctx, dy)
-        return dx if ctx.needs_input_grad[0] else None, grad_w, grad_b, None, None
+        return dx if ctx.needs_input_grad[0] else None, grad_w, grad_b, None, None, None
 
     _layer_norm_fwd.autograd(_backward, _setup_context)
