@@ -103,6 +103,13 @@ MAX_HIDDEN = 1024
 # (module fwd+bwd, CUDA-graph timed, outgoing and incoming): 1 stage was 4% slower at N = 256 and
 # 384, 2 within 1% of 3, 4 stages with BLOCK_K 32 1% slower; 128-pair or 64-channel tiles 3-12%
 # slower.
+# Two restructurings of the backward measured no faster (module fwd+bwd, bf16, CUDA-graph timed, H200):
+# recomputing only the two gate projections, the saved a and b standing in for the other two (d(a_g)
+# = da a (1 - sigmoid(a_g))): 0.462 against 0.458 ms at N = 256, 0.956 against 0.951 at 384 (two more
+# reads cost what two dots saved; with 64-channel tiles then 1-2% faster); d(o) @ W_z computed inside
+# the transposed LayerNorm backward instead of a cuBLAS matmul: 0.5% faster. cuEquivariance at N =
+# 256 (torch.profiler, same run): 377 us in 13 kernels against 442 us in ~30 here, and its graph
+# replays in 329 us, below its kernels' sum (they overlap), where hfkit's takes 458 us.
 PROJ_TILES = (64, 32, 64, 4, 3)
 # The output half (LayerNorm-out, linear_z, linear_g and the gate) runs as one kernel each way where a
 # block of pairs with all C_h and all C_z channels fits in registers: C_h and C_z at most this.
