@@ -119,7 +119,7 @@ def test_swapped_block_matches_the_plain_block(seed):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-# The swapped block's LayerNorms whose output only one fused matmul reads (`normalize_for_matmul`).
+# The swapped block's LayerNorms whose output only one fused matmul reads (`matmul_dtype`).
 MATMUL_FED_NORMS = {
     "msa_att_col._msa_att.layer_norm_m",
     "core.msa_transition.layer_norm",

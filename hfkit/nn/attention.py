@@ -16,7 +16,7 @@ from torch import nn
 
 from hfkit.model.primitives import Attention, mask_bias
 from hfkit.nn.convert import register_swap
-from hfkit.nn.layer_norm import normalize_for_matmul, writes_matmul_dtype
+from hfkit.nn.layer_norm import matmul_dtype
 from hfkit.ops.evoformer_attention import evoformer_attention, uses_triton
 from hfkit.ops.gated_linear import gated_linear
 from hfkit.ops.linear import linear
@@ -204,9 +204,9 @@ def attend_axis(
     ]
     # Where one multi_linear is all that reads the normalized x (`project`), under autocast it is
     # written in the autocast dtype; the masks keep the dtype the LayerNorm's output has otherwise.
-    to_matmul = writes_matmul_dtype(layer_norm, x) and fusable_linears(x, used)
-    xn = normalize_for_matmul(layer_norm, x) if to_matmul else layer_norm(x)
-    dtype = x.dtype if to_matmul else xn.dtype
+    out_dtype = matmul_dtype(layer_norm, x) if fusable_linears(x, used) else None
+    xn = layer_norm(x) if out_dtype is None else layer_norm(x, out_dtype=out_dtype)
+    dtype = xn.dtype if out_dtype is None else x.dtype
     if mask is None:
         mask = x.new_ones(x.shape[:-1], dtype=dtype)
     projections = project(mha, xn, xn, extra)

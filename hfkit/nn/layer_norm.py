@@ -19,7 +19,7 @@ from hfkit.nn.convert import register_swap
 from hfkit.ops import layer_norm
 from hfkit.ops.layer_norm import layer_norm_with_residual
 
-__all__ = ["LayerNorm", "normalize_for_matmul", "writes_matmul_dtype"]
+__all__ = ["LayerNorm", "matmul_dtype"]
 
 
 class LayerNorm(nn.LayerNorm):
@@ -44,27 +44,18 @@ class LayerNorm(nn.LayerNorm):
         return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps, out_dtype=out_dtype)
 
 
-def writes_matmul_dtype(norm: nn.Module, x: torch.Tensor) -> bool:
-    """Whether `normalize_for_matmul(norm, x)` writes the autocast dtype: `norm` is hfkit's LayerNorm
-    and autocast is on for x's device with a dtype other than x's."""
+def matmul_dtype(norm: nn.Module, x: torch.Tensor) -> torch.dtype | None:
+    """The `out_dtype` for `norm(x, out_dtype=...)` when the output only feeds matmuls that run under
+    autocast (one `hfkit.ops.multi_linear` or `relu_mlp`, which cast their operands to the autocast
+    dtype): the autocast dtype where `norm` is hfkit's LayerNorm and autocast is on for x's device
+    with a dtype other than x's (the values those matmuls would cast to, without the float32 tensor
+    and the casts of it and of its gradient); else None, for a plain `norm(x)`. Callers keep x's
+    dtype for anything else they derive from the output (masks), as the output's would have been."""
     kind = x.device.type
-    return (
-        isinstance(norm, LayerNorm)
-        and torch.is_autocast_enabled(kind)
-        and torch.get_autocast_dtype(kind) != x.dtype
-    )
-
-
-def normalize_for_matmul(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`norm(x)` for a LayerNorm whose output only feeds matmuls that run under autocast (one
-    `hfkit.ops.multi_linear` or `relu_mlp`, which cast their operands to the autocast dtype):
-    where `writes_matmul_dtype`, the LayerNorm writes it in the autocast dtype, the values those
-    matmuls would cast it to, without the float32 tensor and the casts of it and of its gradient;
-    otherwise `norm(x)`. Callers keep x's dtype for anything else they derive from the output
-    (masks), as the output's dtype would otherwise have given."""
-    if writes_matmul_dtype(norm, x):
-        return norm(x, out_dtype=torch.get_autocast_dtype(x.device.type))
-    return norm(x)
+    if not isinstance(norm, LayerNorm) or not torch.is_autocast_enabled(kind):
+        return None
+    dtype = torch.get_autocast_dtype(kind)
+    return dtype if dtype != x.dtype else None
 
 
 register_swap(nn.LayerNorm, LayerNorm)

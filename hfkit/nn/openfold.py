@@ -361,7 +361,7 @@ def _outer_product_mean_forward(
 
 def _opm_project(self: nn.Module, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
     # The model's `_project` (layer_norm, then linear_1 and linear_2) as one `multi_linear` where the
-    # linears are plain (`hfkit.nn.OuterProductMean._project` without the LayerNorm's autocast dtype).
+    # linears are plain (as `hfkit.nn.OuterProductMean._project`, the LayerNorm writing x's dtype).
     return linears_of(self.layer_norm(m), (self.linear_1, self.linear_2))
 
 

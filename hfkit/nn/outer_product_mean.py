@@ -16,9 +16,8 @@ import torch
 from hfkit.model.outer_product_mean import OuterProductMean as _PlainOuterProductMean
 from hfkit.nn.attention import fusable_linears, linears_of
 from hfkit.nn.convert import register_swap
-from hfkit.nn.layer_norm import normalize_for_matmul
+from hfkit.nn.layer_norm import matmul_dtype
 from hfkit.ops.elementwise import row_scale
-from hfkit.ops.multi_linear import multi_linear
 from hfkit.ops.outer_product_linear import outer_product_linear
 
 __all__ = ["OuterProductMean"]
@@ -32,13 +31,10 @@ class OuterProductMean(_PlainOuterProductMean):
 
     def _project(self, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         layers = (self.linear_1, self.linear_2)
-        if fusable_linears(m, layers):  # one multi_linear reads the LayerNorm's output
-            return multi_linear(
-                normalize_for_matmul(self.layer_norm, m),
-                [lyr.weight for lyr in layers],
-                [lyr.bias for lyr in layers],
-            )
-        return linears_of(self.layer_norm(m), layers)
+        # Where one multi_linear reads the LayerNorm's output, under autocast it is written in that dtype.
+        out_dtype = matmul_dtype(self.layer_norm, m) if fusable_linears(m, layers) else None
+        ln = self.layer_norm(m) if out_dtype is None else self.layer_norm(m, out_dtype=out_dtype)
+        return linears_of(ln, layers)
 
     def _normalize(self, outer: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         return row_scale(outer, count, divide=True)

@@ -16,7 +16,7 @@ from hfkit.model.evoformer import MSATransition as _PlainMSATransition
 from hfkit.model.pair_transition import PairTransition as _PlainPairTransition
 from hfkit.model.primitives import chunk_apply
 from hfkit.nn.convert import register_swap
-from hfkit.nn.layer_norm import normalize_for_matmul, writes_matmul_dtype
+from hfkit.nn.layer_norm import matmul_dtype
 from hfkit.ops.elementwise import row_scale
 from hfkit.ops.relu_mlp import relu_mlp
 
@@ -26,7 +26,7 @@ __all__ = ["MSATransition", "PairTransition"]
 class _RecomputedHidden:
     """The transitions' `_transition` through `relu_mlp` (linear_1 and linear_2's parameters are read
     directly: their forward hooks, if any, do not run), masked by `row_scale`; under autocast the
-    LayerNorm writes the autocast dtype (`normalize_for_matmul`)."""
+    LayerNorm writes the autocast dtype (`matmul_dtype`)."""
 
     layer_norm: torch.nn.Module
     linear_1: torch.nn.Linear
@@ -39,13 +39,14 @@ class _RecomputedHidden:
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor | None = None, chunk_size: int | None = None
     ) -> torch.Tensor:
-        """The model's transition; where `writes_matmul_dtype` (hfkit's LayerNorm under autocast), the
-        LayerNorm writes the autocast dtype, which `relu_mlp` would cast its input to."""
-        if not writes_matmul_dtype(self.layer_norm, x):
+        """The model's transition; under autocast hfkit's LayerNorm writes the autocast dtype
+        (`matmul_dtype`), which `relu_mlp` would cast its input to."""
+        out_dtype = matmul_dtype(self.layer_norm, x)
+        if out_dtype is None:
             return super().forward(x, mask, chunk_size)  # type: ignore[misc]
         if mask is None:
             mask = x.new_ones(x.shape[:-1])
-        xn = normalize_for_matmul(self.layer_norm, x)
+        xn = self.layer_norm(x, out_dtype=out_dtype)
         return chunk_apply(self._transition, [xn, mask.to(x.dtype)[..., None]], [-3, -3], -3, chunk_size)
 
 
