@@ -25,6 +25,15 @@ def test_module_inputs_are_what_the_block_passes_its_outermost_matching_children
         assert args[0].shape[-1] == module.normalized_shape[0] and args[0].requires_grad
 
 
+def test_module_inputs_keep_masks_out_of_the_gradients():
+    block = make_block(TINY)
+    inputs = _block_inputs(TINY, 3, 5, torch.device("cpu"), torch.float32)
+    captured = module_inputs(block, inputs, (type(block.core.tri_att_start),))
+    ((_, args, kwargs),) = captured.values()
+    x, mask = args[0], kwargs["mask"]
+    assert x.requires_grad and mask.is_floating_point() and not mask.requires_grad
+
+
 def test_rows_cover_every_module_both_providers_and_modes(tmp_path):
     out = tmp_path / "launch.json"
     with reference_on_cpu():

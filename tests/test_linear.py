@@ -192,6 +192,28 @@ def test_other_dtypes_are_f_linear(device, dtype, seed):
     assert rel_err(grads[2], exact) <= (1e-12 if dtype == torch.float64 else 1e-2)
 
 
+def test_column_sums_keep_one_vector_of_ones_and_none_traced(seed):
+    """column_sums reads a slice of one kept vector of ones per device and dtype, grown past its length
+    (sums stay right across the growth); under fake tensors (what opcheck and export trace) it makes a
+    new vector and keeps nothing, so real calls after it still get real ones."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hfkit.ops import _linear
+
+    _linear._ONES.clear()
+    for rows in (3, 5000, 17, 9000):
+        g = torch.randn(rows, 6, dtype=torch.float64)
+        torch.testing.assert_close(_linear.column_sums(g), g.sum(0))
+    kept = _linear._ONES[(torch.device("cpu"), torch.float64)]
+    assert kept.shape[0] >= 9000 and bool((kept == 1).all())
+    with FakeTensorMode():
+        _linear.column_sums(torch.empty(20000, 4))
+    assert set(_linear._ONES) == {(torch.device("cpu"), torch.float64)}
+    assert _linear._ONES[(torch.device("cpu"), torch.float64)] is kept
+    g = torch.randn(7, 3, dtype=torch.float64)
+    torch.testing.assert_close(_linear.column_sums(g), g.sum(0))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_bias_gradient_is_column_sums_under_autocast(device, seed):
     """Outside the kernel path a bias that needs a gradient runs the column-sum function, under autocast

@@ -47,6 +47,39 @@ def test_matches_reference(dtype, with_bias, shape, seed):
         assert_close(actual.float() / scale, expected / scale, dtype=dtype, msg=f"gradient {i}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_scale_matches_the_reference(dtype, seed):
+    # A factor per row (the transitions' mask, here with fractional values too) applied inside the op.
+    x = torch.randn(3, 5, 9, dtype=dtype)
+    ps = params(9, 37, 7, dtype, True)
+    scale = torch.rand(3, 5, 1, dtype=dtype).masked_fill(torch.rand(3, 5, 1) > 0.6, 0.0)
+    dy = torch.randn(3, 5, 7, dtype=dtype)
+    out, grads = output_and_grads(lambda *a: relu_mlp(*a, scale=scale), [x, *ps], dy)
+    f32 = [t.float() for t in ps]
+    ref, ref_grads = output_and_grads(
+        lambda *a: relu_mlp_reference(*a, scale=scale.float()), [x.float(), *f32], dy.float()
+    )
+    assert out.dtype == dtype
+    assert_close(out.float(), ref, dtype=dtype, msg="output")
+    assert (out[scale.expand_as(out) == 0] == 0).all()  # masked rows are zero, not just small
+    for i, (actual, expected) in enumerate(zip(grads, ref_grads, strict=True)):
+        norm = expected.abs().max().clamp_min(1e-12)
+        assert_close(actual.float() / norm, expected / norm, dtype=dtype, msg=f"gradient {i}")
+
+
+def test_scale_that_needs_a_gradient_or_broadcasts_is_applied_after(seed):
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    ps = params(4, 9, 5, torch.float32, True)
+    for scale in (torch.rand(2, 3, 1, requires_grad=True), torch.rand(1, 3, 1)):
+        out = relu_mlp(x, *ps, scale=scale)
+        ref = relu_mlp_reference(x, *ps, scale=scale)
+        torch.testing.assert_close(out, ref)
+        wrt = [x, scale] if scale.requires_grad else [x]
+        got, want = torch.autograd.grad(out.sum(), wrt), torch.autograd.grad(ref.sum(), wrt)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+
+
 def test_autocast_matches_linear_modules(seed):
     lin1, lin2 = nn.Linear(8, 32), nn.Linear(32, 8)
     x = torch.randn(4, 5, 8, requires_grad=True)
@@ -83,6 +116,8 @@ def test_keeps_the_input_not_the_hidden_layer(seed):
         (dict(b1=torch.ones(3)), "b1"),
         (dict(b2=torch.ones(3)), "b2"),
         (dict(x=torch.ones(2, 4, dtype=torch.int64)), "x"),
+        (dict(scale=[1.0, 0.0]), "scale"),
+        (dict(scale=torch.ones(2, 3)), "scale"),
     ],
 )
 def test_bad_inputs_name_the_argument(kwargs, name):

@@ -62,7 +62,9 @@ def module_inputs(
     block: nn.Module, inputs: Sequence[Any], kinds: tuple[type, ...]
 ) -> dict[str, tuple[nn.Module, tuple, dict]]:
     """{path: (module, args, kwargs)}: what one call of `block(*inputs)` passes to each submodule that
-    is an instance of `kinds` (outermost only: a matching module's own children are not listed)."""
+    is an instance of `kinds` (outermost only: a matching module's own children are not listed), as
+    detached copies that require grad where the block's tensors did: the activations that follow
+    from inputs requiring grad do, masks do not (their gradients are no work a training step does)."""
     captured: dict[str, tuple[nn.Module, tuple, dict]] = {}
     handles = []
     for path, module in block.named_modules():
@@ -74,7 +76,7 @@ def module_inputs(
 
             handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        with torch.no_grad():
+        with torch.enable_grad():
             block(*inputs)
     finally:
         for handle in handles:
@@ -83,10 +85,8 @@ def module_inputs(
 
 
 def _detached(value: Any) -> Any:
-    """`value` with every tensor replaced by a detached copy that requires grad where it can."""
-    return tree_map_only(
-        torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.is_floating_point()), value
-    )
+    """`value` with every tensor replaced by a detached copy that requires grad where the tensor did."""
+    return tree_map_only(torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.requires_grad), value)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -388,7 +388,7 @@ def _transition_forward(
 def _hidden(self: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     # `hfkit.nn.transition`'s `_transition` (not imported, as for `_outer_product`).
     l1, l2 = self.linear_1, self.linear_2
-    return row_scale(relu_mlp(x, l1.weight, l1.bias, l2.weight, l2.bias), mask)
+    return relu_mlp(x, l1.weight, l1.bias, l2.weight, l2.bias, mask)
 
 
 def _dropout_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,6 @@ from hfkit.model.pair_transition import PairTransition as _PlainPairTransition
 from hfkit.model.primitives import chunk_apply
 from hfkit.nn.convert import register_swap
 from hfkit.nn.layer_norm import matmul_dtype
-from hfkit.ops.elementwise import row_scale
 from hfkit.ops.relu_mlp import relu_mlp
 
 __all__ = ["MSATransition", "PairTransition"]
@@ -25,7 +24,7 @@ __all__ = ["MSATransition", "PairTransition"]
 
 class _RecomputedHidden:
     """The transitions' `_transition` through `relu_mlp` (linear_1 and linear_2's parameters are read
-    directly: their forward hooks, if any, do not run), masked by `row_scale`; under autocast the
+    directly: their forward hooks, if any, do not run), masked inside it; under autocast the
     LayerNorm writes the autocast dtype (`matmul_dtype`)."""
 
     layer_norm: torch.nn.Module
@@ -34,7 +33,7 @@ class _RecomputedHidden:
 
     def _transition(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         l1, l2 = self.linear_1, self.linear_2
-        return row_scale(relu_mlp(x, l1.weight, l1.bias, l2.weight, l2.bias), mask)
+        return relu_mlp(x, l1.weight, l1.bias, l2.weight, l2.bias, mask)
 
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor | None = None, chunk_size: int | None = None

@@ -514,10 +514,13 @@ if HAS_TRITON:
         q, k, v, bias, key_bias = inputs
         o, mx, lg = output
         ctx.mark_non_differentiable(mx, lg)
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for mx and lg
         ctx.save_for_backward(q, k, v, bias, key_bias, o, mx, lg)
         ctx.bias_meta = (bias.shape, bias.dtype) if bias is not None else None
 
     def _backward(ctx, do, _dmx, _dlg):
+        if do is None:
+            return None, None, None, None, None
         q, k, v, bias, key_bias, o, mx, lg = ctx.saved_tensors
         need_db = ctx.bias_meta is not None and ctx.needs_input_grad[3]
         dq, dk, dv, db = _evo_bwd(do, q, k, v, bias, key_bias, o, mx, lg, need_db)

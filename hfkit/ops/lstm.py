@@ -702,6 +702,8 @@ if HAS_TRITON:
         x, h0, _c0, w_ih, w_hh, b_ih, b_hh = inputs
         y, _h_n, _c_n, cs, gates = output
         ctx.mark_non_differentiable(cs, gates)
+        # No zero-filled gradients for cs and gates ([T, B, 4 H] each); the outputs' are made below.
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, h0, w_ih, w_hh, y, cs, gates)
         ctx.bias_dtypes = (
             b_ih.dtype if b_ih is not None else None,

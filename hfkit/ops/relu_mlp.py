@@ -18,6 +18,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from hfkit.ops._checks import check_float, check_matmul_dtype, check_optional, check_same_device
 from hfkit.ops._linear import autocast_operands, column_sums
+from hfkit.ops.elementwise import row_scale
 
 __all__ = ["relu_mlp", "relu_mlp_reference"]
 
@@ -28,9 +29,11 @@ def relu_mlp_reference(
     b1: torch.Tensor | None,
     w2: torch.Tensor,
     b2: torch.Tensor | None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain torch: `F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)`."""
-    return F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)
+    """Plain torch: `F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)`, times `scale` where given."""
+    y = F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)
+    return y if scale is None else y * scale
 
 
 def _check(x, w1, b1, w2, b2) -> None:
@@ -58,15 +61,24 @@ def relu_mlp(
     b1: torch.Tensor | None,
     w2: torch.Tensor,
     b2: torch.Tensor | None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`linear_2(relu(linear_1(x)))` with autograd, the hidden layer recomputed in the backward.
+    """`linear_2(relu(linear_1(x)))` with autograd, the hidden layer recomputed in the backward; with
+    `scale` ([*, 1], a factor per row such as the transitions' mask), that times `scale`.
 
     x: [*, C]; w1 [H, C], b1 [H] or None; w2 [N, H], b2 [N] or None (two `nn.Linear`s' parameters).
-    Returns [*, N]. Gradients equal autograd's through the plain composition. Raises ValueError naming
-    the argument on bad shapes, dtypes or devices.
+    Returns [*, N] (in torch's promoted dtype of the product and `scale`). Gradients equal autograd's
+    through the plain composition. The scale is applied inside this op's own autograd (`row_scale`
+    forward and backward, no autograd node of its own) and takes no gradient; a scale that requires
+    one, or that broadcasts over x's leading dims, is applied by `row_scale` after the op. Raises
+    ValueError naming the argument on bad shapes, dtypes or devices.
     """
     _check(x, w1, b1, w2, b2)
-    return _ReluMLP.apply(*autocast_operands(x.device.type, x, w1, b1, w2, b2))
+    if scale is not None:
+        check_float("scale", scale)
+    if scale is not None and (scale.requires_grad or scale.shape[:-1] != x.shape[:-1]):
+        return row_scale(relu_mlp(x, w1, b1, w2, b2), scale)
+    return _ReluMLP.apply(*autocast_operands(x.device.type, x, w1, b1, w2, b2), scale)
 
 
 def _hidden(x2: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None) -> torch.Tensor:
@@ -80,17 +92,20 @@ def _hidden(x2: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None) -> torc
 
 class _ReluMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2):
+    def forward(ctx, x, w1, b1, w2, b2, scale):
         hidden = _hidden(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), w1, b1)
         hidden = hidden.view(*x.shape[:-1], w1.shape[0])
-        ctx.save_for_backward(x, w1, b1, w2)
+        ctx.save_for_backward(x, w1, b1, w2, scale)
         ctx.has_b2 = b2 is not None
-        return F.linear(hidden, w2, b2)
+        y = F.linear(hidden, w2, b2)
+        return y if scale is None else row_scale(y, scale)
 
     @staticmethod
     def backward(ctx, dy):
-        x, w1, b1, w2 = ctx.saved_tensors
+        x, w1, b1, w2, scale = ctx.saved_tensors
         needs = ctx.needs_input_grad
+        if scale is not None:  # d(y * s)/dy = s, in the matmuls' dtype
+            dy = row_scale(dy, scale).to(w2.dtype)
         rows = math.prod(x.shape[:-1])
         x2 = x.reshape(rows, x.shape[-1])
         dy2 = dy.reshape(rows, dy.shape[-1])
@@ -105,4 +120,4 @@ class _ReluMLP(torch.autograd.Function):
         grad_w1 = d_hidden.t().mm(x2) if needs[1] else None
         grad_b1 = column_sums(d_hidden) if b1 is not None and needs[2] else None
         grad_x = d_hidden.mm(w1).view(x.shape) if needs[0] else None
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None
