@@ -490,7 +490,7 @@ if HAS_TRITON:
         need_w = weight is not None and ctx.needs_input_grad[1]
         need_b = ctx.bias_meta is not None and ctx.needs_input_grad[2]
         dx, dwb = _layer_norm_bwd(dy, x, weight, mean, rstd, ctx.n, need_w or need_b, dres)
-        if need_w and need_b and (weight.dtype, weight.shape) == ctx.bias_meta[::-1]:
+        if need_w and need_b and ctx.bias_meta == (weight.shape, weight.dtype):
             # Both sums in one cast (none for float32 parameters) and one split: fewer calls.
             grad_w, grad_b = dwb.to(weight.dtype).view(2, *weight.shape).unbind(0)
             return dx, grad_w, grad_b

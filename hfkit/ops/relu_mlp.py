@@ -36,8 +36,10 @@ def relu_mlp_reference(
     return y if scale is None else y * scale
 
 
-def _check(x, w1, b1, w2, b2) -> None:
+def _check(x, w1, b1, w2, b2, scale) -> None:
     check_float("x", x)
+    if scale is not None:
+        check_float("scale", scale)
     check_float("w1", w1)
     check_float("w2", w2)
     if x.dim() < 1:
@@ -73,9 +75,7 @@ def relu_mlp(
     one, or that broadcasts over x's leading dims, is applied by `row_scale` after the op. Raises
     ValueError naming the argument on bad shapes, dtypes or devices.
     """
-    _check(x, w1, b1, w2, b2)
-    if scale is not None:
-        check_float("scale", scale)
+    _check(x, w1, b1, w2, b2, scale)
     if scale is not None and (scale.requires_grad or scale.shape[:-1] != x.shape[:-1]):
         return row_scale(relu_mlp(x, w1, b1, w2, b2), scale)
     return _ReluMLP.apply(*autocast_operands(x.device.type, x, w1, b1, w2, b2), scale)
