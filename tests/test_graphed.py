@@ -5,6 +5,7 @@ accumulation; the `cuda` tests replay real CUDA graphs against the plain block."
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import warnings
@@ -384,6 +385,28 @@ def test_a_failed_capture_warns_once_and_runs_eagerly(monkeypatch, seed) -> None
     assert block.forward.fallbacks == {"its capture failed": 2} and block.forward.captures == 0
 
 
+def test_captures_run_with_the_autocast_cache_off_and_restore_it(monkeypatch, seed) -> None:
+    seen = []
+
+    def recording(bound, samples, allow_unused_input):
+        seen.append(torch.is_autocast_cache_enabled())
+        if len(seen) == 2:
+            raise RuntimeError("capture failed")
+        _fake_make_graphed(bound, samples)
+
+    monkeypatch.setattr(graphed_module, "_all_on_cuda", lambda tensors: bool(tensors))
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", recording)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    block = graph_modules(_block())
+    assert torch.is_autocast_cache_enabled()
+    block(*_inputs(3, 5))
+    assert seen == [False] and torch.is_autocast_cache_enabled()
+    with pytest.warns(UserWarning, match="capturing EvoformerBlock failed"):
+        block(*_inputs(4, 6))
+    assert seen == [False, False] and torch.is_autocast_cache_enabled()
+    assert block.forward.captures == 1 and block.forward.fallbacks == {"its capture failed": 1}
+
+
 # ------------------------------------------------------------------------------ CUDA graphs
 
 
@@ -444,14 +467,35 @@ def test_cuda_second_shape_no_grad_and_autocast(seed) -> None:
                 torch.testing.assert_close(a, b, **_cuda_tolerance(torch.float32))
     assert forward.captures == 3
     args = _inputs(3, 5, "cuda", grad=False)
+    for cache in (False, True):  # one signature: autocast's cache is off in every capture
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache):
+            got, expected = block(*args), plain(*args)
+            assert torch.is_autocast_cache_enabled() == cache
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b, **_cuda_tolerance(torch.bfloat16))
+    assert forward.captures == 4 and not forward.fallbacks
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_autocast_with_its_cache_replays_current_weights(seed) -> None:
+    # Within one autocast region (cache on) the weights change between two calls: the graphs cast
+    # them afresh at each replay, and the first call left no cast of them in the cache.
+    plain, block = _cuda_pair("hfkit", torch.float32)
+    forward = block.forward
+    args = _inputs(3, 5, "cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        block(*args)
+        with torch.no_grad():
+            for p, q in zip(plain.parameters(), block.parameters(), strict=True):
+                p.mul_(0.5).add_(0.01)
+                q.mul_(0.5).add_(0.01)
+        got = [o.clone() for o in block(*args)]
     with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
-        got, expected = block(*args), plain(*args)
+        expected = plain(*args)
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, **_cuda_tolerance(torch.bfloat16))
-    assert forward.captures == 4
-    with pytest.warns(UserWarning, match="cache_enabled"), torch.autocast("cuda", dtype=torch.bfloat16):
-        block(*args)
-    assert forward.fallbacks == {"autocast with cache_enabled=True": 1}
+    assert forward.captures == 1 and not forward.fallbacks
 
 
 @pytest.mark.cuda

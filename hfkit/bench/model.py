@@ -36,9 +36,8 @@ Parts (`run_model_benchmark(parts=...)`, `hfkit bench model --parts`):
 Graphed variants ("hfkit_graphed", "openfold_hfkit_graphed") replay each block's CUDA graphs from
 Python: their "eager" launch rows are what a user's loop gets with `graph_modules`. Under launch
 "graph" the benchmark's own capture is in progress, so their blocks run eagerly inside it (rows equal
-"hfkit"'s); so do the blocks of a checkpointed stack, and under `bf16_autocast` (torch's autocast
-with its weight cache on). Their rows' `graph_fallbacks` count the eager block calls by reason and
-`graph_captures` the captures made (their time is in `first_call_s`).
+"hfkit"'s); so do the blocks of a checkpointed stack. Their rows' `graph_fallbacks` count the eager
+block calls by reason and `graph_captures` the captures made (their time is in `first_call_s`).
 
 Precisions: `fp32`; `bf16` (parameters and activations in bfloat16, as OpenFold's bf16 benchmark);
 `bf16_autocast` (fp32 parameters under `torch.autocast(bfloat16)`, how AlphaFold trains). Compiling:
@@ -290,8 +289,8 @@ def make_variant(
         notes["graphed_blocks"] = len(graphed_forwards(graph_modules(module, classes=blocks)))
         notes["graphed"] = (
             "per-block CUDA graphs replayed from Python; blocks run eagerly inside the benchmark's own "
-            "capture (launch 'graph': as 'hfkit'), in a checkpointed stack and under autocast with its "
-            "cache on (graph_fallbacks counts them)"
+            "capture (launch 'graph': as 'hfkit') and in a checkpointed stack (graph_fallbacks counts "
+            "them)"
         )
     return module, notes
 

@@ -41,21 +41,26 @@ not be used: a tensor argument not on CUDA (so on CPU everything is eager); an o
 progress (`hfkit.train.graphed_step`, a benchmark's own graph); `torch.compile` tracing; inference
 mode; activation checkpointing (the module's own switch, that of a stack it sits in as
 `graph_modules` found it, a non-reentrant checkpoint's saved-tensor hooks, or recomputation inside a
-backward pass); training modes other than those of the first capture (`reset` to capture anew);
-CUDA autocast with its weight cache on (make_graphed_callables needs `cache_enabled=False`); a
+backward pass); training modes other than those of the first capture (`reset` to capture anew); a
 non-tensor argument that is not a constant (None, bool, int, float, str, dtype, device, or tuples of
 them); a signature whose capture failed (warned once).
+
+CUDA autocast works with its weight cache on or off (`torch.autocast`'s default is on). The capture
+runs with the cache off (`make_graphed_callables` refuses it): the graphs hold their own casts of
+the weights, so every replay casts the current values, and no cast made inside a capture (in the
+graph's pool) is handed to eager code; the code around the module keeps the cache as it was.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import gc
 import math
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,9 +128,22 @@ def _make_graphed(bound: nn.Module, samples: tuple[torch.Tensor, ...]) -> None:
     """`torch.cuda.make_graphed_callables` on `bound` with `samples`, on their device: it sets
     `bound.forward` to the graphed forward. Its defaults hold: 3 warm-up runs (forward and
     `autograd.grad`, on a side stream, no `.grad` written) before the captures; `allow_unused_input`
-    because a module may leave a parameter unused at some setting (its gradient stays None)."""
-    with torch.cuda.device(samples[0].device):
+    because a module may leave a parameter unused at some setting (its gradient stays None). With
+    autocast's weight cache off (`_autocast_cache_off`)."""
+    with torch.cuda.device(samples[0].device), _autocast_cache_off():
         torch.cuda.make_graphed_callables(bound, samples, allow_unused_input=True)
+
+
+@contextlib.contextmanager
+def _autocast_cache_off() -> Iterator[None]:
+    """Autocast's weight-cast cache off inside (casts neither read from it nor added to it), back to
+    its previous setting on exit, exceptions included. Autocast itself stays as it is."""
+    previous = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(previous)
 
 
 class _BoundForward(nn.Module):
@@ -305,13 +323,6 @@ class GraphedForward:
         if self._params is not None and params != self._params:
             self.reset()  # moved or replaced parameters: the graphs read the old storage
         autocast = torch.is_autocast_enabled("cuda")
-        if autocast and torch.is_autocast_cache_enabled():
-            warnings.warn(
-                "GraphedForward: CUDA autocast with cache_enabled=True; graphed modules run eagerly "
-                "(torch.cuda.make_graphed_callables needs torch.autocast(..., cache_enabled=False))",
-                stacklevel=3,
-            )
-            return "autocast with cache_enabled=True", None, [], None
         autocast_dtype = torch.get_autocast_dtype("cuda") if autocast else None
         key = (len(args), names, tuple(parts), grad, self.module.training, autocast, autocast_dtype)
         return None, key, tensors, (len(args), names, items, slots, mode, params)
