@@ -424,6 +424,12 @@ def _cuda_tolerance(dtype: torch.dtype) -> dict:
     return {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
 
 
+def _assert_all_close(got, expected, dtype: torch.dtype) -> None:
+    """Each tensor of `got` close to its counterpart in `expected` at `_cuda_tolerance(dtype)`."""
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, **_cuda_tolerance(dtype))
+
+
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("ops", ["torch", "hfkit"])
@@ -436,15 +442,13 @@ def test_cuda_graphed_block_matches_the_plain_block(ops, dtype, seed) -> None:
         args = _inputs(3, 5, "cuda", dtype, seed=it)
         ours = _leaf_copies(args)
         expected, got = plain(*args), block(*ours)
-        for a, b in zip(got, expected, strict=True):
-            torch.testing.assert_close(a, b, **_cuda_tolerance(dtype))
+        _assert_all_close(got, expected, dtype)
         dy = [torch.randn_like(o) for o in expected]
         torch.autograd.backward(expected, dy)
         torch.autograd.backward(got, dy)
         for (name, p), q in zip(plain.named_parameters(), block.parameters(), strict=True):
             torch.testing.assert_close(q.grad, p.grad, **_cuda_tolerance(dtype), msg=f"{name}, call {it}")
-        for a, b in zip(ours[:2], args[:2], strict=True):
-            torch.testing.assert_close(a.grad, b.grad, **_cuda_tolerance(dtype))
+        _assert_all_close([a.grad for a in ours[:2]], [b.grad for b in args[:2]], dtype)
         kept.append((ours[0], ours[0].grad.clone()))
     assert forward.captures == 1 and len(forward.signatures) == 1 and not forward.fallbacks
     for leaf, grad in kept:
@@ -463,16 +467,14 @@ def test_cuda_second_shape_no_grad_and_autocast(seed) -> None:
     with torch.no_grad():
         for it in range(2):
             args = _inputs(3, 5, "cuda", grad=False, seed=10 + it)
-            for a, b in zip(block(*args), plain(*args), strict=True):
-                torch.testing.assert_close(a, b, **_cuda_tolerance(torch.float32))
+            _assert_all_close(block(*args), plain(*args), torch.float32)
     assert forward.captures == 3
     args = _inputs(3, 5, "cuda", grad=False)
     for cache in (False, True):  # one signature: autocast's cache is off in every capture
         with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache):
             got, expected = block(*args), plain(*args)
             assert torch.is_autocast_cache_enabled() == cache
-        for a, b in zip(got, expected, strict=True):
-            torch.testing.assert_close(a, b, **_cuda_tolerance(torch.bfloat16))
+        _assert_all_close(got, expected, torch.bfloat16)
     assert forward.captures == 4 and not forward.fallbacks
 
 
@@ -493,8 +495,7 @@ def test_cuda_autocast_with_its_cache_replays_current_weights(seed) -> None:
         got = [o.clone() for o in block(*args)]
     with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
         expected = plain(*args)
-    for a, b in zip(got, expected, strict=True):
-        torch.testing.assert_close(a, b, **_cuda_tolerance(torch.bfloat16))
+    _assert_all_close(got, expected, torch.bfloat16)
     assert forward.captures == 1 and not forward.fallbacks
 
 
@@ -516,8 +517,7 @@ def test_cuda_inside_an_outer_capture_runs_eagerly(seed) -> None:
         outer.replay()
         torch.cuda.synchronize()
         expected = plain(*args)
-    for a, b in zip(out, expected, strict=True):
-        torch.testing.assert_close(a, b, **_cuda_tolerance(torch.float32))
+    _assert_all_close(out, expected, torch.float32)
     assert block.forward.fallbacks == {"an outer CUDA graph capture is in progress": 1}
     assert block.forward.captures == 1
 
