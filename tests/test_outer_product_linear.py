@@ -3,9 +3,9 @@
 outer_product_linear equals `linear(flatten(einsum(a ⊗ b)))` forward and in every gradient (odd sizes,
 C != E, I != J, one or two batch dimensions, strided operands, float64, float32, bfloat16 and float16,
 with and without a bias, under autocast and under torch.compile) while keeping a and b, not the
-[*, I, J, C*E] outer product, for the backward, and copying nothing of the outer product's size; the
-swapped module equals the model's (masked, chunked), keeps the state_dict and swaps back; bad inputs
-name the argument.
+[*, I, J, C*E] outer product, for the backward (compiled too: the compiler sees opaque custom ops,
+which pass opcheck), and copying nothing of the outer product's size; the swapped module equals the
+model's (masked, chunked), keeps the state_dict and swaps back; bad inputs name the argument.
 """
 
 from __future__ import annotations
@@ -184,6 +184,41 @@ def test_keeps_the_projections_not_the_outer_product(seed):
             fn(a, b, w, bias)
         outer_size = 7 * 9 * 20  # [I, J, C*E]; a, b and the weight are all smaller
         assert any(math.prod(s) >= outer_size for s in shapes) == keeps_outer, shapes
+
+
+def test_compiled_keeps_the_projections_not_the_outer_product(layout, seed):
+    # While torch.compile traces, the op is the custom op hfkit::outer_product_linear, opaque to the
+    # compiler: traced through, the backward's recomputed outer product was merged with the forward's
+    # and kept for the backward.
+    torch._dynamo.reset()
+    a, b = torch.randn(3, 7, 4, requires_grad=True), torch.randn(3, 9, 5, requires_grad=True)
+    w, bias = torch.randn(6, 20, requires_grad=True), torch.randn(6, requires_grad=True)
+    dy = torch.randn(7, 9, 6)
+    compiled = torch.compile(outer_product_linear, backend="aot_eager", fullgraph=True)
+    shapes = []
+    keep = lambda t: shapes.append(t.shape) or t  # noqa: E731
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out = compiled(a, b, w, bias)
+    assert shapes and all(math.prod(s) < 7 * 9 * 20 for s in shapes), shapes
+    grads = torch.autograd.grad(out, [a, b, w, bias], dy)
+    ref, ref_grads = output_and_grads(outer_product_linear_reference, [a, b, w, bias], dy)
+    assert_close(out, ref, msg="output")
+    for k, (actual, expected) in enumerate(zip(grads, ref_grads, strict=True)):
+        assert_close(actual, expected, msg=f"gradient {k}")
+
+
+@pytest.mark.parametrize("by_rows", [False, True], ids=["batched", "rows"])
+def test_custom_ops_pass_opcheck(by_rows, seed):
+    # Schema, fake tensors and autograd registration of what torch.compile sees, with and without a
+    # bias and with gradients left out.
+    a, b = torch.randn(2, 3, 5, 4, requires_grad=True), torch.randn(2, 3, 6, 2, requires_grad=True)
+    w, bias = torch.randn(7, 8, requires_grad=True), torch.randn(7, requires_grad=True)
+    dy = torch.randn(2, 5, 6, 7)
+    torch.library.opcheck(torch.ops.hfkit.outer_product_linear.default, (a, b, w, bias, by_rows))
+    torch.library.opcheck(torch.ops.hfkit.outer_product_linear.default, (a, b, w, None, by_rows))
+    for needs in ((True, True, True, True), (False, True, False, False)):
+        args = (a.detach(), b.detach(), w.detach(), dy, *needs, by_rows)
+        torch.library.opcheck(torch.ops.hfkit.outer_product_linear_backward.default, args)
 
 
 @pytest.mark.parametrize(

@@ -146,69 +146,149 @@ def _by_layout(
 ) -> torch.Tensor:
     """`outer_product_linear` (checked arguments) with the outer product built as one matmul and a
     swapping copy (by_rows) or by stride-0 batched matmuls: `hfkit bench outer_product_linear` times
-    both."""
-    return _OuterProductLinear.apply(*autocast_operands(a.device.type, a, b, weight, bias), by_rows)
+    both. While torch.compile traces, the custom op `hfkit::outer_product_linear` (opaque to the
+    compiler, the same forward and backward): traced through, the backward's recomputed outer product
+    was merged with the forward's and kept for the backward (128 MB a block at AlphaFold's sizes), and
+    the batched matmuls' `out=` slices became copies of the whole outer product."""
+    operands = autocast_operands(a.device.type, a, b, weight, bias)
+    if torch.compiler.is_compiling():
+        return torch.ops.hfkit.outer_product_linear(*operands, by_rows)
+    return _OuterProductLinear.apply(*operands, by_rows)
+
+
+def _forward(
+    a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, by_rows: bool
+) -> torch.Tensor:
+    """The outer product, built as [*, I, J, E, C] (`_outer_ijec`) and projected with the weight's
+    columns reordered to (e, c) to match; with `by_rows`, `_outer_ijce` and the weight as it is."""
+    s, i, c = a.shape[-3:]
+    j, e = b.shape[-2:]
+    batch = math.prod(a.shape[:-3])  # explicit: -1 is ambiguous when S or I is 0
+    a3, b3 = a.reshape(batch, s, i, c), b.reshape(batch, s, j, e)
+    if by_rows:
+        return F.linear(_outer_ijce(a3, b3).view(*a.shape[:-3], i, j, c * e), weight, bias)
+    outer = _outer_ijec(a3, b3)
+    weight_ec = _permute_weight_columns(weight, c, e)
+    return F.linear(outer.view(*a.shape[:-3], i, j, e * c), weight_ec, bias)
+
+
+def _backward(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    weight: torch.Tensor,
+    dy: torch.Tensor,
+    needs: tuple[bool, bool, bool, bool],
+    by_rows: bool,
+) -> tuple[torch.Tensor | None, ...]:
+    """(grad_a, grad_b, grad_weight, grad_bias), each None where `needs` (in that order) says so.
+
+    The outer product's gradient is built twice from dy, once per operand, in the layout whose
+    contraction with the other operand is a batched matmul: [*, I, J, E, C] for a's (sum over j, e),
+    [*, J, I, C, E] for b's (sum over i, c; from dy with i and j swapped, a copy C*E/N times the size
+    of the outer product's). Every large temporary is freed before the next one is made, and none is
+    a permuting copy. With `by_rows`: `_backward_by_rows`."""
+    s, i, c = a.shape[-3:]
+    j, e = b.shape[-2:]
+    n = weight.shape[0]
+    batch = math.prod(a.shape[:-3])
+    a3, b3 = a.reshape(batch, s, i, c), b.reshape(batch, s, j, e)
+    dy2 = dy.reshape(batch * i * j, n)
+    if by_rows:
+        return _backward_by_rows(a3, b3, weight, dy2, needs, a.shape, b.shape)
+    grad_w = grad_bias = grad_a = grad_b = None
+    if needs[2]:
+        outer = _outer_ijec(a3, b3)  # recomputed: the forward did not keep it
+        grad_w = _permute_weight_columns(dy2.t().mm(outer.view(dy2.shape[0], e * c)), e, c)
+        del outer
+    if needs[3]:
+        grad_bias = column_sums(dy2)
+    if needs[0]:
+        # d outer [B, I, (J, E), C]; grad_a[s, i, c] = sum over (j, e) of b[s, (j, e)] d[i, (j, e), c]
+        d_outer = dy2.mm(_permute_weight_columns(weight, c, e)).view(batch, i, j * e, c)
+        grad_a = _contract_pairs(b3.reshape(batch, s, j * e), d_outer).reshape(a.shape)
+        del d_outer
+    if needs[1]:
+        # d outer [B, J, (I, C), E]; grad_b[s, j, e] = sum over (i, c) of a[s, (i, c)] d[j, (i, c), e]
+        dy_ji = dy.reshape(batch, i, j, n).transpose(1, 2).reshape(batch * j * i, n)
+        d_outer = dy_ji.mm(weight).view(batch, j, i * c, e)
+        del dy_ji
+        grad_b = _contract_pairs(a3.reshape(batch, s, i * c), d_outer).reshape(b.shape)
+    return grad_a, grad_b, grad_w, grad_bias
 
 
 class _OuterProductLinear(torch.autograd.Function):
-    """The outer product is built as [*, I, J, E, C] (`_outer_ijec`) and projected with the weight's
-    columns reordered to (e, c) to match; its gradient is built twice from dy, once per operand, in
-    the layout whose contraction with the other operand is a batched matmul: [*, I, J, E, C] for a's
-    (sum over j, e), [*, J, I, C, E] for b's (sum over i, c; from dy with i and j swapped, a copy
-    C*E/N times the size of the outer product's). Every large temporary is freed before the next one
-    is made, and none is a permuting copy. With `by_rows` (past STRIDE0_MAX_ROWS rows): `_outer_ijce`
-    in the forward, `_backward_by_rows` in the backward."""
+    """`_forward`, keeping a, b and the weight; `_backward` recomputes the outer product from them."""
 
     @staticmethod
     def forward(ctx, a, b, weight, bias, by_rows):
         ctx.save_for_backward(a, b, weight)
         ctx.has_bias = bias is not None
         ctx.by_rows = by_rows
-        s, i, c = a.shape[-3:]
-        j, e = b.shape[-2:]
-        batch = math.prod(a.shape[:-3])  # explicit: -1 is ambiguous when S or I is 0
-        a3, b3 = a.reshape(batch, s, i, c), b.reshape(batch, s, j, e)
-        if by_rows:
-            return F.linear(_outer_ijce(a3, b3).view(*a.shape[:-3], i, j, c * e), weight, bias)
-        outer = _outer_ijec(a3, b3)
-        weight_ec = _permute_weight_columns(weight, c, e)
-        return F.linear(outer.view(*a.shape[:-3], i, j, e * c), weight_ec, bias)
+        return _forward(a, b, weight, bias, by_rows)
 
     @staticmethod
     def backward(ctx, dy):
         a, b, weight = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        s, i, c = a.shape[-3:]
-        j, e = b.shape[-2:]
-        n = weight.shape[0]
-        batch = math.prod(a.shape[:-3])
-        a3, b3 = a.reshape(batch, s, i, c), b.reshape(batch, s, j, e)
-        dy2 = dy.reshape(batch * i * j, n)
-        grad_w = grad_bias = grad_a = grad_b = None
-        if ctx.by_rows:
-            return *_backward_by_rows(a3, b3, weight, dy2, needs, ctx.has_bias, a.shape, b.shape), None
-        if needs[2]:
-            outer = _outer_ijec(a3, b3)  # recomputed: the forward did not keep it
-            grad_w = _permute_weight_columns(dy2.t().mm(outer.view(dy2.shape[0], e * c)), e, c)
-            del outer
-        if ctx.has_bias and needs[3]:
-            grad_bias = column_sums(dy2)
-        if needs[0]:
-            # d outer [B, I, (J, E), C]; grad_a[s, i, c] = sum over (j, e) of b[s, (j, e)] d[i, (j, e), c]
-            d_outer = dy2.mm(_permute_weight_columns(weight, c, e)).view(batch, i, j * e, c)
-            grad_a = _contract_pairs(b3.reshape(batch, s, j * e), d_outer).reshape(a.shape)
-            del d_outer
-        if needs[1]:
-            # d outer [B, J, (I, C), E]; grad_b[s, j, e] = sum over (i, c) of a[s, (i, c)] d[j, (i, c), e]
-            dy_ji = dy.reshape(batch, i, j, n).transpose(1, 2).reshape(batch * j * i, n)
-            d_outer = dy_ji.mm(weight).view(batch, j, i * c, e)
-            del dy_ji
-            grad_b = _contract_pairs(a3.reshape(batch, s, i * c), d_outer).reshape(b.shape)
-        return grad_a, grad_b, grad_w, grad_bias, None
+        needs = (*ctx.needs_input_grad[:3], ctx.has_bias and ctx.needs_input_grad[3])
+        return *_backward(a, b, weight, dy, needs, ctx.by_rows), None
 
 
-def _backward_by_rows(a3, b3, weight, dy2, needs, has_bias, a_shape, b_shape):
-    """`_OuterProductLinear.backward` past STRIDE0_MAX_ROWS rows: the outer product recomputed as
+# The compiler's view of the op (`_by_layout`): two custom ops whose bodies are `_forward` and
+# `_backward`. A custom op returns tensors only: gradients not asked for come back empty.
+@torch.library.custom_op("hfkit::outer_product_linear", mutates_args=())
+def _outer_product_linear_op(
+    a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, by_rows: bool
+) -> torch.Tensor:
+    return _forward(a, b, weight, bias, by_rows)
+
+
+@_outer_product_linear_op.register_fake
+def _(a, b, weight, bias, by_rows):
+    return a.new_empty((*a.shape[:-3], a.shape[-2], b.shape[-2], weight.shape[0]))
+
+
+@torch.library.custom_op("hfkit::outer_product_linear_backward", mutates_args=())
+def _outer_product_linear_backward_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    weight: torch.Tensor,
+    dy: torch.Tensor,
+    need_a: bool,
+    need_b: bool,
+    need_weight: bool,
+    need_bias: bool,
+    by_rows: bool,
+) -> list[torch.Tensor]:
+    grads = _backward(a, b, weight, dy, (need_a, need_b, need_weight, need_bias), by_rows)
+    return [g.contiguous() if g is not None else dy.new_empty(0) for g in grads]
+
+
+@_outer_product_linear_backward_op.register_fake
+def _(a, b, weight, dy, need_a, need_b, need_weight, need_bias, by_rows):
+    shapes = (a.shape, b.shape, weight.shape, weight.shape[:1])
+    needs = (need_a, need_b, need_weight, need_bias)
+    return [dy.new_empty(shape if need else (0,)) for shape, need in zip(shapes, needs, strict=True)]
+
+
+def _setup_op(ctx, inputs, output) -> None:
+    a, b, weight, bias, by_rows = inputs
+    ctx.save_for_backward(a, b, weight)
+    ctx.has_bias = bias is not None
+    ctx.by_rows = by_rows
+
+
+def _backward_op(ctx, dy):
+    a, b, weight = ctx.saved_tensors
+    needs = (*ctx.needs_input_grad[:3], ctx.has_bias and ctx.needs_input_grad[3])
+    grads = torch.ops.hfkit.outer_product_linear_backward(a, b, weight, dy, *needs, ctx.by_rows)
+    return *(g if need else None for g, need in zip(grads, needs, strict=True)), None
+
+
+_outer_product_linear_op.register_autograd(_backward_op, setup_context=_setup_op)
+
+
+def _backward_by_rows(a3, b3, weight, dy2, needs, a_shape, b_shape):
+    """`_backward` past STRIDE0_MAX_ROWS rows: the outer product recomputed as
     [B, I, J, C, E] (`_outer_ijce`) for the weight's gradient, and the outer product's gradient swapped
     once to [B, (I, C), (J, E)], where both operand gradients are one batched matmul each."""
     batch, s, i, c = a3.shape
@@ -218,7 +298,7 @@ def _backward_by_rows(a3, b3, weight, dy2, needs, has_bias, a_shape, b_shape):
         outer = _outer_ijce(a3, b3)
         grad_w = dy2.t().mm(outer.view(dy2.shape[0], c * e))
         del outer
-    if has_bias and needs[3]:
+    if needs[3]:
         grad_bias = column_sums(dy2)
     if needs[0] or needs[1]:
         d_rows = _swap_middle(dy2.mm(weight).view(batch, i, j, c, e)).view(batch, i * c, j * e)
