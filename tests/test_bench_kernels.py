@@ -10,13 +10,14 @@ asserts a speed.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 
 import pytest
 import torch
 
-from hfkit.bench import Ceilings, ResultRow
+from hfkit.bench import Ceilings, ResultRow, peers
 from hfkit.bench.cases import evoformer_attention as attn_bench
 from hfkit.bench.cases import softmax as softmax_bench
 from hfkit.bench.cases import triangle_multiplication as trimul_bench
@@ -225,6 +226,10 @@ def test_peers_give_reasons_on_cpu():
     assert load_cuequivariance("cpu")[0] is None
     assert load_flashrnn("cpu") == (None, "needs a CUDA device (running on cpu)")
     assert set(peer_status("cpu")) == {"trifast", "cuequivariance", "flashrnn"}
+    # Where a peer runs, the results file says which release: the versions of its distributions.
+    torch_version = importlib.metadata.version("torch")
+    assert peers._versions(("torch", "no-such-distribution")) == f"torch {torch_version}"
+    assert peers._versions(("no-such-distribution",)) == ""
     missing = ModuleNotFoundError("No module named 'trifast'", name="trifast")
     assert _import_reason(missing, "trifast", "trifast") == "not installed (pip install trifast)"
     # A module the package imports that is missing is the package failing to import, not absent.

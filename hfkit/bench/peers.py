@@ -30,6 +30,7 @@ GPU's name when it is imported, and cuEquivariance's and FlashRNN's kernels are 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import math
 import os
 import sys
@@ -127,13 +128,37 @@ def load_flashrnn(device: torch.device | str) -> tuple[Callable[..., Any] | None
     return (None, reason) if reason else _import_function("flashrnn", "flashrnn")
 
 
+# The distributions whose versions say which release of a peer a results file measured.
+_DISTRIBUTIONS = {
+    "trifast": ("trifast",),
+    "cuequivariance": ("cuequivariance-torch", "cuequivariance-ops-torch-cu13"),
+    "flashrnn": ("flashrnn",),
+}
+
+
+def _versions(distributions: tuple[str, ...]) -> str:
+    """"name version" of each installed distribution, joined by commas ("" where none is found)."""
+    found = []
+    for dist in distributions:
+        try:
+            found.append(f"{dist} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ", ".join(found)
+
+
 def peer_status(device: torch.device | str) -> dict[str, str]:
-    """Each peer's state on `device`: "available" or the reason it is not (for results files)."""
+    """Each peer's state on `device` for results files: "available (its distributions' versions)" or
+    the reason it is not."""
     status = {}
     loaders = {"trifast": load_trifast, "cuequivariance": load_cuequivariance, "flashrnn": load_flashrnn}
     for name, load in loaders.items():
         fn, reason = load(device)
-        status[name] = "available" if fn is not None else str(reason)
+        if fn is None:
+            status[name] = str(reason)
+            continue
+        versions = _versions(_DISTRIBUTIONS[name])
+        status[name] = f"available ({versions})" if versions else "available"
     return status
 
 
