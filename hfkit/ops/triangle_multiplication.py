@@ -122,7 +122,12 @@ FUSED_OUT_MAX = 128
 # 8 warps or 128 pairs a tile 20-40% slower.
 # The backward spills at these tiles (Nsight Compute at N = 256: 255 registers, 273K local-memory
 # requests, 12.5% occupancy), yet every tiling without spills was slower in a later sweep of the
-# module's fwd+bwd: 32 pairs 4-9%, 8 warps 4-5%, 16 pairs 15%.
+# module's fwd+bwd: 32 pairs 4-9%, 8 warps 4-5%, 16 pairs 15%. A pipelined-GEMM forward, LayerNorm-out
+# folded into the weight (o = rstd (x @ (gamma * W_z).T - mean * rowsum(gamma * W_z)) + W_z beta + b_z,
+# x read channel-first in K chunks, mean and variance merged chunk by chunk), was slower at all 16
+# tilings tried (64/128 pairs, K 32/64, 4/8 warps, 2/3 stages): at best 40.8 against 33.9 us at
+# N = 256 and 82.9 against 71.3 at 384 (H200, bf16, CUDA graphs). cuEquivariance 0.13's SM90 kernels
+# do this half in 26 us forward at N = 256 (its kernel "F2T").
 OUT_TILES = {"fwd": (64, 4, 2), "bwd": (64, 4, 2)}
 
 
