@@ -216,21 +216,30 @@ def _backward(
     return grad_a, grad_b, grad_w, grad_bias
 
 
+def _save(ctx, a, b, weight, bias, by_rows) -> None:
+    """What the backward reads: a, b and the weight (not the outer product), and the layout."""
+    ctx.save_for_backward(a, b, weight)
+    ctx.has_bias = bias is not None
+    ctx.by_rows = by_rows
+
+
+def _needs(ctx) -> tuple[bool, bool, bool, bool]:
+    """Which of (a, b, weight, bias) need a gradient."""
+    return (*ctx.needs_input_grad[:3], ctx.has_bias and ctx.needs_input_grad[3])
+
+
 class _OuterProductLinear(torch.autograd.Function):
     """`_forward`, keeping a, b and the weight; `_backward` recomputes the outer product from them."""
 
     @staticmethod
     def forward(ctx, a, b, weight, bias, by_rows):
-        ctx.save_for_backward(a, b, weight)
-        ctx.has_bias = bias is not None
-        ctx.by_rows = by_rows
+        _save(ctx, a, b, weight, bias, by_rows)
         return _forward(a, b, weight, bias, by_rows)
 
     @staticmethod
     def backward(ctx, dy):
         a, b, weight = ctx.saved_tensors
-        needs = (*ctx.needs_input_grad[:3], ctx.has_bias and ctx.needs_input_grad[3])
-        return *_backward(a, b, weight, dy, needs, ctx.by_rows), None
+        return *_backward(a, b, weight, dy, _needs(ctx), ctx.by_rows), None
 
 
 # The compiler's view of the op (`_by_layout`): two custom ops whose bodies are `_forward` and
@@ -271,15 +280,12 @@ def _(a, b, weight, dy, need_a, need_b, need_weight, need_bias, by_rows):
 
 
 def _setup_op(ctx, inputs, output) -> None:
-    a, b, weight, bias, by_rows = inputs
-    ctx.save_for_backward(a, b, weight)
-    ctx.has_bias = bias is not None
-    ctx.by_rows = by_rows
+    _save(ctx, *inputs)
 
 
 def _backward_op(ctx, dy):
     a, b, weight = ctx.saved_tensors
-    needs = (*ctx.needs_input_grad[:3], ctx.has_bias and ctx.needs_input_grad[3])
+    needs = _needs(ctx)
     grads = torch.ops.hfkit.outer_product_linear_backward(a, b, weight, dy, *needs, ctx.by_rows)
     return *(g if need else None for g, need in zip(grads, needs, strict=True)), None
 
