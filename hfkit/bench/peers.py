@@ -137,7 +137,7 @@ _DISTRIBUTIONS = {
 
 
 def _versions(distributions: tuple[str, ...]) -> str:
-    """"name version" of each installed distribution, joined by commas ("" where none is found)."""
+    """Each installed distribution as "name version", joined by commas ("" where none is found)."""
     found = []
     for dist in distributions:
         try:
