@@ -94,6 +94,10 @@ def _import_function(package: str, name: str) -> tuple[Callable[..., Any] | None
     return getattr(module, name), None
 
 
+# cuEquivariance's two PyPI distributions: its Python API and its compiled ops.
+_CUEQ_API, _CUEQ_OPS = "cuequivariance-torch", "cuequivariance-ops-torch-cu13"
+
+
 @cache
 def _cueq() -> tuple[CueqFunctions | None, str | None]:
     try:
@@ -101,11 +105,7 @@ def _cueq() -> tuple[CueqFunctions | None, str | None]:
         module = importlib.import_module("cuequivariance_torch")
     except Exception as err:  # noqa: BLE001 - any import failure (a missing CUDA library too) is a reason
         package = getattr(err, "name", None) or "cuequivariance_torch"
-        pip_name = (
-            "cuequivariance-ops-torch-cu13"
-            if package.startswith("cuequivariance_ops")
-            else "cuequivariance-torch"
-        )
+        pip_name = _CUEQ_OPS if package.startswith("cuequivariance_ops") else _CUEQ_API
         return None, _import_reason(err, package.split(".")[0], pip_name)
     return CueqFunctions(module.triangle_attention, module.triangle_multiplicative_update), None
 
@@ -131,7 +131,7 @@ def load_flashrnn(device: torch.device | str) -> tuple[Callable[..., Any] | None
 # The distributions whose versions say which release of a peer a results file measured.
 _DISTRIBUTIONS = {
     "trifast": ("trifast",),
-    "cuequivariance": ("cuequivariance-torch", "cuequivariance-ops-torch-cu13"),
+    "cuequivariance": (_CUEQ_API, _CUEQ_OPS),
     "flashrnn": ("flashrnn",),
 }
 
