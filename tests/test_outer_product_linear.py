@@ -21,7 +21,7 @@ from torch import nn
 import hfkit
 import hfkit.nn as hnn
 from hfkit.model import EvoformerStack, ModelConfig, OuterProductMean
-from hfkit.ops import outer_product_linear, outer_product_linear_reference
+from hfkit.ops import _linear, outer_product_linear, outer_product_linear_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 opl = importlib.import_module("hfkit.ops.outer_product_linear")
@@ -219,6 +219,20 @@ def test_custom_ops_pass_opcheck(by_rows, seed):
     for needs in ((True, True, True, True), (False, True, False, False)):
         args = (a.detach(), b.detach(), w.detach(), dy, *needs, by_rows)
         torch.library.opcheck(torch.ops.hfkit.outer_product_linear_backward.default, args)
+
+
+@pytest.mark.parametrize("by_rows", [False, True], ids=["stride0", "by_rows"])
+def test_backward_op_keeps_no_vector_of_ones(by_rows, seed):
+    # Compiled code calls the backward op opaquely, under mode="reduce-overhead" inside a CUDA-graph
+    # tree's memory pool, which raises on any allocation kept past the call: the bias gradient's
+    # vector of ones must be made for the call, not kept as eager column sums keep it.
+    a, b, w, dy = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 6, 2), torch.randn(7, 8), torch.randn(2, 5, 6, 7)
+    _linear._ONES.clear()
+    grads = torch.ops.hfkit.outer_product_linear_backward(a, b, w, dy, True, True, True, True, by_rows)
+    assert not _linear._ONES
+    torch.testing.assert_close(grads[3], dy.sum((0, 1, 2)))
+    _linear.column_sums(dy.view(-1, 7))  # outside the op the vector is kept again
+    assert set(_linear._ONES) == {(torch.device("cpu"), torch.float32)}
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,10 @@ cast as `nn.Linear` casts them under autocast, and bias gradients as column sums
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 
 from hfkit.ops._triton import direct_call
@@ -23,12 +27,28 @@ def autocast_operands(device_type: str, *tensors: torch.Tensor | None) -> tuple[
 # gradient. Never written after it is filled, so CUDA graphs and every stream may read it.
 _ONES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
+# True inside `no_kept_ones()`: a context variable, so each thread and task has its own setting.
+_NO_KEPT_ONES: contextvars.ContextVar[bool] = contextvars.ContextVar("hfkit_no_kept_ones", default=False)
+
+
+@contextlib.contextmanager
+def no_kept_ones() -> Iterator[None]:
+    """Inside this context `column_sums` makes a new vector of ones each call and keeps none. For the
+    bodies of custom ops that compiled code calls opaquely: under `torch.compile(mode="reduce-overhead")`
+    they run in the CUDA-graph tree's memory pool, where a vector kept past the call is an allocation
+    the tree does not track (it raises "tensor(s) in the cudagraph pool not tracked as outputs")."""
+    token = _NO_KEPT_ONES.set(True)
+    try:
+        yield
+    finally:
+        _NO_KEPT_ONES.reset(token)
+
 
 def _ones(g: torch.Tensor, m: int) -> torch.Tensor:
     """m ones in g's dtype on g's device: a slice of the kept vector, made or grown where needed. A new
     vector, as before, while torch.compile, export or a dispatch mode (fake tensors) traces, for tensor
-    subclasses (`direct_call`), and while a CUDA graph captures."""
-    if not direct_call((g,)):
+    subclasses (`direct_call`), while a CUDA graph captures, and inside `no_kept_ones()`."""
+    if not direct_call((g,)) or _NO_KEPT_ONES.get():
         return g.new_ones(m)
     key = (g.device, g.dtype)
     ones = _ONES.get(key)

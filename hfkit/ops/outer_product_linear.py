@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from hfkit.ops._checks import check_float, check_matmul_dtype, check_optional, check_same_device
-from hfkit.ops._linear import autocast_operands, column_sums
+from hfkit.ops._linear import autocast_operands, column_sums, no_kept_ones
 
 __all__ = ["outer_product_linear", "outer_product_linear_reference"]
 
@@ -268,7 +268,8 @@ def _outer_product_linear_backward_op(
     need_bias: bool,
     by_rows: bool,
 ) -> list[torch.Tensor]:
-    grads = _backward(a, b, weight, dy, (need_a, need_b, need_weight, need_bias), by_rows)
+    with no_kept_ones():  # compiled code calls this op, maybe inside a CUDA-graph tree's pool
+        grads = _backward(a, b, weight, dy, (need_a, need_b, need_weight, need_bias), by_rows)
     return [g.contiguous() if g is not None else dy.new_empty(0) for g in grads]
 
 
