@@ -178,6 +178,56 @@ def test_direct_call_rule():
     assert not direct_call((fake,))
 
 
+def test_direct_bodies_launch_unwrapped_and_the_flag_is_restored(monkeypatch):
+    # A body run directly (forward and backward) starts its kernels itself; outside any body launches
+    # go through wrap_triton (what tracing needs), also after a body raised.
+    from hfkit.ops import _triton
+
+    module = importlib.import_module("hfkit.ops.layer_norm")
+    real, seen = module.launch, []
+
+    def spy(kernel, grid, *args, **meta):
+        seen.append((kernel.fn.__name__, _triton.wraps_launches()))
+        return real(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(module, "launch", spy)
+    x, w = _randn(3, 8), _randn(8)
+    torch.autograd.grad(hops.layer_norm(x, (8,), w, None).sum(), [x, w])
+    assert [name for name, _ in seen] == ["_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel"]
+    assert not any(wrapped for _, wrapped in seen)
+    assert _triton.wraps_launches()
+
+    def broken(*args, **meta):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(module, "launch", broken)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        hops.layer_norm(x, (8,), w, None)
+    assert _triton.wraps_launches() and not _triton._DIRECT.active
+
+
+def test_unwrapped_apply_is_the_functions_apply():
+    from hfkit.ops._triton import _unwrapped_apply
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, scale):
+            ctx.scale = scale
+            return x * 2 * scale
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2 * ctx.scale, None
+
+    apply = _unwrapped_apply(Double)
+    assert apply.__self__ is Double and inspect.isbuiltin(apply)  # torch's C++ apply, no Python wrapper
+    x = torch.randn(4, requires_grad=True)
+    y = apply(x, 3.0)
+    assert y.grad_fn is not None and type(y.grad_fn).__name__ == "DoubleBackward"
+    (grad,) = torch.autograd.grad(y.sum(), [x])
+    torch.testing.assert_close(grad, torch.full((4,), 6.0))
+
+
 def test_every_op_is_registered_with_torch():
     ops = all_ops()
     assert len(ops) == 23

@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 import inspect
 import os
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -22,7 +23,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 try:
     import triton
     import triton.language as tl
-    from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
+    from torch._library.triton import is_wrap_triton_enabled
     from torch.library import triton_op, wrap_triton
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -238,7 +239,7 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     with the same argument order, so the binding is exercised there too. Without Triton's runtime
     settings (`triton.knobs`, older Triton) every launch takes the JIT.
     """
-    if is_wrap_triton_enabled():
+    if wraps_launches():
         wrap_triton(kernel)[grid](*args, **meta)
         return
     grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
@@ -260,6 +261,22 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     bound.launch(grid3, torch._C._cuda_getCurrentRawStream(device) if cuda else 0, full)
 
 
+class _DirectState(threading.local):
+    """Per thread: whether a `TritonOp` runs its body directly (`TritonOp.__call__`)."""
+
+    active = False
+
+
+_DIRECT = _DirectState()
+
+
+def wraps_launches() -> bool:
+    """Whether `launch` goes through `wrap_triton`: while torch traces or dispatches the call (the
+    custom op's own setting, `torch._library.triton.is_wrap_triton_enabled`), not inside a `TritonOp`
+    body run directly (one thread-local flag: cheaper than torch's context manager on every call)."""
+    return not _DIRECT.active and is_wrap_triton_enabled()
+
+
 _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 
 
@@ -273,6 +290,20 @@ def direct_call(args: tuple[Any, ...]) -> bool:
     if _get_current_dispatch_mode() is not None:
         return False
     return all(type(a) in _PLAIN_TENSORS for a in args if isinstance(a, torch.Tensor))
+
+
+def _unwrapped_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """`function.apply` without torch's Python wrapper around it, which binds arguments for a
+    `setup_context` style Function and unwraps functorch's dead wrappers (~4 µs a call): neither
+    applies to an old-style Function called outside functorch transforms (`direct_call`). The wrapper
+    where torch's classes differ from those this was written against (2.11-2.13)."""
+    base = getattr(torch.autograd.function, "_SingleLevelFunction", None)
+    if base is None or not issubclass(function, base):  # pragma: no cover - other torch versions
+        return function.apply
+    try:
+        return super(base, function).apply  # the C++ apply: torch._C._FunctionBase.apply
+    except AttributeError:  # pragma: no cover
+        return function.apply
 
 
 class TritonOp:
@@ -293,6 +324,7 @@ class TritonOp:
         self.body = body
         self.op = triton_op(f"hfkit::{name}", mutates_args=mutates_args)(body)
         self._function: type[torch.autograd.Function] | None = None
+        self._apply: Callable[..., Any] | None = None
 
     def autograd(self, backward: Callable[..., Any], setup_context: Callable[..., None]) -> None:
         """Give the op a backward: `setup_context(ctx, inputs, output)` and `backward(ctx, *grads)`,
@@ -306,17 +338,23 @@ class TritonOp:
         class _Eager(torch.autograd.Function):
             @staticmethod
             def forward(ctx: Any, *args: Any) -> Any:
-                with set_wrap_triton_enabled(False):
-                    output = body(*args)
+                output = body(*args)
                 setup_context(ctx, args, output)
                 return output
 
             @staticmethod
             def backward(ctx: Any, *grads: Any) -> Any:
-                return backward(ctx, *grads)
+                # The autograd engine's thread: launches of this backward's own (not through another
+                # TritonOp) run directly too.
+                outer, _DIRECT.active = _DIRECT.active, True
+                try:
+                    return backward(ctx, *grads)
+                finally:
+                    _DIRECT.active = outer
 
         _Eager.__name__ = _Eager.__qualname__ = f"{self.name}_function"
         self._function = _Eager
+        self._apply = _unwrapped_apply(_Eager)
 
     def __call__(self, *args: Any) -> Any:
         # While a profiler records, the custom op runs: torch.profiler then shows the call as
@@ -324,10 +362,13 @@ class TritonOp:
         # CPU cost; the kernels, and so the device times, are the same.
         if not direct_call(args) or torch.autograd._profiler_enabled():
             return self.op(*args)
-        if self._function is not None and torch.is_grad_enabled():
-            return self._function.apply(*args)
-        with set_wrap_triton_enabled(False):
+        outer, _DIRECT.active = _DIRECT.active, True
+        try:
+            if self._apply is not None and torch.is_grad_enabled():
+                return self._apply(*args)
             return self.body(*args)
+        finally:
+            _DIRECT.active = outer
 
 
 def hfkit_op(name: str, mutates_args: Any = ()) -> Callable[[Callable[..., Any]], TritonOp]:

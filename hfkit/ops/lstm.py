@@ -41,11 +41,10 @@ from hfkit.ops._triton import (
     next_power_of_2,
     num_sms,
     triton_can_run,
+    wraps_launches,
 )
 
 if HAS_TRITON:
-    from torch._library.triton import is_wrap_triton_enabled
-
     from hfkit.ops._lstm_kernels import (
         lstm_seq_bwd_kernel,
         lstm_seq_fwd_kernel,
@@ -552,7 +551,7 @@ def _use_graphs(x: Tensor) -> bool:
     return (
         x.is_cuda
         and not interpreting()
-        and not is_wrap_triton_enabled()
+        and not wraps_launches()
         and not torch.cuda.is_current_stream_capturing()
     )
 
