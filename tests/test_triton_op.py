@@ -206,6 +206,21 @@ def test_direct_bodies_launch_unwrapped_and_the_flag_is_restored(monkeypatch):
     assert _triton.wraps_launches() and not _triton._DIRECT.active
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="fake tensors through wrap_triton need compiled kernels")
+def test_the_custom_op_route_inside_a_direct_body_still_traces(monkeypatch):
+    # A call inside a direct body that must take the custom op (fake tensors here; compiled autograd
+    # tracing a backward) lets torch's setting decide: its launches go through wrap_triton.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hfkit.ops import _triton
+
+    monkeypatch.setattr(_triton._DIRECT, "active", True)
+    with FakeTensorMode() as mode:
+        x, w = mode.from_tensor(_randn(3, 8)), mode.from_tensor(_randn(8))
+        y = hops.layer_norm(x, (8,), w, None)
+    assert y.shape == (3, 8) and _triton._DIRECT.active
+
+
 def test_unwrapped_apply_is_the_functions_apply():
     from hfkit.ops._triton import _unwrapped_apply
 

@@ -344,9 +344,9 @@ class TritonOp:
 
             @staticmethod
             def backward(ctx: Any, *grads: Any) -> Any:
-                # The autograd engine's thread: launches of this backward's own (not through another
-                # TritonOp) run directly too.
-                outer, _DIRECT.active = _DIRECT.active, True
+                # On the autograd engine's thread: launches of this backward's own (not through another
+                # TritonOp) run directly too, unless something traces the backward (compiled autograd).
+                outer, _DIRECT.active = _DIRECT.active, direct_call(grads)
                 try:
                     return backward(ctx, *grads)
                 finally:
@@ -360,10 +360,12 @@ class TritonOp:
         # While a profiler records, the custom op runs: torch.profiler then shows the call as
         # `hfkit::<name>` with its input shapes (what notebook 03's census counts), at the custom op's
         # CPU cost; the kernels, and so the device times, are the same.
-        if not direct_call(args) or torch.autograd._profiler_enabled():
-            return self.op(*args)
-        outer, _DIRECT.active = _DIRECT.active, True
+        direct = direct_call(args) and not torch.autograd._profiler_enabled()
+        # The custom op's route clears the flag: torch's own setting then decides its launches.
+        outer, _DIRECT.active = _DIRECT.active, direct
         try:
+            if not direct:
+                return self.op(*args)
             if self._apply is not None and torch.is_grad_enabled():
                 return self._apply(*args)
             return self.body(*args)
