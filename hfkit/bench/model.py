@@ -303,21 +303,15 @@ def _grad_step(
     device: torch.device,
     precision: Precision,
     accumulate: bool = False,
-    mark_steps: bool = False,
 ) -> Callable[[], None]:
     """One call: `forward()` under the precision's autocast, then (if `backward`) the gradients of
     its outputs against random output gradients, w.r.t. `inputs` and `params` (`autograd.grad`: no
     `.grad` accumulation, so the call can be captured in a CUDA graph). With `accumulate` they are
     added to each `.grad` instead (`autograd.backward`, as a training loop's `loss.backward()`): the
-    way for modules whose reentrant checkpointing rejects `autograd.grad` (OpenFold's stack). With
-    `mark_steps` each call begins with `torch.compiler.cudagraph_mark_step_begin()`: under
-    `torch.compile(mode="reduce-overhead")` a forward whose backward never runs ("fwd") otherwise
-    leaves the CUDA-graph tree waiting for that backward, and every later call runs without graphs."""
+    way for modules whose reentrant checkpointing rejects `autograd.grad` (OpenFold's stack)."""
     cache: dict[str, list[torch.Tensor]] = {}
 
     def step() -> None:
-        if mark_steps:
-            torch.compiler.cudagraph_mark_step_begin()
         with precision.context(device):
             outs = [o for o in forward() if o.requires_grad]
         if not backward:
@@ -471,9 +465,7 @@ def _module_steps(
     )
     params = [p for p in module.parameters() if p.requires_grad]
     forward = functools.partial(module, *inputs, **(call_kwargs or {}))
-    backward = mode == "fwd+bwd"
-    mark_steps = "compile" in variant and run.compile_mode == "reduce-overhead"
-    step = _grad_step(forward, inputs[:2], params, backward, run.device, precision, accumulate, mark_steps)
+    step = _grad_step(forward, inputs[:2], params, mode == "fwd+bwd", run.device, precision, accumulate)
     if accumulate:
         notes["backward"] = "autograd.backward (gradients accumulate in .grad)"
     return Steps(step, step, 1, lambda: notes, _graph_notes(module))
