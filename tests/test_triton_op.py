@@ -221,6 +221,25 @@ def test_the_custom_op_route_inside_a_direct_body_still_traces(monkeypatch):
     assert y.shape == (3, 8) and _triton._DIRECT.active
 
 
+def test_nothing_is_mutated_while_compiling(monkeypatch):
+    # Dynamo traces the fused ops' autograd.Functions, whose forwards call TritonOps: a global
+    # mutation there (the direct-call flag) breaks the graph, as it did 38 times in a swapped block.
+    from hfkit.ops import _triton
+
+    class Frozen:
+        active = False
+
+        def __setattr__(self, name, value):
+            raise AssertionError("the direct-call flag was set while compiling")
+
+    monkeypatch.setattr(_triton, "_DIRECT", Frozen())
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    op = importlib.import_module("hfkit.ops.layer_norm")._layer_norm_fwd
+    x = _randn(3, 8, grad=False)
+    y, _mean, _rstd = op(x, None, None, 8, 1e-5, x.dtype)
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (8,)), rtol=1e-5, atol=1e-5)
+
+
 def test_unwrapped_apply_is_the_functions_apply():
     from hfkit.ops._triton import _unwrapped_apply
 

@@ -344,8 +344,10 @@ class TritonOp:
 
             @staticmethod
             def backward(ctx: Any, *grads: Any) -> Any:
+                if torch.compiler.is_compiling():  # compiled autograd traces it: no flag to set
+                    return backward(ctx, *grads)
                 # On the autograd engine's thread: launches of this backward's own (not through another
-                # TritonOp) run directly too, unless something traces the backward (compiled autograd).
+                # TritonOp) run directly too, unless a dispatch mode or subclass takes the grads.
                 outer, _DIRECT.active = _DIRECT.active, direct_call(grads)
                 try:
                     return backward(ctx, *grads)
@@ -360,17 +362,30 @@ class TritonOp:
         # While a profiler records, the custom op runs: torch.profiler then shows the call as
         # `hfkit::<name>` with its input shapes (what notebook 03's census counts), at the custom op's
         # CPU cost; the kernels, and so the device times, are the same.
-        direct = direct_call(args) and not torch.autograd._profiler_enabled()
-        # The custom op's route clears the flag: torch's own setting then decides its launches.
-        outer, _DIRECT.active = _DIRECT.active, direct
+        if torch.compiler.is_compiling():
+            # No state touched: Dynamo breaks the graph at a global mutation inside an
+            # autograd.Function it traces (the fused ops' Functions call TritonOps in their forwards).
+            return self.op(*args)
+        if not direct_call(args) or torch.autograd._profiler_enabled():
+            return self._dispatched(args)
+        outer, _DIRECT.active = _DIRECT.active, True
         try:
-            if not direct:
-                return self.op(*args)
             if self._apply is not None and torch.is_grad_enabled():
                 return self._apply(*args)
             return self.body(*args)
         finally:
             _DIRECT.active = outer
+
+    def _dispatched(self, args: tuple[Any, ...]) -> Any:
+        """The custom op's route. Inside a direct body (fake tensors met there, say) the flag is cleared
+        for the call, so that torch's own setting decides its launches."""
+        if not _DIRECT.active:
+            return self.op(*args)
+        _DIRECT.active = False
+        try:
+            return self.op(*args)
+        finally:
+            _DIRECT.active = True
 
 
 def hfkit_op(name: str, mutates_args: Any = ()) -> Callable[[Callable[..., Any]], TritonOp]:
