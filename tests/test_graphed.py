@@ -501,28 +501,27 @@ def test_cuda_autocast_with_its_cache_replays_current_weights(seed) -> None:
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cuda_compiled_swapped_block_under_reduce_overhead(dtype, seed) -> None:
+def test_cuda_compiled_swapped_block_under_reduce_overhead(seed) -> None:
     # torch.compile(mode="reduce-overhead") replays CUDA-graph trees of the swapped block, every hfkit
     # op inside them; an op keeping an allocation made in the tree's pool fails there ("not tracked as
     # outputs"), as the outer product mean's backward op once did with its bias gradient's ones.
-    plain = to_hfkit(_block().to("cuda", dtype))
+    # Gradients by autograd.grad: `.grad` accumulation across replays fails under reduce-overhead for
+    # the plain block too (torch 2.11: "accessing tensor output of CUDAGraphs that has been overwritten").
+    plain = to_hfkit(_block().to("cuda"))
     compiled = torch.compile(copy.deepcopy(plain), mode="reduce-overhead")
-    tolerance = {"rtol": 1e-3, "atol": 1e-3} if dtype == torch.float32 else _cuda_tolerance(dtype)
-    for it in range(4):  # warm-up, recording, then replays; .grad accumulates
-        args = _inputs(3, 5, "cuda", dtype, seed=it)
+    tolerance = {"rtol": 1e-3, "atol": 1e-3}
+    for it in range(4):  # warm-up, recording, then replays
+        args = _inputs(3, 5, "cuda", seed=it)
         ours = _leaf_copies(args)
         torch.compiler.cudagraph_mark_step_begin()
         expected, got = plain(*args), compiled(*ours)
-        for a, b in zip(got, expected, strict=True):
-            torch.testing.assert_close(a, b, **tolerance, msg=f"output, call {it}")
         dy = [torch.randn_like(o) for o in expected]
-        torch.autograd.backward(expected, dy)
-        torch.autograd.backward(got, dy)
-        for (name, p), q in zip(plain.named_parameters(), compiled.parameters(), strict=True):
-            torch.testing.assert_close(q.grad, p.grad, **tolerance, msg=f"{name}, call {it}")
-        for a, b in zip(ours[:2], args[:2], strict=True):
-            torch.testing.assert_close(a.grad, b.grad, **tolerance, msg=f"input gradient, call {it}")
+        want = torch.autograd.grad(expected, [*args[:2], *plain.parameters()], dy)
+        have = torch.autograd.grad(got, [*ours[:2], *compiled.parameters()], dy)
+        names = ["m", "z", "grad m", "grad z", *(f"grad {name}" for name, _ in plain.named_parameters())]
+        for name, a, b in zip(names, [*got, *have], [*expected, *want], strict=True):
+            where = f"{name}, call {it}"
+            torch.testing.assert_close(a, b, **tolerance, msg=lambda text, where=where: f"{where}: {text}")
 
 
 @pytest.mark.cuda
