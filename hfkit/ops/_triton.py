@@ -295,8 +295,8 @@ def direct_call(args: tuple[Any, ...]) -> bool:
 def _unwrapped_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
     """`function.apply` without torch's Python wrapper around it, which binds arguments for a
     `setup_context` style Function and unwraps functorch's dead wrappers (~4 µs a call): neither
-    applies to an old-style Function called outside functorch transforms (`direct_call`). The wrapper
-    where torch's classes differ from those this was written against (2.11-2.13)."""
+    applies to an old-style Function called outside functorch transforms (`direct_call`). Falls back
+    to the wrapped `function.apply` where torch's classes differ from those of torch 2.11-2.13."""
     base = getattr(torch.autograd.function, "_SingleLevelFunction", None)
     if base is None or not issubclass(function, base):  # pragma: no cover - other torch versions
         return function.apply
