@@ -328,8 +328,9 @@ class TritonOp:
 
     def autograd(self, backward: Callable[..., Any], setup_context: Callable[..., None]) -> None:
         """Give the op a backward: `setup_context(ctx, inputs, output)` and `backward(ctx, *grads)`,
-        registered on the custom op and used by the eager `autograd.Function`. `backward` should call
-        other `TritonOp`s (not `torch.ops.hfkit.*`) so that it takes the direct route in eager mode."""
+        registered on the custom op and used by the eager `autograd.Function`. `backward` should start
+        its kernels through other `TritonOp`s (not `torch.ops.hfkit.*`, not `launch` itself) so that
+        they take the direct route in eager mode."""
         torch.library.register_autograd(self.op, backward, setup_context=setup_context)
         body = self.body
 
@@ -344,15 +345,7 @@ class TritonOp:
 
             @staticmethod
             def backward(ctx: Any, *grads: Any) -> Any:
-                if torch.compiler.is_compiling():  # compiled autograd traces it: no flag to set
-                    return backward(ctx, *grads)
-                # On the autograd engine's thread: launches of this backward's own (not through another
-                # TritonOp) run directly too, unless a dispatch mode or subclass takes the grads.
-                outer, _DIRECT.active = _DIRECT.active, direct_call(grads)
-                try:
-                    return backward(ctx, *grads)
-                finally:
-                    _DIRECT.active = outer
+                return backward(ctx, *grads)  # its launches are other TritonOps' calls
 
         _Eager.__name__ = _Eager.__qualname__ = f"{self.name}_function"
         self._function = _Eager
@@ -366,26 +359,18 @@ class TritonOp:
             # No state touched: Dynamo breaks the graph at a global mutation inside an
             # autograd.Function it traces (the fused ops' Functions call TritonOps in their forwards).
             return self.op(*args)
-        if not direct_call(args) or torch.autograd._profiler_enabled():
-            return self._dispatched(args)
-        outer, _DIRECT.active = _DIRECT.active, True
+        direct = direct_call(args) and not torch.autograd._profiler_enabled()
+        # The custom op's route clears the flag (a call inside a direct body meeting fake tensors, say):
+        # torch's own setting then decides its launches.
+        outer, _DIRECT.active = _DIRECT.active, direct
         try:
+            if not direct:
+                return self.op(*args)
             if self._apply is not None and torch.is_grad_enabled():
                 return self._apply(*args)
             return self.body(*args)
         finally:
             _DIRECT.active = outer
-
-    def _dispatched(self, args: tuple[Any, ...]) -> Any:
-        """The custom op's route. Inside a direct body (fake tensors met there, say) the flag is cleared
-        for the call, so that torch's own setting decides its launches."""
-        if not _DIRECT.active:
-            return self.op(*args)
-        _DIRECT.active = False
-        try:
-            return self.op(*args)
-        finally:
-            _DIRECT.active = True
 
 
 def hfkit_op(name: str, mutates_args: Any = ()) -> Callable[[Callable[..., Any]], TritonOp]:
