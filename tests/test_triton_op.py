@@ -350,3 +350,32 @@ def test_launch_hooks_count_only_when_they_would_call_something() -> None:
     assert _arg_key(32) == _arg_key(48) != _arg_key(33)
     assert _arg_key(2**40) != _arg_key(2**4)
     assert _arg_key(torch.zeros(4)) == (torch.float32, True)
+
+
+def test_inductor_launches_hfkit_kernels_statically_unless_told_otherwise():
+    # Importing hfkit's ops turns on Inductor's static launcher for user-defined Triton kernels (15%
+    # of a checkpointed compiled step on the H200); a value the user set stays, and so does torch's
+    # environment override. Each case runs in a fresh interpreter: the setting is made at import.
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    code = (
+        "import sys, torch._inductor.config as c\n"
+        "if sys.argv[1] == 'user-off': c.static_launch_user_defined_triton_kernels = False\n"
+        "import hfkit.ops\n"
+        "from hfkit.ops._triton import launch_statically_under_compile as f\n"
+        "print(c.static_launch_user_defined_triton_kernels, f())\n"
+    )
+    force = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
+    env = {k: v for k, v in os.environ.items() if k != force}
+
+    def setting(case: str, **extra: str) -> list[str]:
+        argv = [sys.executable, "-c", code, case]
+        done = subprocess.run(argv, env={**env, **extra}, capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split()
+
+    assert setting("default") == ["True", "True"]
+    assert setting("user-off") == ["False", "False"]
+    assert setting("default", **{force: "0"}) == ["False", "False"]
