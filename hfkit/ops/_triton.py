@@ -41,14 +41,15 @@ TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def launch_statically_under_compile() -> bool:
     """Let Inductor start hfkit's kernels (user-defined Triton kernels, to it) with its static CUDA
-    launcher, as it starts its own, rather than through Triton's Python launcher (~15 µs more a
-    launch on the H200 host; a compiled swapped block starts about 60 kernels forward+backward).
+    launcher, as it starts its own, rather than through Triton's Python launcher: a compiled swapped
+    block starts about 60 of them forward+backward, and the checkpointed af2_initial step compiled
+    per block took 1041 instead of 1221 ms on the H200 (data/results/h200/model.json's note).
     Called once when hfkit's ops are imported. It sets Inductor's
     `static_launch_user_defined_triton_kernels` only while that is at its default, so a value the user
     set in code stays; `TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=0` in the environment
     turns it off (torch's environment override). Kernels the static launcher cannot take fall back to
     Triton's launcher inside Inductor. Returns the setting in force, False where torch lacks it."""
-    import torch._inductor.config as inductor_config  # already loaded by `torch.library.triton_op`
+    import torch._inductor.config as inductor_config  # importing hfkit.ops loads Inductor anyway
 
     name = "static_launch_user_defined_triton_kernels"
     if not hasattr(inductor_config, name):  # pragma: no cover - torch before 2.8
