@@ -25,6 +25,10 @@ from hfkit.ops import (
     gated_linear_reference,
     layer_norm,
     layer_norm_reference,
+    linear,
+    linear_reference,
+    multihead_attention,
+    multihead_attention_reference,
     outer_product_linear,
     outer_product_linear_reference,
     reference_on_cpu,
@@ -37,6 +41,8 @@ from hfkit.ops import (
     triangle_multiplication,
     triangle_multiplication_reference,
 )
+from hfkit.ops.layer_norm import layer_norm_with_residual
+from hfkit.ops.multi_linear import multi_linear, multi_linear_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -197,6 +203,71 @@ def outer_product_linear_case(layout: str, device: str):
     return run, {"a": a, "b": b, "weight": w_leaf, "bias": b_leaf}
 
 
+def relu_mlp_scale_case(layout: str, device: str):
+    # The transitions' call: a mask per row applied inside the op (a [*, 1] view of a wider tensor).
+    x, x_leaf = param((3, 5, 8), layout if layout == "strided" else "plain", device)
+    (w1, w1_leaf), (b1, b1_leaf) = param((32, 8), layout, device), param((32,), layout, device)
+    (w2, w2_leaf), (b2, b2_leaf) = param((8, 32), layout, device), param((8,), layout, device)
+    scale = (torch.rand(3, 5, 3, device=device) > 0.3).float()[..., 1:2]
+
+    def run(reference: bool) -> torch.Tensor:
+        if reference:
+            return relu_mlp_reference(x, w1, b1, w2, b2) * scale
+        return relu_mlp(x, w1, b1, w2, b2, scale=scale)
+
+    return run, {"x": x_leaf, "w1": w1_leaf, "b1": b1_leaf, "w2": w2_leaf, "b2": b2_leaf}
+
+
+def multi_linear_case(layout: str, device: str):
+    x, x_leaf = param((3, 5, 8), layout if layout == "strided" else "plain", device)
+    (w1, w1_leaf), (b1, b1_leaf) = param((6, 8), layout, device), param((6,), layout, device)
+    w2, w2_leaf = param((4, 8), layout, device)
+
+    def run(reference: bool) -> torch.Tensor:
+        outs = (multi_linear_reference if reference else multi_linear)(x, [w1, w2], [b1, None])
+        return torch.cat([out.flatten() for out in outs])
+
+    return run, {"x": x_leaf, "w1": w1_leaf, "b1": b1_leaf, "w2": w2_leaf}
+
+
+def layer_norm_with_residual_case(layout: str, device: str):
+    # The pass-through carries the residual's gradient into the LayerNorm's backward kernel.
+    x, x_leaf = param((5, 3, 24), layout if layout == "strided" else "plain", device)
+    (w, w_leaf), (b, b_leaf) = param((24,), layout, device), param((24,), layout, device)
+
+    def run(reference: bool) -> torch.Tensor:
+        if reference:
+            y, passthrough = layer_norm_reference(x, (24,), w, b, 1e-5), x
+        else:
+            y, passthrough = layer_norm_with_residual(x, (24,), w, b, 1e-5)
+        return torch.cat([y.flatten(), (2 * passthrough).flatten()])
+
+    return run, {"x": x_leaf, "weight": w_leaf, "bias": b_leaf}
+
+
+def linear_case(layout: str, device: str):
+    x, x_leaf = param((3, 5, 8), layout if layout == "strided" else "plain", device)
+    (w, w_leaf), (b, b_leaf) = param((6, 8), layout, device), param((6,), layout, device)
+
+    def run(reference: bool) -> torch.Tensor:
+        return (linear_reference if reference else linear)(x, w, b)
+
+    return run, {"x": x_leaf, "weight": w_leaf, "bias": b_leaf}
+
+
+def multihead_attention_case(layout: str, device: str):
+    q, q_leaf = param((5, 2, 8), layout if layout == "strided" else "plain", device)
+    (w_in, w_in_leaf), (b_in, b_in_leaf) = param((24, 8), layout, device), param((24,), layout, device)
+    (w_out, w_out_leaf), (b_out, b_out_leaf) = param((8, 8), layout, device), param((8,), layout, device)
+
+    def run(reference: bool) -> torch.Tensor:
+        fn = multihead_attention_reference if reference else multihead_attention
+        return fn(q, q, q, 2, w_in, b_in, w_out, b_out, need_weights=False)[0]
+
+    leaves = {"query": q_leaf, "in_proj_weight": w_in_leaf, "in_proj_bias": b_in_leaf}
+    return run, {**leaves, "out_proj_weight": w_out_leaf, "out_proj_bias": b_out_leaf}
+
+
 CASES = {
     "layer_norm": layer_norm_case,
     "softmax": softmax_case,
@@ -207,6 +278,11 @@ CASES = {
     "gated_linear": gated_linear_case,
     "relu_mlp": relu_mlp_case,
     "outer_product_linear": outer_product_linear_case,
+    "relu_mlp_scale": relu_mlp_scale_case,
+    "multi_linear": multi_linear_case,
+    "layer_norm_with_residual": layer_norm_with_residual_case,
+    "linear": linear_case,
+    "multihead_attention": multihead_attention_case,
 }
 
 
