@@ -669,8 +669,9 @@ def _add_longseq_bench(bench_sub: argparse._SubParsersAction) -> None:
 
 
 def _add_dap_bench(bench_sub: argparse._SubParsersAction) -> None:
-    """`hfkit bench dap`: one DAP Evoformer block over G local processes against one process, duality
-    async on and off: time, per-rank peak memory, communication volume per block."""
+    """`hfkit bench dap`: a DAP Evoformer block or stack over G local processes (optionally dp x dap)
+    against one process, duality async on and off: time, per-rank peak memory, communication volume,
+    scaling efficiency."""
     from hfkit.bench.dap import PROVIDERS
     from hfkit.bench.runner import DTYPES, MODES
 
@@ -694,6 +695,10 @@ def _add_dap_bench(bench_sub: argparse._SubParsersAction) -> None:
                 providers=args.providers,
                 warmup=args.warmup,
                 reps=args.reps,
+                n_blocks=args.blocks,
+                checkpoint=args.checkpoint,
+                dap_size=args.dap_size,
+                chunk_size=args.chunk_size,
                 out=out,
                 append=args.append,
                 command=args.command,
@@ -709,7 +714,7 @@ def _add_dap_bench(bench_sub: argparse._SubParsersAction) -> None:
 
     ints = lambda t: [int(v) for v in _csv(t)]  # noqa: E731
     p = bench_sub.add_parser(
-        "dap", help="DAP: one Evoformer block over G processes against one, overlap on and off"
+        "dap", help="DAP: an Evoformer block or stack over G processes against one, overlap on and off"
     )
     p.add_argument("--nproc", type=int, default=2, help="local ranks, one GPU each on GPUs (default 2)")
     p.add_argument("--sizes", type=ints, default=None, help="N values (default: 256,512; smoke 12,17)")
@@ -721,6 +726,16 @@ def _add_dap_bench(bench_sub: argparse._SubParsersAction) -> None:
         type=_choices(PROVIDERS),
         default=list(PROVIDERS),
         help=f"comma list of {','.join(PROVIDERS)} (default: all)",
+    )
+    p.add_argument("--blocks", type=int, default=1, help="1: one block; K > 1: a stack of K blocks")
+    p.add_argument(
+        "--checkpoint", action="store_true", help="stack: recompute each block in backward (--blocks > 1)"
+    )
+    p.add_argument(
+        "--dap-size", type=int, default=None, help="DAP group size D (default --nproc): nproc/D dp replicas"
+    )
+    p.add_argument(
+        "--chunk-size", type=int, default=None, help="the modules' chunking (long-sequence inference)"
     )
     p.add_argument("--warmup", type=int, default=None, help="untimed calls per configuration")
     p.add_argument("--reps", type=int, default=None, help="timed calls per configuration")

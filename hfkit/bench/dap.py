@@ -1,9 +1,9 @@
-"""DAP benchmark (`hfkit bench dap`): one Evoformer block run with Dynamic Axial Parallelism over G local
-processes (nccl on GPUs, one GPU a process; gloo on CPU), against the same block on one process, with
-duality async on and off.
+"""DAP benchmark (`hfkit bench dap`): one Evoformer block, or a stack of K blocks, run with Dynamic Axial
+Parallelism over G local processes (nccl on GPUs, one GPU a process; gloo on CPU), against the same
+module on one process, with duality async on and off.
 
-Rows (`ResultRow`s, op "dap_block", shape [S, N], one per (N, provider, mode), mode "fwd" or
-"fwd+bwd"):
+Rows (`ResultRow`s, op "dap_block" (K = 1) or "dap_stack", shape [S, N], one per (N, provider, mode),
+mode "fwd" or "fwd+bwd"):
 
 - provider `single_process`: the block on rank 0 alone (the other ranks idle at a barrier), full inputs;
 - `dap_overlap`: `to_dap(block, group, overlap=True).forward_sharded` on every rank's shards (inputs
@@ -18,7 +18,18 @@ above its inputs (CUDA; None on a CPU), `extra["peak_mem_bytes_per_rank"]` every
 block's forward, by collective), `comm_bytes` the mode's total per rank (fwd+bwd: twice the forward,
 plus `param_grad_elements` all-reduced once), `speedup_vs_single` the single-process p50 over this
 row's. `max_rel_err_vs_single` (DAP rows): max |DAP - single| / max |single| of the forward outputs on
-the check inputs (every rank runs the single block for it).
+the check inputs (every rank runs the single module for it; None where `single_process` is not among
+the providers: at the N only DAP fits, ranks keep only their shards).
+
+Layouts and settings (each in `extra`, and in the rows' key, so one results file holds them all):
+`dap_size` D (default G): G / D data-parallel replicas of D-rank DAP groups (`dap_groups`), each
+replica running the same inputs; in fwd+bwd the replicas then average their parameter gradients in one
+flat all-reduce over the dp group (inside the timed call, not overlapped with the backward: DDP's
+buckets would hide part of it). `scaling_efficiency` = `speedup_vs_single` x (G / D) / G: samples a
+second per GPU against one process's. `n_blocks` K and `checkpoint` (K > 1: per-block recomputation in
+backward, the collectives run again); `chunk_size` (the modules' chunking, for long-sequence inference:
+`--modes fwd`). A DAP provider that runs out of memory stops the run (its peers wait at a collective):
+sweep N for the largest that fits with one run per N and `--append`.
 
 Profiles: "full" (GPUs: `af2_initial` sizes, S = 128, N = 256, 512, bf16, fused ops swapped in) and
 "smoke" (a CPU in seconds: the `tiny` preset, S = 6, N = 12, 17 (17: padded), fp32, plain torch).
@@ -28,7 +39,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -38,16 +49,25 @@ import torch.distributed as dist
 from torch import nn
 
 from hfkit.bench.model import bench_config, evoformer_block_flops, make_block
-from hfkit.bench.results import ENV_KEYS, ResultFile, ResultRow, check_choice, environment_info, make_row
+from hfkit.bench.results import (
+    ENV_KEYS,
+    ResultFile,
+    ResultRow,
+    check_choice,
+    environment_info,
+    make_row,
+    row_key,
+)
 from hfkit.bench.runner import DTYPES, MODES, pick_profile
 from hfkit.bench.timing import Timing
-from hfkit.model import ModelConfig
+from hfkit.model import EvoformerStack, ModelConfig
 
 __all__ = [
     "DAP_PROFILES",
     "PROVIDERS",
     "DapProfile",
     "dap_results_folder",
+    "dap_row_key",
     "run_dap_benchmark",
     "summary_table",
 ]
@@ -88,6 +108,10 @@ class _Spec:
     cuda: bool
     warmup: int
     reps: int
+    n_blocks: int = 1
+    checkpoint: bool = False
+    dap_size: int | None = None  # None: every rank in one DAP group
+    chunk_size: int | None = None
     extra_notes: dict[str, Any] = field(default_factory=dict)
 
 
@@ -97,18 +121,24 @@ def dap_results_folder(device_slug: str, nproc: int) -> str:
     return f"{device_slug}x{nproc}" if device_slug != "cpu" and nproc > 1 else device_slug
 
 
-def _perturbed_block(profile: DapProfile, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The preset's block (dropout off, eval), every parameter perturbed (its zero-initialised output
-    projections would make the check trivial), on `device` in `dtype`; fused modules swapped in when the
-    profile says so."""
+def _perturbed_module(spec: _Spec, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The preset's block, or its stack of `spec.n_blocks` blocks (with `spec.checkpoint`), dropout off,
+    eval, every parameter perturbed (the zero-initialised output projections would make the check
+    trivial), on `device` in `dtype`; fused modules swapped in when the profile says so."""
     torch.manual_seed(0)  # the initialisation: the same on every rank, forked or spawned
-    block = make_block(profile.config)
+    if spec.n_blocks == 1:
+        block = make_block(spec.profile.config)
+    else:
+        config = spec.profile.config.replace(
+            no_blocks=spec.n_blocks, msa_dropout=0.0, pair_dropout=0.0, checkpoint=spec.checkpoint
+        )
+        block = EvoformerStack.from_config(config)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in block.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=gen))
     block = block.to(device, dtype).eval()
-    if profile.fused:
+    if spec.profile.fused:
         from hfkit.nn.convert import to_hfkit
 
         block = to_hfkit(block)
@@ -131,8 +161,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _call(fn: Any, args: Sequence[torch.Tensor], backward: bool, module: nn.Module) -> None:
-    """One forward (with `backward`: forward and backward of the outputs' sum) of fn(*args)."""
+def _call(fn: Any, args: Sequence[torch.Tensor], backward: bool, module: nn.Module, dp: Any) -> None:
+    """One forward (with `backward`: forward and backward of the outputs' sum, then the parameter
+    gradients averaged over the data-parallel group `dp` when there is one) of fn(*args)."""
     if not backward:
         with torch.no_grad():
             fn(*args)
@@ -141,11 +172,23 @@ def _call(fn: Any, args: Sequence[torch.Tensor], backward: bool, module: nn.Modu
     args = [a.detach().requires_grad_() if a.is_floating_point() and i < 2 else a for i, a in enumerate(args)]
     out = fn(*args)
     sum(o.float().sum() for o in out).backward()
+    if dp is not None:
+        _average_gradients(module, dp)
+
+
+def _average_gradients(module: nn.Module, group: Any) -> None:
+    """Every parameter gradient of `module` averaged over `group` in one flat all-reduce."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(part.view_as(g))
 
 
 def _measure(
     fn: Any, args: Sequence[torch.Tensor], backward: bool, module: nn.Module, spec: _Spec, active: bool,
-    device: torch.device, ctrl: Any,
+    device: torch.device, ctrl: Any, dp: Any = None,
 ) -> dict[str, Any]:  # fmt: skip
     """This rank's per-repetition milliseconds (`samples_ms`, empty where not `active`) and its peak
     bytes above what was allocated before the call (`peak`: CUDA; None elsewhere), or the `error` of
@@ -165,7 +208,7 @@ def _measure(
         _sync(device)
         start = time.perf_counter()
         try:
-            _call(fn, args, backward, module)
+            _call(fn, args, backward, module, dp)
             _sync(device)
         except torch.OutOfMemoryError as err:
             error = " ".join(f"{type(err).__name__}: {err}".split())[:300]
@@ -184,43 +227,58 @@ def _measure(
 
 def _rank_main(rank: int, spec: _Spec) -> dict[str, Any]:
     """One rank: for each N, the check and every (provider, mode)'s samples and peak."""
-    from hfkit.parallel.dap import pad_to_multiple, to_dap
+    from hfkit.parallel.dap import dap_groups, pad_to_multiple, to_dap
 
-    group_size = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if spec.cuda else torch.device("cpu")
     ctrl = dist.new_group(backend="gloo") if spec.cuda else None  # barriers off the measured group
+    dap_group = dp_group = None
+    if spec.dap_size is not None and spec.dap_size < dist.get_world_size():
+        groups = dap_groups(spec.dap_size)
+        dap_group, dp_group = groups.dap, groups.dp
+    group_size, dap_rank = dist.get_world_size(dap_group), dist.get_rank(dap_group)
     dtype = DTYPES[spec.dtype]
-    block = _perturbed_block(spec.profile, device, dtype)
-    daps = {"dap_overlap": to_dap(block, None, overlap=True), "dap_sync": to_dap(block, None, overlap=False)}
+    block = _perturbed_module(spec, device, dtype)
+    daps = {
+        "dap_overlap": to_dap(block, dap_group, overlap=True),
+        "dap_sync": to_dap(block, dap_group, overlap=False),
+    }
+    chunk = spec.chunk_size
+    single = "single_process" in spec.providers
     out: dict[str, Any] = {}
     for n in spec.sizes:
-        full = _inputs(spec.profile.config, spec.n_seq, n, device, dtype)
-        with torch.no_grad():
-            expected = block(*full)
-            got = daps["dap_overlap"](*full)
-        errs = [
-            float((g - e).abs().max() / e.abs().max().clamp_min(1e-30))
-            for g, e in zip(got, expected, strict=True)
-        ]
-        out[f"check {n}"] = max(errs)
-        del expected, got
+        # Without the single module, the whole inputs stay on the host: each rank moves its shards.
+        full = _inputs(spec.profile.config, spec.n_seq, n, device if single else torch.device("cpu"), dtype)
+        if single:  # the check needs the whole module on every rank: not where only DAP runs (long N)
+            with torch.no_grad():
+                expected = block(*full, chunk_size=chunk)
+                got = daps["dap_overlap"](*full, chunk_size=chunk)
+            errs = [
+                float((g - e).abs().max() / e.abs().max().clamp_min(1e-30))
+                for g, e in zip(got, expected, strict=True)
+            ]
+            out[f"check {n}"] = max(errs)
+            del expected, got
         padded = [pad_to_multiple(pad_to_multiple(t, 1, group_size), 2, group_size) for t in full]
         sharded = (
-            padded[0].chunk(group_size, 1)[rank].contiguous(),
-            padded[1].chunk(group_size, 1)[rank].contiguous(),
+            padded[0].chunk(group_size, 1)[dap_rank].contiguous(),
+            padded[1].chunk(group_size, 1)[dap_rank].contiguous(),
         )
-        sharded_args = (*sharded, padded[2], padded[3])
+        sharded_args = tuple(t.to(device) for t in (*sharded, padded[2], padded[3]))
+        del padded
+        if not single:
+            del full  # each rank keeps its shards and the masks only
         for provider in spec.providers:
             for mode in spec.modes:
                 key = f"{provider} {mode} {n}"
                 backward = mode == "fwd+bwd"
                 if provider == "single_process":
-                    fn, args, active, module = block, full, rank == 0, block
+                    fn = lambda *a: block(*a, chunk_size=chunk)  # noqa: E731
+                    args, active, module, dp = full, rank == 0, block, None
                 else:
                     dap = daps[provider]
-                    fn = lambda *a, dap=dap, n=n: dap.forward_sharded(*a, spec.n_seq, n)  # noqa: E731
-                    args, active, module = sharded_args, True, dap
-                out[key] = _measure(fn, args, backward, module, spec, active, device, ctrl)
+                    fn = lambda *a, dap=dap, n=n: dap.forward_sharded(*a, spec.n_seq, n, chunk)  # noqa: E731
+                    args, active, module, dp = sharded_args, True, dap, dp_group
+                out[key] = _measure(fn, args, backward, module, spec, active, device, ctrl, dp)
                 if "error" in out[key] and provider != "single_process":
                     raise RuntimeError(f"{key}: {out[key]['error']}")  # the peers wait at a collective
                 if device.type == "cuda":
@@ -232,31 +290,36 @@ def _rows(results: list[dict[str, Any]], spec: _Spec, env: dict[str, Any], backe
     """The rows from every rank's results."""
     from hfkit.parallel.dap import dap_block_comm
 
-    config, g = spec.profile.config, len(results)
+    config, g, k = spec.profile.config, len(results), spec.n_blocks
+    d = spec.dap_size or g
     elem = torch.tensor([], dtype=DTYPES[spec.dtype]).element_size()
-    n_params = sum(p.numel() for p in make_block(config).parameters())
+    n_params = k * sum(p.numel() for p in make_block(config).parameters())  # the blocks' (not s's linear)
+    layout = {"n_blocks": k, "checkpoint": spec.checkpoint, "dap_size": d, "dp_size": g // d}
+    layout["chunk_size"] = spec.chunk_size
     rows: list[ResultRow] = []
     for n in spec.sizes:
-        comm = dap_block_comm(spec.n_seq, n, config, g)
+        comm = {name: k * v for name, v in dap_block_comm(spec.n_seq, n, config, d).items()}
         single_p50: dict[str, float] = {}
         for provider in spec.providers:
             for mode in spec.modes:
                 per_rank = [r[f"{provider} {mode} {n}"] for r in results]
                 dap = provider != "single_process"
                 extra: dict[str, Any] = {"nproc": g, "backend": backend, "overlap": provider == "dap_overlap"}
-                extra.update(spec.extra_notes)
+                extra.update(layout, **spec.extra_notes)
                 if dap:
                     fwd_elems = sum(comm.values())
                     total = fwd_elems * (2 if mode == "fwd+bwd" else 1)
                     total += n_params if mode == "fwd+bwd" else 0
                     extra.update(
                         comm_elements=comm, comm_bytes=total * elem, param_grad_elements=n_params,
-                        max_rel_err_vs_single=results[0][f"check {n}"],
+                        max_rel_err_vs_single=results[0].get(f"check {n}"),
                     )  # fmt: skip
-                flops = evoformer_block_flops(spec.n_seq, n, config) * (3 if mode == "fwd+bwd" else 1)
+                    if mode == "fwd+bwd" and g > d:
+                        extra["dp_grad_elements"] = n_params  # one flat all-reduce over the dp group
+                flops = k * evoformer_block_flops(spec.n_seq, n, config) * (3 if mode == "fwd+bwd" else 1)
                 common = dict(
-                    op="dap_block", provider=provider, mode=mode, shape=[spec.n_seq, n], dtype=spec.dtype,
-                    flops=flops,
+                    op="dap_block" if k == 1 else "dap_stack", provider=provider, mode=mode,
+                    shape=[spec.n_seq, n], dtype=spec.dtype, flops=flops,
                 )  # fmt: skip
                 failed = [r["error"] for r in per_rank if "error" in r]
                 if failed:
@@ -272,6 +335,7 @@ def _rows(results: list[dict[str, Any]], spec: _Spec, env: dict[str, Any], backe
                     single_p50[mode] = timing.p50
                 elif mode in single_p50:
                     extra["speedup_vs_single"] = single_p50[mode] / timing.p50
+                    extra["scaling_efficiency"] = extra["speedup_vs_single"] * (g // d) / g
                 peak = None if any(p is None for p in peaks) else max(peaks)
                 rows.append(make_row(env, timing, **common, peak_mem_bytes=peak, extra=extra))
     return rows
@@ -289,12 +353,20 @@ def run_dap_benchmark(
     providers: Sequence[str] = PROVIDERS,
     warmup: int | None = None,
     reps: int | None = None,
+    n_blocks: int = 1,
+    checkpoint: bool = False,
+    dap_size: int | None = None,
+    chunk_size: int | None = None,
     out: str | Path | None = None,
     append: bool = False,
     command: str | None = None,
     timeout_s: float = 600.0,
 ) -> list[ResultRow]:
     """Run the DAP benchmark (see the module docstring) over `nproc` local processes; return its rows.
+
+    `n_blocks` K: one block (1) or a stack of K blocks, with per-block recomputation where
+    `checkpoint`; `dap_size` D (a divisor of `nproc`; default `nproc`): `nproc` / D data-parallel
+    replicas of D-rank DAP groups; `chunk_size`: the modules' chunking (None: none).
 
     `device` "cpu" runs gloo on CPU processes even where GPUs exist; otherwise GPUs (nccl, one a process:
     `nproc` must not exceed the GPU count) if any. `profile` ("full" or "smoke", `DAP_PROFILES`; default
@@ -321,9 +393,18 @@ def run_dap_benchmark(
     sizes = tuple(int(n) for n in (sizes or prof.sizes))
     if any(n < 1 for n in sizes):
         raise ValueError(f"sizes: expected positive N values, got {list(sizes)}")
+    if not isinstance(n_blocks, int) or n_blocks < 1:
+        raise ValueError(f"n_blocks: expected >= 1, got {n_blocks!r}")
+    if checkpoint and n_blocks == 1:
+        raise ValueError("checkpoint: recomputes the blocks of a stack; expected n_blocks > 1")
+    if dap_size is not None and (not isinstance(dap_size, int) or dap_size < 1 or nproc % dap_size):
+        raise ValueError(f"dap_size: expected a positive divisor of nproc {nproc}, got {dap_size!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
     spec = _Spec(
         profile=prof, sizes=sizes, n_seq=n_seq or prof.n_seq, dtype=dtype, modes=modes, providers=providers,
         cuda=cuda, warmup=prof.warmup if warmup is None else warmup, reps=reps or prof.reps,
+        n_blocks=n_blocks, checkpoint=checkpoint, dap_size=dap_size, chunk_size=chunk_size,
     )  # fmt: skip
     if not cuda:
         spec = replace(spec, extra_notes={"threads_per_rank": 1})
@@ -333,13 +414,22 @@ def run_dap_benchmark(
     rows = _rows(results, spec, {k: env[k] for k in ENV_KEYS}, backend)
     if out is not None:
         meta = {**env, "world_size": nproc, "backend": backend}
-        ResultFile(out, meta, append=append).save(rows)
+        ResultFile(out, meta, append=append, key=dap_row_key).save(rows)
     return rows
 
 
+def dap_row_key(row: Mapping[str, Any]) -> tuple:
+    """`row_key` and the layout: blocks, DAP group size, chunk size and checkpointing (rows written
+    before these were recorded: one block, one DAP group of every rank, no chunking)."""
+    extra = row.get("extra") or {}
+    layout = (extra.get("n_blocks", 1), extra.get("dap_size", extra.get("nproc")), extra.get("chunk_size"))
+    return (*row_key(row), *layout, extra.get("checkpoint", False))
+
+
 def summary_table(rows: Sequence[ResultRow]) -> Any:
-    """A readable table of dap_block rows: provider, mode, S x N, p50 ms, speedup over one process,
-    the largest rank's peak MiB, MiB each rank receives, and the error if any."""
+    """A readable table of DAP rows: provider, mode, S x N, processes G, DAP group size D, blocks K,
+    p50 ms, speedup over one process and scaling efficiency, the largest rank's peak MiB, MiB each rank
+    receives, and the error if any."""
     import pandas as pd
 
     mib = lambda v: math.nan if v is None else float(v) / 2**20  # noqa: E731
@@ -349,11 +439,14 @@ def summary_table(rows: Sequence[ResultRow]) -> Any:
             "mode": [r.mode for r in rows],
             "S x N": ["x".join(map(str, r.shape)) for r in rows],
             "G": [r.extra.get("nproc") for r in rows],
+            "D": [r.extra.get("dap_size", r.extra.get("nproc")) for r in rows],
+            "K": [r.extra.get("n_blocks", 1) for r in rows],
             "p50 ms": [r.p50_ms for r in rows],
             "speedup": [r.extra.get("speedup_vs_single", math.nan) for r in rows],
+            "efficiency": [r.extra.get("scaling_efficiency", math.nan) for r in rows],
             "peak MiB": [mib(r.peak_mem_bytes) for r in rows],
             "comm MiB": [mib(r.extra.get("comm_bytes", 0)) for r in rows],
             "rel err": [r.extra.get("max_rel_err_vs_single", math.nan) for r in rows],
             "error": [r.extra.get("error", "") for r in rows],
         }
-    ).round({"p50 ms": 2, "speedup": 2, "peak MiB": 1, "comm MiB": 3})
+    ).round({"p50 ms": 2, "speedup": 2, "efficiency": 2, "peak MiB": 1, "comm MiB": 3})
