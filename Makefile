@@ -10,12 +10,13 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.hfkit-installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 
-.PHONY: help setup report test bench lint format strip clean
+.PHONY: help setup report test bench bench-multigpu lint format strip clean
 
 help:
 	@echo "make report  - run every notebook in order on the best device; executed notebooks + HTML in reports/"
 	@echo "make test    - ruff, pytest (Triton kernels under TRITON_INTERPRET=1 on CPU) and nbmake on the notebooks"
 	@echo "make bench   - (GPU) every benchmark; results in data/results/<gpu>/, each file with its command"
+	@echo "make bench-multigpu GPUS=8 - (GPUs) comms, DAP scaling and DAP inference on 2..8 GPUs; SMOKE=1 rehearses"
 	@echo "make lint    - ruff check + ruff format --check"
 
 $(STAMP): pyproject.toml
@@ -68,6 +69,40 @@ BENCHES := layer_norm softmax evoformer_attention triangle_multiplication elemen
 
 bench: $(STAMP)
 	@for b in $(BENCHES); do echo "== hfkit bench $$b"; $(BIN)/hfkit bench $$b --no-progress || exit 1; done
+
+# Issue 20's runs on one host of GPUS GPUs (2, 4 or 8; NCCL_NVLS_ENABLE=0), for G = 2, 4, ... GPUS:
+# allreduce per backend and the DDP step, DAP blocks at af2_initial and af2_finetune sizes, the 48-block
+# checkpointed stack, chunked DAP inference at N = 4096 and 8192 (a size that does not fit fails alone);
+# then a dp x dap layout on all GPUS. Results go to data/results/<gpu>x<G>/. `SMOKE=1` rehearses the
+# same commands at the smoke sizes (on a CPU: gloo processes) with results under $(MG_SMOKE_OUT).
+GPUS ?= 2
+SMOKE ?=
+MG_SMOKE_OUT ?= /tmp/hfkit-multigpu-smoke
+MG_RUN   = $(if $(SMOKE),--profile smoke --warmup 0 --reps 1 --no-progress,--no-progress)
+MG_FT    = $(if $(SMOKE),--n-seq 8 --sizes 12,--n-seq 512 --sizes 384)
+MG_STACK = $(if $(SMOKE),2,48)
+MG_LONG  = $(if $(SMOKE),24 32,4096 8192)
+MG_CHUNK = $(if $(SMOKE),8,64)
+MG_COMMS = $(if $(SMOKE),--max-bytes 64K --params 100000 --ddp-reps 1,)
+mg_out   = $(if $(SMOKE),--out $(MG_SMOKE_OUT)/x$(1)/$(2),)
+
+bench-multigpu: $(STAMP)
+	@set -e; export NCCL_NVLS_ENABLE=0; g=2; while [ $$g -le $(GPUS) ]; do \
+	  echo "== $$g processes"; \
+	  $(BIN)/hfkit bench comms --nproc $$g $(MG_COMMS) $(call mg_out,$$g,comms.json); \
+	  dap="$(BIN)/hfkit bench dap --nproc $$g $(MG_RUN) $(call mg_out,$$g,dap.json)"; \
+	  $$dap --modes fwd+bwd; \
+	  $$dap --modes fwd+bwd $(MG_FT) --append; \
+	  $$dap --modes fwd+bwd --blocks $(MG_STACK) --checkpoint --append; \
+	  for n in $(MG_LONG); do \
+	    $$dap --modes fwd --sizes $$n --chunk-size $(MG_CHUNK) --providers dap_overlap --append \
+	      || echo "bench-multigpu: N = $$n does not run on $$g processes (see above)"; \
+	  done; \
+	  g=$$((g * 2)); \
+	done; \
+	echo "== dp x dap on $(GPUS) processes"; \
+	$(BIN)/hfkit bench dap --nproc $(GPUS) --dap-size $$(($(GPUS) / 2)) --modes fwd+bwd $(MG_RUN) \
+	  $(call mg_out,$(GPUS),dap.json) --append
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -419,10 +419,12 @@ def run_dap_benchmark(
 
 
 def dap_row_key(row: Mapping[str, Any]) -> tuple:
-    """`row_key` and the layout: blocks, DAP group size, chunk size and checkpointing (rows written
-    before these were recorded: one block, one DAP group of every rank, no chunking)."""
+    """`row_key` and the layout: processes, blocks, DAP group size, chunk size and checkpointing (rows
+    written before these were recorded: one block, one DAP group of every rank, no chunking). GPU runs
+    of different process counts go to different folders; CPU runs share one."""
     extra = row.get("extra") or {}
-    layout = (extra.get("n_blocks", 1), extra.get("dap_size", extra.get("nproc")), extra.get("chunk_size"))
+    g = extra.get("nproc")
+    layout = (g, extra.get("n_blocks", 1), extra.get("dap_size", g), extra.get("chunk_size"))
     return (*row_key(row), *layout, extra.get("checkpoint", False))
 
 
