@@ -35,7 +35,10 @@ from hfkit.viz.dap import (  # noqa: E402
     dap_layout_figure,
     dap_model_figure,
     dap_model_table,
+    dap_scaling_figure,
+    dap_scaling_table,
     dap_working_set_bytes,
+    load_dap_runs,
     load_longseq,
     longseq_figure,
     longseq_table,
@@ -237,6 +240,45 @@ def test_load_longseq_is_none_without_the_file_and_reads_it_when_present(tmp_pat
     measured_time = [t for t in fig.data if t.name.endswith("(measured)")][1]
     assert list(measured_time.y) == [48.0, 384.0]
     assert "measured" in fig.layout.title.text and "measured" not in dap_model_figure(model).layout.title.text
+
+
+def _dap_rows(gpus: int, dap_ms: float, dap_size: int | None = None) -> list:
+    """dap rows as `hfkit bench dap --nproc <gpus>` writes them: one process at 100 ms, DAP at `dap_ms`
+    (speedup and efficiency as the benchmark computes them), and a DAP row that ran out of memory."""
+    d = dap_size or gpus
+    layout = {"nproc": gpus, "dap_size": d, "dp_size": gpus // d, "n_blocks": 1, "chunk_size": None}
+    common = dict(op="dap_block", mode="fwd+bwd", shape=[128, 256], dtype="bf16")
+    speedup = 100.0 / dap_ms
+    extra = {**layout, "speedup_vs_single": speedup, "scaling_efficiency": speedup * (gpus // d) / gpus}
+    return [
+        make_row(ENV, Timing(100.0, 100.0, 100.0, 3, "wall"), provider="single_process", extra=layout,
+                 peak_mem_bytes=2**32, **common),
+        make_row(ENV, Timing(dap_ms, dap_ms, dap_ms, 3, "wall"), provider="dap_overlap", extra=extra,
+                 peak_mem_bytes=2**31, **common),
+        make_row(ENV, None, provider="dap_sync", extra={**layout, "error": "OutOfMemoryError"}, **common),
+    ]  # fmt: skip
+
+
+def test_load_dap_runs_reads_every_gpu_count_and_tables_the_scaling(tmp_path) -> None:
+    assert load_dap_runs("h200", root=tmp_path) is None
+    save_results(_dap_rows(2, 62.5), tmp_path / "h200x2" / "dap.json", meta={})
+    save_results(
+        _dap_rows(8, 25.0) + _dap_rows(8, 20.0, dap_size=4), tmp_path / "h200x8" / "dap.json", meta={}
+    )
+    save_results(_dap_rows(2, 1.0), tmp_path / "a100x2" / "dap.json", meta={})  # another GPU: not read
+    frame = load_dap_runs("h200", root=tmp_path)
+    assert frame is not None and len(frame) == 9
+    table = dap_scaling_table(frame)  # the out-of-memory rows are left out
+    dap = table[table["provider"] == "dap_overlap"]
+    assert dap[["gpus", "dap_size"]].values.tolist() == [[2, 2], [8, 8], [8, 4]]
+    assert dap["speedup"].tolist() == [1.6, 4.0, 5.0]
+    assert dap["scaling_efficiency"].tolist() == pytest.approx([0.8, 0.5, 1.25])
+    assert table["peak_GiB"].tolist() == [4.0, 2.0] * 3
+    fig = dap_scaling_figure(table, "t")
+    lines = {t.name: list(t.y) for t in fig.data}
+    assert lines["dap_block 128x256 K=1 D=all fwd+bwd dap_overlap"] == pytest.approx([0.8, 0.5])
+    assert lines["dap_block 128x256 K=1 D=4 fwd+bwd dap_overlap"] == pytest.approx([1.25])
+    assert lines["goal at 2 GPUs"] == [0.8] and lines["goal at 8 GPUs"] == [0.6]
 
 
 def test_measure_longseq_here_needs_cuda_and_runs_the_benchmark_without_search(monkeypatch) -> None:

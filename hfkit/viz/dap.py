@@ -17,7 +17,9 @@ sequences).
   plus the communication model, without overlap.
 - Measured: `load_longseq` reads `data/results/<gpu>/longseq.json` (None when absent),
   `measure_longseq_here` measures on this machine's GPU (None without one), `measured_tflops` gives
-  the rate they imply, `longseq_table` / `longseq_figure` show them.
+  the rate they imply, `longseq_table` / `longseq_figure` show them. `load_dap_runs` reads every
+  `data/results/<gpu>x<G>/dap.json` (`hfkit bench dap`, `make bench-multigpu`; None when there is none),
+  `dap_scaling_table` / `dap_scaling_figure` show time and scaling efficiency against the GPU count.
 - `dap_exactness_check` runs `to_dap` of a tiny float64 Evoformer block on 2 gloo CPU processes and
   reports the largest difference of its outputs and gradients from the single-process block.
 - `DAPExplorer`: an N slider and dropdowns for the GPUs, the chunk and the attention (fused, or plain
@@ -69,7 +71,10 @@ __all__ = [
     "dap_layout_figure",
     "dap_model_figure",
     "dap_model_table",
+    "dap_scaling_figure",
+    "dap_scaling_table",
     "dap_working_set_bytes",
+    "load_dap_runs",
     "load_longseq",
     "longseq_figure",
     "longseq_table",
@@ -532,6 +537,68 @@ def longseq_figure(table: pd.DataFrame, title: str) -> go.Figure:
     )  # fmt: skip
     fig.update_yaxes(matches=None, showticklabels=True)
     fig.update_layout(height=400)
+    return fig
+
+
+def load_dap_runs(gpu: str = "h200", root: str | Path | None = None) -> pd.DataFrame | None:
+    """The rows of every `<root>/<gpu>x<G>/dap.json` (default root: `data/results`; `hfkit bench dap`
+    on G GPUs) as one results frame, or None when there is none."""
+    import pandas as pd
+
+    from hfkit.bench.results import load_results, results_dir
+
+    paths = sorted(Path(root or results_dir()).glob(f"{gpu}x*/dap.json"))
+    frames = [load_results(path) for path in paths]
+    return pd.concat(frames, ignore_index=True) if frames else None
+
+
+def dap_scaling_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """The measured rows of a `load_dap_runs` frame (errors left out), one per configuration: op,
+    provider, mode, n_seq, n_res, blocks, dap_size (D), gpus (G), chunk, seconds (p50), speedup over one
+    process, scaling_efficiency (speedup x replicas / G), peak_GiB (the largest rank's)."""
+    import pandas as pd
+
+    rows = frame[frame["p50_ms"].notna()]
+    extra = rows["extra"]
+    g = extra.map(lambda e: int(e["nproc"]))
+    peak = rows["peak_mem_bytes"]
+    return pd.DataFrame(
+        {
+            "op": rows["op"],
+            "provider": rows["provider"],
+            "mode": rows["mode"],
+            "n_seq": rows["shape"].map(lambda s: int(s[0])),
+            "n_res": rows["shape"].map(lambda s: int(s[1])),
+            "blocks": extra.map(lambda e: int(e.get("n_blocks", 1))),
+            "dap_size": [int(e.get("dap_size", n)) for e, n in zip(extra, g, strict=True)],
+            "gpus": g,
+            "chunk": extra.map(lambda e: str(e.get("chunk_size"))),
+            "seconds": rows["p50_ms"] / 1e3,
+            "speedup": extra.map(lambda e: e.get("speedup_vs_single", math.nan)),
+            "scaling_efficiency": extra.map(lambda e: e.get("scaling_efficiency", math.nan)),
+            "peak_GiB": peak.astype(float) / 2**30,
+        }
+    ).reset_index(drop=True)
+
+
+def dap_scaling_figure(table: pd.DataFrame, title: str) -> go.Figure:
+    """Scaling efficiency against the GPU count of a `dap_scaling_table`'s DAP rows (one line per op,
+    S x N, blocks, D = G or dp x dap, mode and provider), with issue 20's goals marked (80% at 2 GPUs,
+    60% at 8)."""
+    import plotly.express as px
+
+    t = table[table["provider"] != "single_process"].dropna(subset=["scaling_efficiency"])
+    layout = t["dap_size"].astype(str).where(t["dap_size"] != t["gpus"], "all")
+    shape = t["n_seq"].astype(str) + "x" + t["n_res"].astype(str)
+    series = t["op"] + " " + shape + " K=" + t["blocks"].astype(str) + " D=" + layout
+    series = series + " " + t["mode"] + " " + t["provider"]
+    fig = px.line(
+        t.assign(series=series).sort_values("gpus"), x="gpus", y="scaling_efficiency", color="series",
+        markers=True, title=title, labels={"gpus": "GPUs", "scaling_efficiency": "scaling efficiency"},
+    )  # fmt: skip
+    for gpus, goal in ((2, 0.8), (8, 0.6)):
+        fig.add_scatter(x=[gpus], y=[goal], mode="markers", marker_symbol="x", name=f"goal at {gpus} GPUs")
+    fig.update_layout(height=420)
     return fig
 
 
