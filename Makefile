@@ -72,8 +72,9 @@ bench: $(STAMP)
 
 # Issue 20's runs on one host of GPUS GPUs (2, 4 or 8; NCCL_NVLS_ENABLE=0), for G = 2, 4, ... GPUS:
 # allreduce per backend and the DDP step, DAP blocks at af2_initial and af2_finetune sizes, the 48-block
-# checkpointed stack, chunked DAP inference at N = 4096 and 8192 (a size that does not fit fails alone);
-# then a dp x dap layout on all GPUS. Results go to data/results/<gpu>x<G>/. `SMOKE=1` rehearses the
+# checkpointed stack, chunked DAP inference from N = 4096 up until a size does not run (each size its
+# own run, at most 300 s: ranks that wait on one out of memory give up at the group's timeout); then a
+# dp x dap layout on all GPUS. Results go to data/results/<gpu>x<G>/. `SMOKE=1` rehearses the
 # same commands at the smoke sizes (on a CPU: gloo processes) with results under $(MG_SMOKE_OUT).
 GPUS ?= 2
 SMOKE ?=
@@ -81,7 +82,7 @@ MG_SMOKE_OUT ?= /tmp/hfkit-multigpu-smoke
 MG_RUN   = $(if $(SMOKE),--profile smoke --warmup 0 --reps 1 --no-progress,--no-progress)
 MG_FT    = $(if $(SMOKE),--n-seq 8 --sizes 12,--n-seq 512 --sizes 384)
 MG_STACK = $(if $(SMOKE),2,48)
-MG_LONG  = $(if $(SMOKE),24 32,4096 8192)
+MG_LONG  = $(if $(SMOKE),24 32,4096 8192 12288 16384 24576 32768)
 MG_CHUNK = $(if $(SMOKE),8,64)
 MG_COMMS = $(if $(SMOKE),--max-bytes 64K --params 100000 --ddp-reps 1,)
 mg_out   = $(if $(SMOKE),--out $(MG_SMOKE_OUT)/x$(1)/$(2),)
@@ -95,8 +96,8 @@ bench-multigpu: $(STAMP)
 	  $$dap --modes fwd+bwd $(MG_FT) --append; \
 	  $$dap --modes fwd+bwd --blocks $(MG_STACK) --checkpoint --append; \
 	  for n in $(MG_LONG); do \
-	    $$dap --modes fwd --sizes $$n --chunk-size $(MG_CHUNK) --providers dap_overlap --append \
-	      || echo "bench-multigpu: N = $$n does not run on $$g processes (see above)"; \
+	    $$dap --modes fwd --sizes $$n --chunk-size $(MG_CHUNK) --providers dap_overlap --warmup 1 --reps 2 --append \
+	      --timeout 300 || { echo "bench-multigpu: N = $$n does not run on $$g processes (see above)"; break; }; \
 	  done; \
 	  g=$$((g * 2)); \
 	done; \
