@@ -5,8 +5,8 @@ module on one process, with duality async on and off.
 Rows (`ResultRow`s, op "dap_block" (K = 1) or "dap_stack", shape [S, N], one per (N, provider, mode),
 mode "fwd" or "fwd+bwd"):
 
-- provider `single_process`: the block on rank 0 alone (the other ranks idle at a barrier), full inputs;
-- `dap_overlap`: `to_dap(block, group, overlap=True).forward_sharded` on every rank's shards (inputs
+- provider `single_process`: the module on rank 0 alone (the other ranks idle at a barrier), full inputs;
+- `dap_overlap`: `to_dap(module, group, overlap=True).forward_sharded` on every rank's shards (inputs
   padded to multiples of G and sharded before timing, as a stack shards once);
 - `dap_sync`: the same with `overlap=False` (every collective waited for where it is launched).
 
@@ -127,22 +127,22 @@ def _perturbed_module(spec: _Spec, device: torch.device, dtype: torch.dtype) -> 
     trivial), on `device` in `dtype`; fused modules swapped in when the profile says so."""
     torch.manual_seed(0)  # the initialisation: the same on every rank, forked or spawned
     if spec.n_blocks == 1:
-        block = make_block(spec.profile.config)
+        model = make_block(spec.profile.config)
     else:
         config = spec.profile.config.replace(
             no_blocks=spec.n_blocks, msa_dropout=0.0, pair_dropout=0.0, checkpoint=spec.checkpoint
         )
-        block = EvoformerStack.from_config(config)
+        model = EvoformerStack.from_config(config)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for p in block.parameters():
+        for p in model.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=gen))
-    block = block.to(device, dtype).eval()
+    model = model.to(device, dtype).eval()
     if spec.profile.fused:
         from hfkit.nn.convert import to_hfkit
 
-        block = to_hfkit(block)
-    return block
+        model = to_hfkit(model)
+    return model
 
 
 def _inputs(
@@ -237,10 +237,10 @@ def _rank_main(rank: int, spec: _Spec) -> dict[str, Any]:
         dap_group, dp_group = groups.dap, groups.dp
     group_size, dap_rank = dist.get_world_size(dap_group), dist.get_rank(dap_group)
     dtype = DTYPES[spec.dtype]
-    block = _perturbed_module(spec, device, dtype)
+    model = _perturbed_module(spec, device, dtype)  # the block or the stack
     daps = {
-        "dap_overlap": to_dap(block, dap_group, overlap=True),
-        "dap_sync": to_dap(block, dap_group, overlap=False),
+        "dap_overlap": to_dap(model, dap_group, overlap=True),
+        "dap_sync": to_dap(model, dap_group, overlap=False),
     }
     chunk = spec.chunk_size
     single = "single_process" in spec.providers
@@ -250,7 +250,7 @@ def _rank_main(rank: int, spec: _Spec) -> dict[str, Any]:
         full = _inputs(spec.profile.config, spec.n_seq, n, device if single else torch.device("cpu"), dtype)
         if single:  # the check needs the whole module on every rank: not where only DAP runs (long N)
             with torch.no_grad():
-                expected = block(*full, chunk_size=chunk)
+                expected = model(*full, chunk_size=chunk)
                 got = daps["dap_overlap"](*full, chunk_size=chunk)
             errs = [
                 float((g - e).abs().max() / e.abs().max().clamp_min(1e-30))
@@ -272,8 +272,8 @@ def _rank_main(rank: int, spec: _Spec) -> dict[str, Any]:
                 key = f"{provider} {mode} {n}"
                 backward = mode == "fwd+bwd"
                 if provider == "single_process":
-                    fn = lambda *a: block(*a, chunk_size=chunk)  # noqa: E731
-                    args, active, module, dp = full, rank == 0, block, None
+                    fn = lambda *a: model(*a, chunk_size=chunk)  # noqa: E731
+                    args, active, module, dp = full, rank == 0, model, None
                 else:
                     dap = daps[provider]
                     fn = lambda *a, dap=dap, n=n: dap.forward_sharded(*a, spec.n_seq, n, chunk)  # noqa: E731
