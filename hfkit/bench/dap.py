@@ -7,7 +7,7 @@ mode "fwd" or "fwd+bwd"):
 
 - provider `single_process`: the module on rank 0 alone (the other ranks idle at a barrier), full inputs;
 - `dap_overlap`: `to_dap(module, group, overlap=True).forward_sharded` on every rank's shards (inputs
-  padded to multiples of G and sharded before timing, as a stack shards once);
+  padded to multiples of the DAP group size and sharded before timing, as a stack shards once);
 - `dap_sync`: the same with `overlap=False` (every collective waited for where it is launched).
 
 Times are wall clock (CUDA synchronized) of one call per repetition, every rank starting after a
