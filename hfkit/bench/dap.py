@@ -49,15 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hfkit.bench.model import bench_config, evoformer_block_flops, make_block
-from hfkit.bench.results import (
-    ENV_KEYS,
-    ResultFile,
-    ResultRow,
-    check_choice,
-    environment_info,
-    make_row,
-    row_key,
-)
+from hfkit.bench.results import ENV_KEYS, ResultFile, ResultRow, check_choice, environment_info, make_row
 from hfkit.bench.runner import DTYPES, MODES, pick_profile
 from hfkit.bench.timing import Timing
 from hfkit.model import EvoformerStack, ModelConfig
@@ -422,6 +414,8 @@ def dap_row_key(row: Mapping[str, Any]) -> tuple:
     """`row_key` and the layout: processes, blocks, DAP group size, chunk size and checkpointing (rows
     written before these were recorded: one block, one DAP group of every rank, no chunking). GPU runs
     of different process counts go to different folders; CPU runs share one."""
+    from hfkit.bench.results import row_key
+
     extra = row.get("extra") or {}
     g = extra.get("nproc")
     layout = (g, extra.get("n_blocks", 1), extra.get("dap_size", g), extra.get("chunk_size"))
