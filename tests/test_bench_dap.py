@@ -129,13 +129,14 @@ def test_bench_dap_rejects_a_bad_layout(tmp_path, capsys, extra, message) -> Non
 def _averaged(rank: int) -> list[list[float]]:
     from torch import nn
 
-    from hfkit.bench.dap import _average_gradients
+    from hfkit.bench.dap import _data_parallel
 
     module = nn.Linear(3, 2)  # weight [2, 3] and bias [2]: two gradients of different sizes
+    replicas = _data_parallel(module, None)
     for i, p in enumerate(module.parameters()):
         p.grad = torch.full_like(p, float(rank + 1) * (i + 1))
     module.bias.grad[0] = 10.0 * rank  # one element differs from its tensor's others
-    _average_gradients(module, None)
+    replicas.sync_grad()
     return [p.grad.flatten().tolist() for p in module.parameters()]
 
 

@@ -22,14 +22,15 @@ the check inputs (every rank runs the single module for it; None where `single_p
 the providers: at the N only DAP fits, ranks keep only their shards).
 
 Layouts and settings (each in `extra`, and in the rows' key, so one results file holds them all):
-`dap_size` D (default G): G / D data-parallel replicas of D-rank DAP groups (`dap_groups`), each
-replica running the same inputs; in fwd+bwd the replicas then average their parameter gradients in one
-flat all-reduce over the dp group (inside the timed call, not overlapped with the backward: DDP's
-buckets would hide part of it). `scaling_efficiency` = `speedup_vs_single` x (G / D) / G: samples a
-second per GPU against one process's. `n_blocks` K and `checkpoint` (K > 1: per-block recomputation in
-backward, the collectives run again); `chunk_size` (the modules' chunking, for long-sequence inference:
-`--modes fwd`). A DAP provider that runs out of memory stops the run (its peers wait at a collective):
-sweep N for the largest that fits with one run per N and `--append`.
+`dap_size` D (default G): G / D data-parallel replicas of D-rank DAP groups (`dap_groups`), each replica
+running the same inputs; in fwd+bwd the replicas then average their parameter gradients with
+`hfkit.parallel.ddp.DistributedDataParallel`'s `sync_grad` over the dp group (inside the timed call,
+after the backward: with `overlap=True` its buckets would hide part of it). `scaling_efficiency` =
+`speedup_vs_single` x (G / D) / G: samples a second per GPU against one process's. `n_blocks` K and
+`checkpoint` (K > 1: per-block recomputation in backward, the collectives run again); `chunk_size` (the
+modules' chunking, for long-sequence inference: `--modes fwd`). A DAP provider that runs out of memory
+stops the run (its peers wait at a collective): sweep N for the largest that fits with one run per N and
+`--append`.
 
 Profiles: "full" (GPUs: `af2_initial` sizes, S = 128, N = 256, 512, bf16, fused ops swapped in) and
 "smoke" (a CPU in seconds: the `tiny` preset, S = 6, N = 12, 17 (17: padded), fp32, plain torch).
@@ -154,8 +155,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _call(fn: Any, args: Sequence[torch.Tensor], backward: bool, module: nn.Module, dp: Any) -> None:
-    """One forward (with `backward`: forward and backward of the outputs' sum, then the parameter
-    gradients averaged over the data-parallel group `dp` when there is one) of fn(*args)."""
+    """One forward (with `backward`: forward and backward of the outputs' sum, then, where `dp` (a
+    `_data_parallel` wrapper) is given, the parameter gradients averaged over its group) of fn(*args)."""
     if not backward:
         with torch.no_grad():
             fn(*args)
@@ -165,17 +166,17 @@ def _call(fn: Any, args: Sequence[torch.Tensor], backward: bool, module: nn.Modu
     out = fn(*args)
     sum(o.float().sum() for o in out).backward()
     if dp is not None:
-        _average_gradients(module, dp)
+        dp.sync_grad()
 
 
-def _average_gradients(module: nn.Module, group: Any) -> None:
-    """Every parameter gradient of `module` averaged over `group` in one flat all-reduce."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-        g.copy_(part.view_as(g))
+def _data_parallel(model: nn.Module, group: Any) -> Any:
+    """The kit's `DistributedDataParallel` over `group` for the blocks' parameters of `model` (a block,
+    or a stack: its blocks), which its DAP modules share; `overlap=False`, so its hooks leave every
+    backward alone and `sync_grad()` averages the gradients in its buckets after the backward."""
+    from hfkit.parallel.ddp import DistributedDataParallel
+
+    blocks = model.blocks if isinstance(model, EvoformerStack) else model
+    return DistributedDataParallel(blocks, process_group=group, overlap=False)
 
 
 def _measure(
@@ -230,6 +231,7 @@ def _rank_main(rank: int, spec: _Spec) -> dict[str, Any]:
     group_size, dap_rank = dist.get_world_size(dap_group), dist.get_rank(dap_group)
     dtype = DTYPES[spec.dtype]
     model = _perturbed_module(spec, device, dtype)  # the block or the stack
+    replicas = None if dp_group is None else _data_parallel(model, dp_group)
     daps = {
         "dap_overlap": to_dap(model, dap_group, overlap=True),
         "dap_sync": to_dap(model, dap_group, overlap=False),
@@ -269,7 +271,7 @@ def _rank_main(rank: int, spec: _Spec) -> dict[str, Any]:
                 else:
                     dap = daps[provider]
                     fn = lambda *a, dap=dap, n=n: dap.forward_sharded(*a, spec.n_seq, n, chunk)  # noqa: E731
-                    args, active, module, dp = sharded_args, True, dap, dp_group
+                    args, active, module, dp = sharded_args, True, dap, replicas
                 out[key] = _measure(fn, args, backward, module, spec, active, device, ctrl, dp)
                 if "error" in out[key] and provider != "single_process":
                     raise RuntimeError(f"{key}: {out[key]['error']}")  # the peers wait at a collective
