@@ -30,7 +30,7 @@ from hfkit.parallel.dap import (
     dap_groups,
     gather,
     pad_to_multiple,
-    reduce_grad,
+    reduce_grads,
     scatter,
     start_all_to_all,
     start_gather,
@@ -95,10 +95,17 @@ def _collective_errors(rank: int) -> dict[str, float]:
     back = all_to_all(cols.detach(), 1, 2, None)
     errors["all_to_all inverse"] = _rel(back, x.chunk(p, 1)[rank])
 
-    # reduce_grad: identity forward; the gradient summed over ranks.
+    # reduce_grads: identity forward; the gradients summed over ranks (one all-reduce a dtype: a float32
+    # tensor beside the float64 one, with integer weights, so its sum is exact too); an unused one's None.
     xp = x.clone().requires_grad_()
-    (reduce_grad(xp, None) * w * (rank + 1)).sum().backward()
-    errors["reduce_grad bwd"] = _rel(xp.grad, w * total)
+    yp = torch.zeros(2, 3, requires_grad=True)
+    unused = torch.zeros(4, requires_grad=True)
+    xr, yr, _ = reduce_grads((xp, yp, unused), None)
+    wy = torch.arange(6.0).view(2, 3)
+    ((xr * w).sum() + (yr * wy).sum().double()).mul(rank + 1).backward()
+    errors["reduce_grads bwd"] = _rel(xp.grad, w * total)
+    errors["reduce_grads bwd float32"] = _rel(yp.grad.double(), wy.double() * total)
+    errors["reduce_grads unused"] = float(unused.grad is not None)
 
     # padding: zeros appended up to the multiple.
     odd = x[:, :5]
@@ -111,7 +118,7 @@ def _collective_errors(rank: int) -> dict[str, float]:
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_collectives_forward_and_backward_exact(nprocs: int) -> None:
     for errors in spawn_local(_collective_errors, nprocs, timeout_s=60):
-        assert set(errors) >= {"scatter bwd", "gather partial bwd", "all_to_all bwd", "reduce_grad bwd"}
+        assert set(errors) >= {"scatter bwd", "gather partial bwd", "all_to_all bwd", "reduce_grads bwd"}
         assert max(errors.values()) <= 1e-12, errors
 
 

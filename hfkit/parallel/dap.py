@@ -19,8 +19,9 @@ Pieces:
   default group (consecutive ranks form one DAP group).
 - Autograd collectives with derived backwards: `scatter` (backward: gather), `gather` (backward:
   reduce-scatter where each rank's downstream work is partial, split where it is replicated),
-  `all_to_all` (backward: the inverse all-to-all), `reduce_grad` (identity; backward: all-reduce sum,
-  used for parameters, whose gradient each rank computes from its shard alone), and `pad_to_multiple`.
+  `all_to_all` (backward: the inverse all-to-all), `reduce_grads` (identity; backward: one all-reduce
+  sum of all the gradients, flattened together; used for a block's parameters, whose gradients each
+  rank computes from its shard alone), and `pad_to_multiple`.
   Every collective runs under its group's timeout and a failure names the collective and the group.
 - Asynchronous versions (duality async): `start_gather` and `start_all_to_all` launch the collective
   (`async_op=True`) and return a `Pending` whose `wait()` gives the result; backward launches the
@@ -71,6 +72,7 @@ group size (padding changes the masks' shapes, hence the draws).
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -98,7 +100,7 @@ __all__ = [
     "dap_groups",
     "gather",
     "pad_to_multiple",
-    "reduce_grad",
+    "reduce_grads",
     "scatter",
     "start_all_to_all",
     "start_gather",
@@ -238,17 +240,25 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.cat_dim, ctx.split_dim, ctx.group), None, None, None
 
 
-class _ReduceGrad(torch.autograd.Function):
+class _ReduceGrads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    def forward(ctx: Any, group: ProcessGroup, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group = group
-        return x.view_as(x)
+        ctx.set_materialize_grads(False)  # an unused tensor's gradient stays None, as in one process
+        return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        _run("all_reduce", ctx.group, dist.all_reduce, grad)
-        return grad, None
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        # One flat buffer a dtype (a copy: autograd may share a gradient), one all-reduce each. Every rank
+        # runs the same code, so the same gradients are None on every rank and the buffers match.
+        out: list[torch.Tensor | None] = list(grads)
+        for dtype in dict.fromkeys(g.dtype for g in grads if g is not None):
+            index = [i for i, g in enumerate(grads) if g is not None and g.dtype == dtype]
+            flat = torch.cat([grads[i].reshape(-1) for i in index])
+            _run("all_reduce", ctx.group, dist.all_reduce, flat)
+            for i, part in zip(index, flat.split([grads[i].numel() for i in index]), strict=True):
+                out[i] = part.view(grads[i].shape)
+        return (None, *out)
 
 
 class Pending:
@@ -457,10 +467,11 @@ def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group: ProcessGrou
     return _AllToAll.apply(x, split_dim, cat_dim, group)
 
 
-def reduce_grad(x: torch.Tensor, group: ProcessGroup = None) -> torch.Tensor:
-    """Identity whose backward sums the gradient over the group: for a tensor every rank holds whole
-    (a parameter) and uses with its own shard of the activations."""
-    return _ReduceGrad.apply(x, group)
+def reduce_grads(xs: Sequence[torch.Tensor], group: ProcessGroup = None) -> tuple[torch.Tensor, ...]:
+    """Identities whose backward sums the gradients over the group: for tensors every rank holds whole
+    (a block's parameters) and uses with its own shard of the activations. The backward runs once every
+    gradient is there, as one all-reduce of them all flattened together (one a dtype), not one each."""
+    return _ReduceGrads.apply(group, *xs)
 
 
 def pad_to_multiple(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
@@ -818,8 +829,11 @@ class DAPEvoformerBlock(_DAPModule):
         object.__setattr__(self, "_sharded", _ShardedEvoformerBlock(block, group, overlap))
 
     def _run_sharded(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        params = {name: reduce_grad(p, self.group) for name, p in self._sharded.named_parameters()}
-        return functional_call(self._sharded, params, args)
+        if dist.get_world_size(self.group) == 1:  # nothing to sum over
+            return self._sharded(*args)
+        names, params = zip(*self._sharded.named_parameters(), strict=True)
+        summed = reduce_grads(params, self.group)  # one all-reduce of the block's gradients in backward
+        return functional_call(self._sharded, dict(zip(names, summed, strict=True)), args)
 
 
 class _DAPStack(_DAPModule):
