@@ -167,10 +167,32 @@ def _run(op: str, group: ProcessGroup, fn: Any, *args: Any) -> None:
         raise _collective_error(op, group, e) from e
 
 
+def _parts(x: torch.Tensor, dim: int, p: int) -> torch.Tensor:
+    """x split evenly into p parts along `dim`, stacked first and contiguous: [P, .., D / P, ..] (part p
+    for rank p; no copy where the dims before `dim` have size 1)."""
+    d = dim % x.dim()
+    return x.unflatten(d, (p, x.shape[d] // p)).movedim(d, 0).contiguous()
+
+
+def _joined(parts: torch.Tensor, dim: int) -> torch.Tensor:
+    """The parts [P, *shape] concatenated along `dim` of `shape` in order (`torch.cat(parts.unbind(0),
+    dim)`): a view where the dims before `dim` have size 1, else one copy."""
+    d = dim % (parts.dim() - 1)
+    return parts.movedim(0, d).flatten(d, d + 1)
+
+
+def _gather_buffer(x: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(recv [P, *x.shape], the same memory as [P * x.shape[0], ..]): all_gather_into_tensor writes the
+    second (the layout nccl and gloo both take), the parts are the first's."""
+    recv = x.new_empty((p, *x.shape))
+    return recv, recv.flatten(0, 1)
+
+
 def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    _run("all_gather", group, dist.all_gather, parts, x.contiguous())
-    return torch.cat(parts, dim=dim)
+    x = x.contiguous()
+    recv, flat = _gather_buffer(x, dist.get_world_size(group))
+    _run("all_gather", group, dist.all_gather_into_tensor, flat, x)
+    return _joined(recv, dim)
 
 
 def _split(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
@@ -199,10 +221,10 @@ def _all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group: ProcessGro
         raise ValueError(
             f"x: expected dim {split_dim} divisible by the group size {size}, got {tuple(x.shape)}"
         )
-    send = torch.stack(x.chunk(size, dim=split_dim)).contiguous()  # [P, ...]: part p goes to rank p
+    send = _parts(x, split_dim, size)  # [P, ...]: part p goes to rank p
     recv = torch.empty_like(send)
     _run("all_to_all", group, dist.all_to_all_single, recv, send)
-    return torch.cat(recv.unbind(0), dim=cat_dim)
+    return _joined(recv, cat_dim)
 
 
 class _Scatter(torch.autograd.Function):
@@ -325,17 +347,17 @@ class Pending:
         p = self.size
         if self.kind == "gather":
             x = x.contiguous()
-            self.recv = x.new_empty((p, *x.shape))
+            self.recv, flat = _gather_buffer(x, p)
             self.recv_shape = tuple(self.recv.shape)
             self.keep = (x,)
-            self.work = self._launch("all_gather", dist.all_gather, list(self.recv.unbind(0)), x)
+            self.work = self._launch("all_gather", dist.all_gather_into_tensor, flat, x)
         else:
             split_dim = self.how["split_dim"]
             if x.shape[split_dim] % p:
                 raise ValueError(
                     f"x: expected dim {split_dim} divisible by the group size {p}, got {tuple(x.shape)}"
                 )
-            send = torch.stack(x.chunk(p, dim=split_dim)).contiguous()  # part p goes to rank p
+            send = _parts(x, split_dim, p)  # part p goes to rank p
             self.recv = torch.empty_like(send)
             self.recv_shape = tuple(send.shape)
             self.keep = (send,)
@@ -348,7 +370,7 @@ class Pending:
         self.work, self.keep = None, ()
         dim = self.how["dim"] if self.kind == "gather" else self.how["cat_dim"]
         recv, self.recv = self.recv, None
-        return torch.cat(recv.unbind(0), dim=dim)
+        return _joined(recv, dim)
 
     # backward ---------------------------------------------------------------------------------------
 
@@ -358,7 +380,7 @@ class Pending:
         like the receive buffer (the launch's node reads the gradient from this object)."""
         p = self.size
         if self.kind == "all_to_all":
-            send = torch.stack(grad.chunk(p, dim=self.how["cat_dim"])).contiguous()
+            send = _parts(grad, self.how["cat_dim"], p)
             self.grad_recv = torch.empty_like(send)
             self.keep = (send,)
             self.grad_work = self._launch("all_to_all", dist.all_to_all_single, self.grad_recv, send)
@@ -383,7 +405,7 @@ class Pending:
         self._finish(op, self.grad_work)
         grad, self.grad_work, self.grad_recv, self.keep = self.grad_recv, None, None, ()
         if self.kind == "all_to_all":
-            return torch.cat(grad.unbind(0), dim=self.how["split_dim"])
+            return _joined(grad, self.how["split_dim"])
         if not self.how["partial"]:
             return grad
         if dist.get_backend(self.group) == "nccl":
