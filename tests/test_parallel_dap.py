@@ -392,7 +392,8 @@ def _received_elements(rank: int, n_seq: int, n_res: int, extra: bool) -> tuple[
         pad_to_multiple(pad_to_multiple(t, 0, p), 1, p) for t in (m, z, msa_mask, pair_mask)
     )
     received = [0]
-    all_gather, all_to_all_single = dist.all_gather_into_tensor, dist.all_to_all_single
+    gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    all_gather, all_to_all_single = getattr(dist, gather_name), dist.all_to_all_single
 
     def counting_all_gather(out, x, group=None, **kwargs):
         received[0] += out.numel() - x.numel()
@@ -402,12 +403,14 @@ def _received_elements(rank: int, n_seq: int, n_res: int, extra: bool) -> tuple[
         received[0] += x.numel() * (p - 1) // p
         return all_to_all_single(out, x, group=group, **kwargs)
 
-    dist.all_gather_into_tensor, dist.all_to_all_single = counting_all_gather, counting_all_to_all
+    setattr(dist, gather_name, counting_all_gather)
+    dist.all_to_all_single = counting_all_to_all
     try:
         with torch.no_grad():
             dap.forward_sharded(m.chunk(p, 0)[rank], z.chunk(p, 0)[rank], msa_mask, pair_mask, n_seq, n_res)
     finally:
-        dist.all_gather_into_tensor, dist.all_to_all_single = all_gather, all_to_all_single
+        setattr(dist, gather_name, all_gather)
+        dist.all_to_all_single = all_to_all_single
     return received[0], sum(dap_block_comm(n_seq, n_res, _config(), p, extra=extra).values())
 
 
@@ -520,7 +523,8 @@ def _in_flight_counts(rank: int, overlap: bool) -> dict[str, int]:
     """The most collectives in flight at once (launched, not yet waited for) in the forward and in the
     backward of a DAP block, seen by wrapping the asynchronous collectives' work handles."""
     state = {"in_flight": 0, "most": 0, "launched": 0}
-    names = ("all_gather_into_tensor", "all_to_all_single", "all_reduce")
+    gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    names = (gather_name, "all_to_all_single", "all_reduce")
     originals = {name: getattr(dist, name) for name in names}
 
     class LoggedWork:

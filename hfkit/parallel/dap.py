@@ -181,8 +181,15 @@ def _joined(parts: torch.Tensor, dim: int) -> torch.Tensor:
     return parts.movedim(0, d).flatten(d, d + 1)
 
 
+def _single(name: str) -> Any:
+    """torch.distributed's one-buffer collective `name` ("all_gather" or "reduce_scatter"): its
+    `<name>_single` (torch >= 2.13), else the older `<name>_into_tensor` / `_tensor` it replaced."""
+    older = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}[name]
+    return getattr(dist, f"{name}_single", None) or getattr(dist, older)
+
+
 def _gather_buffer(x: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(recv [P, *x.shape], the same memory as [P * x.shape[0], ..]): all_gather_into_tensor writes the
+    """(recv [P, *x.shape], the same memory as [P * x.shape[0], ..]): the one-buffer all-gather writes the
     second (the layout nccl and gloo both take), the parts are the first's."""
     recv = x.new_empty((p, *x.shape))
     return recv, recv.flatten(0, 1)
@@ -191,7 +198,7 @@ def _gather_buffer(x: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor]
 def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
     recv, flat = _gather_buffer(x, dist.get_world_size(group))
-    _run("all_gather", group, dist.all_gather_into_tensor, flat, x)
+    _run("all_gather", group, _single("all_gather"), flat, x)
     return _joined(recv, dim)
 
 
@@ -208,7 +215,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Ten
         size = dist.get_world_size(group)
         x = x.movedim(dim, 0).contiguous()
         out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-        _run("reduce_scatter", group, dist.reduce_scatter_tensor, out, x)
+        _run("reduce_scatter", group, _single("reduce_scatter"), out, x)
         return out.movedim(0, dim)
     x = x.contiguous()
     _run("all_reduce", group, dist.all_reduce, x)
@@ -350,7 +357,7 @@ class Pending:
             self.recv, flat = _gather_buffer(x, p)
             self.recv_shape = tuple(self.recv.shape)
             self.keep = (x,)
-            self.work = self._launch("all_gather", dist.all_gather_into_tensor, flat, x)
+            self.work = self._launch("all_gather", _single("all_gather"), flat, x)
         else:
             split_dim = self.how["split_dim"]
             if x.shape[split_dim] % p:
@@ -390,7 +397,7 @@ class Pending:
             whole = grad.movedim(self.how["dim"], 0).contiguous()
             self.grad_recv = whole.new_empty((whole.shape[0] // p, *whole.shape[1:]))
             self.keep = (whole,)
-            self.grad_work = self._launch("reduce_scatter", dist.reduce_scatter_tensor, self.grad_recv, whole)
+            self.grad_work = self._launch("reduce_scatter", _single("reduce_scatter"), self.grad_recv, whole)
         else:  # gloo has no reduce-scatter: all-reduce (a copy: grad may be shared), keep this rank's part
             whole = grad.contiguous()
             whole = whole.clone() if whole is grad else whole
