@@ -23,7 +23,7 @@ from hfkit.model.triangular_multiplicative_update import (
 )
 from hfkit.model.triangular_multiplicative_update import TriangleMultiplicativeUpdate
 from hfkit.nn.convert import register_swap
-from hfkit.ops.triangle_multiplication import triangle_multiplication
+from hfkit.ops.triangle_multiplication import Contraction, triangle_multiplication
 
 __all__ = [
     "TriangleMultiplicationIncoming",
@@ -34,11 +34,15 @@ __all__ = [
 
 
 def fused_triangle_update(
-    module: TriangleMultiplicativeUpdate, z: torch.Tensor, mask: torch.Tensor | None = None
-) -> torch.Tensor:
+    module: TriangleMultiplicativeUpdate,
+    z: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    contraction: Contraction | None = None,
+) -> torch.Tensor | None:
     """`module`'s update of z [*, N, N, C_z] (mask [*, N, N]) through `hfkit.ops.triangle_multiplication`
     (see `triangle_update_from_parts`). LayerNorms with different eps, or projections of which only some
-    have a bias, run the module's plain forward."""
+    have a bias, run the module's plain forward; with a `contraction` (z a block of rows [*, R, N, C_z],
+    see the op), None there instead: the caller runs its own."""
     projections = (
         module.linear_a_p,
         module.linear_a_g,
@@ -55,8 +59,11 @@ def fused_triangle_update(
         [lin.bias for lin in projections],
         module.linear_z,
         module.outgoing,
+        contraction,
     )
-    return TriangleMultiplicativeUpdate.forward(module, z, mask) if out is None else out
+    if out is None and contraction is None:
+        return TriangleMultiplicativeUpdate.forward(module, z, mask)
+    return out
 
 
 def triangle_update_from_parts(
@@ -68,13 +75,14 @@ def triangle_update_from_parts(
     proj_biases: Sequence[torch.Tensor | None],
     linear_z: nn.Linear,
     outgoing: bool,
+    contraction: Contraction | None = None,
 ) -> torch.Tensor | None:
     """The triangle multiplicative update of z [*, N, N, C_z] (mask [*, N, N] or None) through
     `hfkit.ops.triangle_multiplication`, from its parts: the two LayerNorms (`weight`, `bias`, `eps`),
     the five projections' weights [C_h|C_z, C_z] and biases in the order a_p, a_g, b_p, b_g, g, and
     `linear_z`. The projections are concatenated for the op's single matmul (a [4 C_h + C_z, C_z] copy
     of the weights per call, small next to the pair tensor). None when the op does not cover the
-    parts (LayerNorms with different eps; only some projections with a bias)."""
+    parts (LayerNorms with different eps; only some projections with a bias). `contraction`: the op's."""
     if layer_norm_in.eps != layer_norm_out.eps:
         return None
     if any(b is None for b in proj_biases):
@@ -90,7 +98,7 @@ def triangle_update_from_parts(
     result = triangle_multiplication(
         z, mask, layer_norm_in.weight, layer_norm_in.bias, proj_weight, proj_bias,
         layer_norm_out.weight, layer_norm_out.bias, linear_z.weight, linear_z.bias,
-        outgoing=outgoing, eps=layer_norm_in.eps, residual=tapped,
+        outgoing=outgoing, eps=layer_norm_in.eps, residual=tapped, contraction=contraction,
     )  # fmt: skip
     if not tapped:
         return result

@@ -85,6 +85,7 @@ if HAS_TRITON:
 
 __all__ = [
     "MAX_HIDDEN",
+    "Contraction",
     "PROJ_TILES",
     "triangle_multiplication",
     "triangle_multiplication_reference",
@@ -179,9 +180,12 @@ def _ln_param(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None
     return t.to(dtype)
 
 
-def _check_inputs(z, mask, ln_in_w, ln_in_b, proj_w, proj_b, ln_out_w, ln_out_b, out_w, out_b, eps):
+def _check_inputs(
+    z, mask, ln_in_w, ln_in_b, proj_w, proj_b, ln_out_w, ln_out_b, out_w, out_b, eps, rows=False
+):
+    """`rows`: z may be a block of rows of the pair grid [*, R, N, C_z] (a sharded contraction's)."""
     check_float("z", z)
-    if z.dim() < 3 or z.shape[-2] != z.shape[-3]:
+    if z.dim() < 3 or (z.shape[-2] != z.shape[-3] and not rows):
         raise ValueError(f"z: expected a pair tensor [*, N, N, C_z], got shape {list(z.shape)}")
     c_z = z.shape[-1]
     for name, w in (("proj_weight", proj_w), ("out_weight", out_w)):
@@ -255,6 +259,7 @@ def triangle_multiplication(
     *,
     fuse_projection: bool = True,
     residual: bool = False,
+    contraction: Contraction | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused triangle multiplicative update of the pair representation, with autograd.
 
@@ -272,8 +277,10 @@ def triangle_multiplication(
     writing and reading 4 C_h channels per pair in forward and reading them again in backward. With
     `residual`, returns (update, r): r holds z's values, z passed through for the residual add around
     the update (`r + dropout(update)`), whose gradient the LayerNorm-in backward kernel adds into dz as
-    it writes it (as `hfkit.ops.layer_norm_with_residual`); r is z itself where nothing fuses. Raises
-    ValueError naming the argument on a bad shape, dtype or device.
+    it writes it (as `hfkit.ops.layer_norm_with_residual`); r is z itself where nothing fuses.
+    `contraction` (a `Contraction`; default one process's) runs the triangular contraction: given, z may
+    be a block of rows of the pair grid, [*, R, N, C_z], and the fused path must apply (`uses_triton`).
+    Raises ValueError naming the argument on a bad shape, dtype or device.
     """
     args = (
         ln_in_weight,
@@ -285,9 +292,11 @@ def triangle_multiplication(
         out_weight,
         out_bias,
     )
-    _check_inputs(z, mask, *args, eps)
+    _check_inputs(z, mask, *args, eps, rows=contraction is not None)
     c_h = out_weight.shape[1]
     dtype = _fused_dtype(z, c_h)
+    if contraction is not None and dtype is None:
+        raise ValueError("contraction: only on the fused path (uses_triton(z, C_hidden) is False here)")
     if dtype is None or z.numel() == 0:
         out = triangle_multiplication_reference(z, mask, *args, outgoing=outgoing, eps=eps)
         return (out, z) if residual else out
@@ -306,6 +315,7 @@ def triangle_multiplication(
     out, passthrough = _TriangleMultiplication.apply(
         z, mask, ln_in_weight, ln_in_bias, proj_weight, proj_bias,
         ln_out_weight, ln_out_bias, out_weight, out_bias, bool(outgoing), float(eps), bool(fuse_projection),
+        contraction,
     )  # fmt: skip
     return (out, passthrough) if residual else out
 
@@ -329,37 +339,66 @@ def _part_widths(c_z: int, c_h: int) -> dict[str, int]:
     return {"ln_in": 2 * c_z, "out": 2 * c_z, "ln_out": 2 * c_h, "proj": 4 * c_h}
 
 
-def _contract(a: torch.Tensor, b: torch.Tensor, outgoing: bool) -> torch.Tensor:
-    """x = a @ b^T (outgoing) or a^T @ b (incoming) over [L, N, N]: cuBLAS takes the transposes as flags."""
-    return torch.bmm(a, b.transpose(1, 2)) if outgoing else torch.bmm(a.transpose(1, 2), b)
+class Contraction:
+    """The triangular contraction inside the fused `triangle_multiplication`, between its projections
+    and its output half, on channel-first operands: a, b [batch, C_h, R, N] -> x [batch, C_h, R, N]
+    (R = N here: one process holds the whole pair grid). `forward(a, b, outgoing)` returns (x, saved),
+    saved being the tensors `backward(dx, outgoing, *saved)` needs for (da, db); the op saves them for
+    backward. This class is one process's: x = a @ b^T (outgoing) or a^T @ b (incoming), one batched
+    cuBLAS matmul each way with the transposes as flags. `hfkit.parallel.dap` passes one whose rows
+    are a DAP group's shard and whose collectives run inside (`triangle_multiplication(...,
+    contraction=...)`)."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, outgoing: bool) -> tuple[torch.Tensor, tuple]:
+        a3, b3 = a.flatten(0, 1), b.flatten(0, 1)
+        x = torch.bmm(a3, b3.transpose(1, 2)) if outgoing else torch.bmm(a3.transpose(1, 2), b3)
+        return x.view(a.shape), (a, b)
+
+    def backward(
+        self, dx: torch.Tensor, outgoing: bool, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        dx3, a3, b3 = dx.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1)
+        if outgoing:  # x = a b^T
+            da, db = torch.bmm(dx3, b3), torch.bmm(dx3.transpose(1, 2), a3)
+        else:  # x = a^T b
+            da, db = torch.bmm(b3, dx3.transpose(1, 2)), torch.bmm(a3, dx3)
+        return da.view(a.shape), db.view(b.shape)
+
+
+_LOCAL = Contraction()
 
 
 class _TriangleMultiplication(torch.autograd.Function):
     """Forward and backward of the fused path. z keeps its dtype; the matmul weights and the mask come
     in the compute dtype, which is also the output's.
 
-    Saved for backward: the inputs, a and b (the contraction's operands) and x (its result). zn, the
+    Saved for backward: the inputs, x (the contraction's result) and what the contraction keeps (one
+    process: its operands a and b; `Contraction`). zn, the
     gate source, y and o ([M, C] each, the projection, LayerNorm-out and output linear) are recomputed
     by the backward from z and x: two LayerNorm kernels and two matmuls, against ~64 MB per module
     at N = 256, C = 128 in bfloat16 kept alive from the forward to the backward."""
 
     @staticmethod
-    def forward(ctx, z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, outgoing, eps, fuse):
+    def forward(
+        ctx, z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, outgoing, eps, fuse, contract
+    ):  # fmt: skip
         # Intermediates are dropped as soon as they are used (`del`): the peak is that of the live
         # [M, C] tensors, not of all of them.
-        *lead, n, _, c_z = z.shape
-        c_h = w_z.shape[1]
+        *lead, rows, cols, c_z = z.shape
+        pairs, c_h = rows * cols, w_z.shape[1]
         batch = math.prod(lead)
         zn, _, _ = _ln_in_fwd(z, w_in, b_in, eps, w_proj.dtype)
         w_ab, b_ab, w_g, b_g = _split_projection(w_proj, b_proj, c_h)
         fused_out = fuse and _fuses_out(c_h, c_z)
         if fuse:  # a, b straight from zn; the output gate's projection is one matmul or inside `_out_fwd`
-            a, b = _proj_gate_fwd(zn, w_ab, b_ab, mask, batch, n, c_h)
+            a, b = _proj_gate_fwd(zn, w_ab, b_ab, mask, batch, pairs, c_h)
             g_src, g_off = None if fused_out else F.linear(zn, w_g, b_g), 0  # [M, C_z]
         else:
             g_src, g_off = F.linear(zn, w_proj, b_proj), 4 * c_h  # [M, 4 C_h + C_z]
-            a, b = _gate_ab_fwd(g_src, mask, batch, n, c_h)
-        x = _contract(a.view(-1, n, n), b.view(-1, n, n), outgoing)
+            a, b = _gate_ab_fwd(g_src, mask, batch, pairs, c_h)
+        grid = (batch, c_h, rows, cols)  # a and b channel-first; contract None: one process's (_LOCAL)
+        x, saved = (contract or _LOCAL).forward(a.view(grid), b.view(grid), outgoing)
+        del a, b
         if fused_out:
             out = _out_fwd(x, zn, w_out_ln, b_out_ln, w_z, b_z, w_g, b_g, batch, c_h, eps)
         else:
@@ -368,8 +407,8 @@ class _TriangleMultiplication(torch.autograd.Function):
             o = F.linear(y, w_z, b_z)  # [M, C_z]
             del y
             out = _out_gate_fwd(o, g_src, g_off)
-        ctx.save_for_backward(z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, a, b, x)
-        ctx.meta = (outgoing, fuse, fused_out, g_off, batch, n, c_h, eps)
+        ctx.save_for_backward(z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, x, *saved)
+        ctx.meta = (outgoing, fuse, fused_out, g_off, batch, pairs, c_h, eps, contract)
         # z passed through as a second output, for the residual add (`residual`); its gradient, where
         # it is used, is added into dz by the LayerNorm-in backward kernel.
         ctx.set_materialize_grads(False)
@@ -378,9 +417,9 @@ class _TriangleMultiplication(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dres):
         if dout is None:  # only the pass-through was used
-            return (dres, *([None] * 12))
-        z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, a, b, x = ctx.saved_tensors
-        outgoing, fuse, fused_out, g_off, batch, n, c_h, eps = ctx.meta
+            return (dres, *([None] * 13))
+        z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, x, *saved = ctx.saved_tensors
+        outgoing, fuse, fused_out, g_off, batch, pairs, c_h, eps, contract = ctx.meta
         c_z = z.shape[-1]
         needs = ctx.needs_input_grad
         # Recompute what the forward did not keep (the same kernels on the same inputs: the same values).
@@ -394,7 +433,7 @@ class _TriangleMultiplication(torch.autograd.Function):
         widths = _part_widths(c_z, c_h)
         cols = dict(zip(widths, itertools.accumulate(widths.values(), initial=0), strict=False))
         part = torch.zeros(
-            (_partial_rows(z, batch, n, c_h, fuse, fused_out), sum(widths.values())),
+            (_partial_rows(z, batch, pairs, c_h, fuse, fused_out), sum(widths.values())),
             dtype=torch.float32,
             device=z.device,
         )
@@ -419,17 +458,12 @@ class _TriangleMultiplication(torch.autograd.Function):
         need_ln_out = (w_out_ln is not None and needs[6]) or (b_out_ln is not None and needs[7])
         dx = _ln_out_t_bwd(dy, x, w_out_ln, mean_out, rstd_out, batch, c_h, need_ln_out, part, cols["ln_out"])
         del dy
-        dx = dx.view(-1, n, n)
-        a3, b3 = a.view(-1, n, n), b.view(-1, n, n)
-        if outgoing:  # x = a b^T
-            da, db = torch.bmm(dx, b3), torch.bmm(dx.transpose(1, 2), a3)
-        else:  # x = a^T b
-            da, db = torch.bmm(b3, dx.transpose(1, 2)), torch.bmm(a3, dx)
-        del dx, a3, b3
+        da, db = (contract or _LOCAL).backward(dx.view(x.shape), outgoing, *saved)
+        del dx, saved
         if fuse:
-            _proj_gate_bwd(da, db, zn, w_ab, b_ab, mask, d_proj, part, cols["proj"], batch, n, c_h)
+            _proj_gate_bwd(da, db, zn, w_ab, b_ab, mask, d_proj, part, cols["proj"], batch, pairs, c_h)
         else:
-            _gate_ab_bwd(da, db, g_src, mask, d_proj, part, cols["proj"], batch, n, c_h)
+            _gate_ab_bwd(da, db, g_src, mask, d_proj, part, cols["proj"], batch, pairs, c_h)
             del g_src
         del da, db
         grad_w_proj = d_proj.t().mm(zn) if needs[4] else None
@@ -450,7 +484,7 @@ class _TriangleMultiplication(torch.autograd.Function):
             grad_b_proj = torch.cat([grad["proj"], grad["out"][c_z:]]).to(b_proj.dtype)
         return (
             dz if needs[0] else None, None, grad_w_in, grad_b_in, grad_w_proj, grad_b_proj,
-            grad_w_out_ln, grad_b_out_ln, grad_w_z, grad_b_z, None, None, None,
+            grad_w_out_ln, grad_b_out_ln, grad_w_z, grad_b_z, None, None, None, None,
         )  # fmt: skip
 
 
@@ -493,10 +527,10 @@ if HAS_TRITON:
         _launch_fwd(z2, zn, weight, bias, mean, rstd, eps, _fwd_config(c_z, z.element_size()))
         return zn, mean, rstd
 
-    def _partial_rows(z: torch.Tensor, batch: int, n: int, c_h: int, fuse: bool, fused_out: bool) -> int:
+    def _partial_rows(z: torch.Tensor, batch: int, pairs: int, c_h: int, fuse: bool, fused_out: bool) -> int:
         """Rows of the backward's shared buffer of partial sums: the most rows any kernel writes (a row
         for each of its programs, or for each tile of the persistent `_out_kernel`; `_part_widths`)."""
-        c_z, nn_ = z.shape[-1], n * n
+        c_z, nn_ = z.shape[-1], pairs
         m = batch * nn_
         out = cdiv(nn_, OUT_TILES["bwd"][0]) * batch if fused_out else cdiv(m, _elementwise_config(c_z)[0])
         gate = (PROJ_TILES if fuse else _gate_config(c_h))[0]
@@ -530,14 +564,14 @@ if HAS_TRITON:
 
     @hfkit_op("tri_mul_gate_ab_fwd")
     def _gate_ab_fwd(
-        proj: torch.Tensor, mask: torch.Tensor | None, batch: int, n: int, c_h: int
+        proj: torch.Tensor, mask: torch.Tensor | None, batch: int, pairs: int, c_h: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        a = proj.new_empty((batch, c_h, n, n))
-        b = proj.new_empty((batch, c_h, n, n))
+        a = proj.new_empty((batch, c_h, pairs))
+        b = proj.new_empty((batch, c_h, pairs))
         block_p, block_c, warps = _gate_config(c_h)
-        grid = (cdiv(n * n, block_p), cdiv(c_h, block_c), batch)
+        grid = (cdiv(pairs, block_p), cdiv(c_h, block_c), batch)
         launch(_gate_ab_fwd_kernel, grid,
-            proj, mask, a, b, n * n, c_h, proj.stride(0),
+            proj, mask, a, b, pairs, c_h, proj.stride(0),
             HAS_MASK=mask is not None, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps,
         )  # fmt: skip
         return a, b
@@ -552,16 +586,16 @@ if HAS_TRITON:
         part: torch.Tensor,
         part_off: int,
         batch: int,
-        n: int,
+        pairs: int,
         c_h: int,
     ) -> None:
         """Writes columns [0, 4 C_h) of d_proj, and their float32 partial sums over each program's pairs
         to columns [part_off, part_off + 4 C_h) of its row of part."""
         block_p, block_c, warps = _gate_config(c_h)
-        num_p_blocks = cdiv(n * n, block_p)
+        num_p_blocks = cdiv(pairs, block_p)
         launch(_gate_ab_bwd_kernel, (num_p_blocks, cdiv(c_h, block_c), batch),
             da.contiguous(), db.contiguous(), proj, mask, d_proj, part,
-            n * n, c_h, proj.stride(0), d_proj.stride(0), num_p_blocks, part_off, part.stride(0),
+            pairs, c_h, proj.stride(0), d_proj.stride(0), num_p_blocks, part_off, part.stride(0),
             HAS_MASK=mask is not None, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps,
         )  # fmt: skip
 
@@ -581,17 +615,17 @@ if HAS_TRITON:
         b_ab: torch.Tensor | None,
         mask: torch.Tensor | None,
         batch: int,
-        n: int,
+        pairs: int,
         c_h: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """a, b [batch, C_h, N, N] from zn [M, C_z] and the a/b rows w_ab [4 C_h, C_z] (bias b_ab)."""
+        """a, b [batch, C_h, pairs] from zn [M, C_z] and the a/b rows w_ab [4 C_h, C_z] (bias b_ab)."""
         c_z = zn.shape[1]
-        a = zn.new_empty((batch, c_h, n, n))
-        b = zn.new_empty((batch, c_h, n, n))
+        a = zn.new_empty((batch, c_h, pairs))
+        b = zn.new_empty((batch, c_h, pairs))
         block_p, block_c, block_k, (warps, stages), dot = _proj_config(c_h, c_z, zn)
-        grid = (cdiv(n * n, block_p) * cdiv(c_h, block_c), batch)
+        grid = (cdiv(pairs, block_p) * cdiv(c_h, block_c), batch)
         launch(_proj_gate_fwd_kernel, grid,
-            zn, w_ab, b_ab, mask, a, b, n * n, c_h, c_z,
+            zn, w_ab, b_ab, mask, a, b, pairs, c_h, c_z,
             HAS_BIAS=b_ab is not None, HAS_MASK=mask is not None, DOT=dot,
             BLOCK_P=block_p, BLOCK_C=block_c, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         )  # fmt: skip
@@ -609,17 +643,17 @@ if HAS_TRITON:
         part: torch.Tensor,
         part_off: int,
         batch: int,
-        n: int,
+        pairs: int,
         c_h: int,
     ) -> None:
         """Writes columns [0, 4 C_h) of d_proj, and their float32 partial sums over each program's pairs
         to columns [part_off, part_off + 4 C_h) of its row of part."""
         c_z = zn.shape[1]
         block_p, block_c, block_k, (warps, stages), dot = _proj_config(c_h, c_z, zn)
-        num_p_blocks = cdiv(n * n, block_p)
+        num_p_blocks = cdiv(pairs, block_p)
         launch(_proj_gate_bwd_kernel, (num_p_blocks * cdiv(c_h, block_c), batch),
             da.contiguous(), db.contiguous(), zn, w_ab, b_ab, mask, d_proj, part,
-            n * n, c_h, c_z, d_proj.stride(0), num_p_blocks, part_off, part.stride(0),
+            pairs, c_h, c_z, d_proj.stride(0), num_p_blocks, part_off, part.stride(0),
             HAS_BIAS=b_ab is not None, HAS_MASK=mask is not None, DOT=dot,
             BLOCK_P=block_p, BLOCK_C=block_c, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         )  # fmt: skip

@@ -33,9 +33,10 @@ Pieces:
   backward every rank holds the full parameter and input gradients. `forward_sharded` takes inputs
   already padded and sharded (stacks shard once, not per block). The submodules' own layers run on
   the shards, so modules swapped by `hfkit.nn.to_hfkit` run their fused kernels there (attention, layer
-  norm, outer product, transitions, dropout-add); triangle multiplication's matmul is split around the
-  gather here, so that one runs its projections as plain torch. `chunk_size` chunks as in one process,
-  and stacks honour their `checkpoint` switch (the collectives run again in backward).
+  norm, outer product, transitions, dropout-add, and triangle multiplication: its fused op with the
+  contraction sharded, `_ShardedContraction`; the plain module runs its layers step by step around the
+  gather). `chunk_size` chunks as in one process, and stacks honour their `checkpoint` switch (the
+  collectives run again in backward).
 
 Duality async (`to_dap(module, group, overlap=True)`, the default): each collective of the block is
 launched as soon as its input exists and waited for just before its result is used, so that the
@@ -49,8 +50,8 @@ keys, for tables):
 | m rows -> columns (all_to_all)      | the column mask bias                                   |
 | m columns -> rows (all_to_all)      | the outer product mean and the whole pair stack        |
 | outer product mean's b (gather)     | a = linear_1, the normaliser                           |
-| tri_mul_out's b (gather)            | a and the gate                                         |
-| tri_mul_in's b (gather)             | a, a's transpose (all_to_all, also in flight), the gate|
+| tri_mul_out's b (gather)            | a and the gate (plain modules; fused: nothing)         |
+| tri_mul_in's b (gather)             | a, a's transpose (in flight too), the gate (likewise)  |
 | tri_att_start/end bias (gather)     | the pair mask bias                                     |
 | z rows <-> columns (all_to_all, x2) | nothing: everything after needs z (waited at once)     |
 
@@ -87,6 +88,12 @@ from hfkit.model.evoformer import EvoformerBlock, EvoformerStack, ExtraMSAStack,
 from hfkit.model.model import AlphaFoldLite
 from hfkit.model.msa import MSAColumnAttention, MSAColumnGlobalAttention
 from hfkit.model.primitives import attend_rows, chunk_apply, mask_bias
+from hfkit.nn.triangle_multiplication import (
+    TriangleMultiplicationIncoming,
+    TriangleMultiplicationOutgoing,
+    fused_triangle_update,
+)
+from hfkit.ops.triangle_multiplication import Contraction, uses_triton
 
 __all__ = [
     "DAPEvoformerBlock",
@@ -108,6 +115,7 @@ __all__ = [
 ]
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for the default group
+FUSED_TRIANGLE_MULTIPLICATION = (TriangleMultiplicationOutgoing, TriangleMultiplicationIncoming)
 
 
 @dataclass(frozen=True)
@@ -520,9 +528,9 @@ OVERLAPPED_WITH: dict[str, str] = {
     "m rows -> columns (all_to_all)": "the column mask bias",
     "outer_product_mean b (all_gather)": "a = linear_1, the normaliser",
     "m columns -> rows (all_to_all)": "the outer product mean and the whole pair stack",
-    "tri_mul_out b (all_gather)": "a and the gate",
-    "tri_mul_in b (all_gather)": "a, a's transpose (in flight too), the gate",
-    "tri_mul_in a (all_to_all)": "the gate, b's gather (in flight too)",
+    "tri_mul_out b (all_gather)": "a and the gate (plain modules; hfkit's fused: nothing)",
+    "tri_mul_in b (all_gather)": "a, a's transpose (in flight too), the gate (plain; fused: nothing)",
+    "tri_mul_in a (all_to_all)": "the gate, b's gather (in flight too) (plain; fused: nothing)",
     "tri_att_start bias (all_gather)": "the pair mask bias",
     "z rows -> columns (all_to_all)": "nothing (waited for at once)",
     "tri_att_end bias (all_gather)": "the pair mask bias",
@@ -721,7 +729,13 @@ class _ShardedEvoformerBlock(nn.Module):
         return outer / (opm.eps + norm)
 
     def _tri_mul(self, mod: nn.Module, z: torch.Tensor, mask_rows: torch.Tensor) -> torch.Tensor:
-        """Triangle multiplication on rows i of z [*, N/P, N, C_z] -> update for the same rows."""
+        """Triangle multiplication on rows i of z [*, N/P, N, C_z] -> update for the same rows: hfkit's
+        fused op around `_ShardedContraction` where the module is hfkit's and the op's fused path runs,
+        else the module's layers step by step with the gather in flight (below)."""
+        if isinstance(mod, FUSED_TRIANGLE_MULTIPLICATION) and uses_triton(z, mod.linear_z.in_features):
+            out = fused_triangle_update(mod, z, mask_rows, _ShardedContraction(self.group))
+            if out is not None:
+                return out
         mask_rows = mask_rows[..., None]
         zn = mod.layer_norm_in(z)
         # b gathered over all rows while a (and its transpose, incoming) and the gate are computed.
@@ -753,6 +767,37 @@ class _ShardedEvoformerBlock(nn.Module):
         mask_bias = _attention_biases(mask_rows, pad, mod.inf, x.dtype)
         biases = [mask_bias, triangle_bias.wait().movedim(-1, -3).unsqueeze(-4)]
         return attend_rows(mod.mha, x, biases, chunk_size)
+
+
+class _ShardedContraction(Contraction):
+    """The fused triangle multiplication's contraction on this rank's rows i of the pair grid (a, b
+    channel-first [*, C_h, N/P, N]). Outgoing, x_ij = sum_k a_ik b_jk: b's rows j gathered from every
+    rank. Incoming, x_ij = sum_k a_ki b_kj: a's columns i for every k (all-to-all) and b's rows k
+    gathered. Backward: the gathered operand's gradient is one term of a sum on each rank
+    (reduce-scatter), the transposed one's goes back by the inverse all-to-all. The collectives are
+    waited for where they are launched: a and b come out of one kernel, with nothing in between to
+    overlap."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, outgoing: bool) -> tuple[torch.Tensor, tuple]:
+        b_all = _all_gather(b, -2, self.group)  # [*, C_h, N, N]
+        if outgoing:
+            return torch.matmul(a, b_all.transpose(-1, -2)), (a, b_all)
+        a_cols = _all_to_all(a, -1, -2, self.group)  # [*, C_h, N (k), N/P (i)]
+        return torch.matmul(a_cols.transpose(-1, -2), b_all), (a_cols, b_all)
+
+    def backward(
+        self, dx: torch.Tensor, outgoing: bool, a: torch.Tensor, b_all: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if outgoing:  # a: this rank's rows i
+            da = torch.matmul(dx, b_all)
+            db_all = torch.matmul(dx.transpose(-1, -2), a)
+        else:  # a: a_cols, every k for this rank's i
+            da = _all_to_all(torch.matmul(b_all, dx.transpose(-1, -2)), -2, -1, self.group)
+            db_all = torch.matmul(a, dx)
+        return da, _reduce_scatter(db_all, -2, self.group)
 
 
 def _shard_inputs(
