@@ -71,7 +71,8 @@ bench: $(STAMP)
 	@for b in $(BENCHES); do echo "== hfkit bench $$b"; $(BIN)/hfkit bench $$b --no-progress || exit 1; done
 
 # Issue 20's runs on one host of GPUS GPUs (2, 4 or 8; NCCL_NVLS_ENABLE=0), for G = 2, 4, ... GPUS:
-# allreduce per backend and the DDP step, DAP blocks at af2_initial and af2_finetune sizes, the 48-block
+# allreduce per backend and the DDP step, DAP blocks at af2_initial and af2_finetune sizes (from Python,
+# and as CUDA graphs: the GPU work that scales, GPUs only), the 48-block
 # checkpointed stack, chunked DAP inference from N = 4096 up until a size does not run (each size its
 # own run, at most 300 s: ranks that wait on one out of memory give up at the group's timeout); then a
 # dp x dap layout on all GPUS. Results go to data/results/<gpu>x<G>/. `SMOKE=1` rehearses the
@@ -94,6 +95,8 @@ bench-multigpu: $(STAMP)
 	  dap="$(BIN)/hfkit bench dap --nproc $$g $(MG_RUN) $(call mg_out,$$g,dap.json)"; \
 	  $$dap --modes fwd+bwd; \
 	  $$dap --modes fwd+bwd $(MG_FT) --append; \
+	  $(if $(SMOKE),,$$dap --modes fwd+bwd --launch graph --append; \
+	  $$dap --modes fwd+bwd $(MG_FT) --launch graph --append;) \
 	  $$dap --modes fwd+bwd --blocks $(MG_STACK) --checkpoint --append; \
 	  for n in $(MG_LONG); do \
 	    $$dap --modes fwd --sizes $$n --chunk-size $(MG_CHUNK) --providers dap_overlap --warmup 1 --reps 2 --append \

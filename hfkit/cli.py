@@ -672,7 +672,7 @@ def _add_dap_bench(bench_sub: argparse._SubParsersAction) -> None:
     """`hfkit bench dap`: a DAP Evoformer block or stack over G local processes (optionally dp x dap)
     against one process, duality async on and off: time, per-rank peak memory, communication volume,
     scaling efficiency."""
-    from hfkit.bench.dap import PROVIDERS
+    from hfkit.bench.dap import LAUNCHES, PROVIDERS
     from hfkit.bench.runner import DTYPES, MODES
 
     def run(args: argparse.Namespace) -> int:
@@ -699,6 +699,7 @@ def _add_dap_bench(bench_sub: argparse._SubParsersAction) -> None:
                 checkpoint=args.checkpoint,
                 dap_size=args.dap_size,
                 chunk_size=args.chunk_size,
+                launch=args.launch,
                 out=out,
                 append=args.append,
                 command=args.command,
@@ -736,6 +737,12 @@ def _add_dap_bench(bench_sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--chunk-size", type=int, default=None, help="the modules' chunking (long-sequence inference)"
+    )
+    p.add_argument(
+        "--launch",
+        choices=LAUNCHES,
+        default="eager",
+        help="eager: called from Python; graph: each call captured as one CUDA graph per rank (GPUs)",
     )
     p.add_argument("--warmup", type=int, default=None, help="untimed calls per configuration")
     p.add_argument("--reps", type=int, default=None, help="timed calls per configuration")

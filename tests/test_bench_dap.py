@@ -117,6 +117,7 @@ def test_bench_dap_chunked_inference_rows_keep_other_layouts(tmp_path) -> None:
         (["--checkpoint"], "checkpoint: recomputes the blocks of a stack; expected n_blocks > 1"),
         (["--blocks", "0"], "n_blocks: expected >= 1, got 0"),
         (["--chunk-size", "0"], "chunk_size: expected a positive int or None, got 0"),
+        (["--launch", "graph"], "launch: 'graph' needs CUDA and one DAP group of every rank"),
     ],
 )
 def test_bench_dap_rejects_a_bad_layout(tmp_path, capsys, extra, message) -> None:

@@ -242,11 +242,14 @@ def test_load_longseq_is_none_without_the_file_and_reads_it_when_present(tmp_pat
     assert "measured" in fig.layout.title.text and "measured" not in dap_model_figure(model).layout.title.text
 
 
-def _dap_rows(gpus: int, dap_ms: float, dap_size: int | None = None) -> list:
+def _dap_rows(gpus: int, dap_ms: float, dap_size: int | None = None, launch: str | None = None) -> list:
     """dap rows as `hfkit bench dap --nproc <gpus>` writes them: one process at 100 ms, DAP at `dap_ms`
-    (speedup and efficiency as the benchmark computes them), and a DAP row that ran out of memory."""
+    (speedup and efficiency as the benchmark computes them), and a DAP row that ran out of memory;
+    `launch` recorded where given (rows written before it was: eager)."""
     d = dap_size or gpus
     layout = {"nproc": gpus, "dap_size": d, "dp_size": gpus // d, "n_blocks": 1, "chunk_size": None}
+    if launch is not None:
+        layout["launch"] = launch
     common = dict(op="dap_block", mode="fwd+bwd", shape=[128, 256], dtype="bf16")
     speedup = 100.0 / dap_ms
     extra = {**layout, "speedup_vs_single": speedup, "scaling_efficiency": speedup * (gpus // d) / gpus}
@@ -261,23 +264,28 @@ def _dap_rows(gpus: int, dap_ms: float, dap_size: int | None = None) -> list:
 
 def test_load_dap_runs_reads_every_gpu_count_and_tables_the_scaling(tmp_path) -> None:
     assert load_dap_runs("h200", root=tmp_path) is None
-    save_results(_dap_rows(2, 62.5), tmp_path / "h200x2" / "dap.json", meta={})
+    save_results(
+        _dap_rows(2, 62.5) + _dap_rows(2, 55.0, launch="graph"), tmp_path / "h200x2" / "dap.json", meta={}
+    )
     save_results(
         _dap_rows(8, 25.0) + _dap_rows(8, 20.0, dap_size=4), tmp_path / "h200x8" / "dap.json", meta={}
     )
     save_results(_dap_rows(2, 1.0), tmp_path / "a100x2" / "dap.json", meta={})  # another GPU: not read
     frame = load_dap_runs("h200", root=tmp_path)
-    assert frame is not None and len(frame) == 9
+    assert frame is not None and len(frame) == 12
     table = dap_scaling_table(frame)  # the out-of-memory rows are left out
     dap = table[table["provider"] == "dap_overlap"]
-    assert dap[["gpus", "dap_size"]].values.tolist() == [[2, 2], [8, 8], [8, 4]]
-    assert dap["speedup"].tolist() == [1.6, 4.0, 5.0]
-    assert dap["scaling_efficiency"].tolist() == pytest.approx([0.8, 0.5, 1.25])
-    assert table["peak_GiB"].tolist() == [4.0, 2.0] * 3
+    assert dap[["gpus", "dap_size", "launch"]].values.tolist() == [
+        [2, 2, "eager"], [2, 2, "graph"], [8, 8, "eager"], [8, 4, "eager"],
+    ]  # fmt: skip
+    assert dap["speedup"].tolist() == pytest.approx([1.6, 100 / 55, 4.0, 5.0])
+    assert dap["scaling_efficiency"].tolist() == pytest.approx([0.8, 50 / 55, 0.5, 1.25])
+    assert table["peak_GiB"].tolist() == [4.0, 2.0] * 4
     fig = dap_scaling_figure(table, "t")
     lines = {t.name: list(t.y) for t in fig.data}
-    assert lines["dap_block 128x256 K=1 D=all fwd+bwd dap_overlap"] == pytest.approx([0.8, 0.5])
-    assert lines["dap_block 128x256 K=1 D=4 fwd+bwd dap_overlap"] == pytest.approx([1.25])
+    assert lines["dap_block 128x256 K=1 D=all fwd+bwd eager dap_overlap"] == pytest.approx([0.8, 0.5])
+    assert lines["dap_block 128x256 K=1 D=all fwd+bwd graph dap_overlap"] == pytest.approx([50 / 55])
+    assert lines["dap_block 128x256 K=1 D=4 fwd+bwd eager dap_overlap"] == pytest.approx([1.25])
     assert lines["goal at 2 GPUs"] == [0.8] and lines["goal at 8 GPUs"] == [0.6]
 
 

@@ -11,7 +11,12 @@ mode "fwd" or "fwd+bwd"):
 - `dap_sync`: the same with `overlap=False` (every collective waited for where it is launched).
 
 Times are wall clock (CUDA synchronized) of one call per repetition, every rank starting after a
-barrier; a repetition's time is its slowest rank's. fwd+bwd runs backward of the outputs' sum, the
+barrier; a repetition's time is its slowest rank's. `launch` "eager" calls the module from Python
+(the host's launch cost included: a block at af2_initial sizes is host-bound so); "graph" captures each
+provider's whole call (forward, and backward with its collectives: nccl records them into the graph)
+as one CUDA graph per rank after three warm-up calls and times its replays, so that the GPU's work
+is what scales (`extra["launch"]`; single-process data parallelism is not captured: not with
+`dap_size` < G). fwd+bwd runs backward of the outputs' sum, the
 parameter gradients' all-reduce over the group included. `peak_mem_bytes` is the largest rank's peak
 above its inputs (CUDA; None on a CPU), `extra["peak_mem_bytes_per_rank"]` every rank's.
 `extra["comm_elements"]` is `hfkit.parallel.dap.dap_block_comm` (elements each rank receives in one
@@ -57,6 +62,7 @@ from hfkit.model import EvoformerStack, ModelConfig
 
 __all__ = [
     "DAP_PROFILES",
+    "LAUNCHES",
     "PROVIDERS",
     "DapProfile",
     "dap_results_folder",
@@ -66,6 +72,7 @@ __all__ = [
 ]
 
 PROVIDERS = ("single_process", "dap_overlap", "dap_sync")
+LAUNCHES = ("eager", "graph")
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,7 @@ class _Spec:
     checkpoint: bool = False
     dap_size: int | None = None  # None: every rank in one DAP group
     chunk_size: int | None = None
+    launch: str = "eager"
     extra_notes: dict[str, Any] = field(default_factory=dict)
 
 
@@ -179,6 +187,21 @@ def _data_parallel(model: nn.Module, group: Any) -> Any:
     return DistributedDataParallel(blocks, process_group=group, overlap=False)
 
 
+def _graphed(call: Any, device: torch.device) -> Any:
+    """`call` (no arguments) captured as one CUDA graph after three warm-up calls on a side stream (as
+    `torch.cuda.make_graphed_callables` warms up); returns the graph's replay."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
 def _measure(
     fn: Any, args: Sequence[torch.Tensor], backward: bool, module: nn.Module, spec: _Spec, active: bool,
     device: torch.device, ctrl: Any, dp: Any = None,
@@ -189,19 +212,24 @@ def _measure(
     starts after a barrier on every rank."""
     result: dict[str, Any] = {"samples_ms": [], "peak": None}
     base = 0
+    graphed = spec.launch == "graph"
+    run = lambda: _call(fn, args, backward, module, dp)  # noqa: E731
     for i in range(spec.warmup + spec.reps + 1):
         dist.barrier(group=ctrl)
         if not active:
             continue
-        if i == spec.warmup and device.type == "cuda":  # the first call after warm-up: the peak
+        # The peak of the first call after warm-up (graphs: from before the capture, the pool included).
+        if i == (0 if graphed else spec.warmup) and device.type == "cuda":
             _sync(device)
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
         error = None
-        _sync(device)
-        start = time.perf_counter()
         try:
-            _call(fn, args, backward, module, dp)
+            if graphed and i == 0:
+                run = _graphed(run, device)
+            _sync(device)
+            start = time.perf_counter()
+            run()
             _sync(device)
         except torch.OutOfMemoryError as err:
             error = " ".join(f"{type(err).__name__}: {err}".split())[:300]
@@ -289,7 +317,7 @@ def _rows(results: list[dict[str, Any]], spec: _Spec, env: dict[str, Any], backe
     elem = torch.tensor([], dtype=DTYPES[spec.dtype]).element_size()
     n_params = k * sum(p.numel() for p in make_block(config).parameters())  # the blocks' (not s's linear)
     layout = {"n_blocks": k, "checkpoint": spec.checkpoint, "dap_size": d, "dp_size": g // d}
-    layout["chunk_size"] = spec.chunk_size
+    layout.update(chunk_size=spec.chunk_size, launch=spec.launch)
     rows: list[ResultRow] = []
     for n in spec.sizes:
         comm = {name: k * v for name, v in dap_block_comm(spec.n_seq, n, config, d).items()}
@@ -351,6 +379,7 @@ def run_dap_benchmark(
     checkpoint: bool = False,
     dap_size: int | None = None,
     chunk_size: int | None = None,
+    launch: str = "eager",
     out: str | Path | None = None,
     append: bool = False,
     command: str | None = None,
@@ -360,7 +389,8 @@ def run_dap_benchmark(
 
     `n_blocks` K: one block (1) or a stack of K blocks, with per-block recomputation where
     `checkpoint`; `dap_size` D (a divisor of `nproc`; default `nproc`): `nproc` / D data-parallel
-    replicas of D-rank DAP groups; `chunk_size`: the modules' chunking (None: none).
+    replicas of D-rank DAP groups; `chunk_size`: the modules' chunking (None: none); `launch` "eager" or
+    "graph" (the module docstring).
 
     `device` "cpu" runs gloo on CPU processes even where GPUs exist; otherwise GPUs (nccl, one a process:
     `nproc` must not exceed the GPU count) if any. `profile` ("full" or "smoke", `DAP_PROFILES`; default
@@ -395,10 +425,14 @@ def run_dap_benchmark(
         raise ValueError(f"dap_size: expected a positive divisor of nproc {nproc}, got {dap_size!r}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
+    if launch not in LAUNCHES:
+        raise ValueError(f"launch: expected one of {', '.join(LAUNCHES)}, got {launch!r}")
+    if launch == "graph" and (not cuda or (dap_size is not None and dap_size < nproc)):
+        raise ValueError("launch: 'graph' needs CUDA and one DAP group of every rank (no dap_size < nproc)")
     spec = _Spec(
         profile=prof, sizes=sizes, n_seq=n_seq or prof.n_seq, dtype=dtype, modes=modes, providers=providers,
         cuda=cuda, warmup=prof.warmup if warmup is None else warmup, reps=reps or prof.reps,
-        n_blocks=n_blocks, checkpoint=checkpoint, dap_size=dap_size, chunk_size=chunk_size,
+        n_blocks=n_blocks, checkpoint=checkpoint, dap_size=dap_size, chunk_size=chunk_size, launch=launch,
     )  # fmt: skip
     if not cuda:
         spec = replace(spec, extra_notes={"threads_per_rank": 1})
@@ -413,15 +447,15 @@ def run_dap_benchmark(
 
 
 def dap_row_key(row: Mapping[str, Any]) -> tuple:
-    """`row_key` and the layout: processes, blocks, DAP group size, chunk size and checkpointing (rows
-    written before these were recorded: one block, one DAP group of every rank, no chunking). GPU runs
-    of different process counts go to different folders; CPU runs share one."""
+    """`row_key` and the layout: processes, blocks, DAP group size, chunk size, checkpointing and launch
+    (rows written before these were recorded: one block, one DAP group of every rank, no chunking,
+    eager). GPU runs of different process counts go to different folders; CPU runs share one."""
     from hfkit.bench.results import row_key
 
     extra = row.get("extra") or {}
     g = extra.get("nproc")
     layout = (g, extra.get("n_blocks", 1), extra.get("dap_size", g), extra.get("chunk_size"))
-    return (*row_key(row), *layout, extra.get("checkpoint", False))
+    return (*row_key(row), *layout, extra.get("checkpoint", False), extra.get("launch", "eager"))
 
 
 def summary_table(rows: Sequence[ResultRow]) -> Any:

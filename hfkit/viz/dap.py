@@ -554,8 +554,9 @@ def load_dap_runs(gpu: str = "h200", root: str | Path | None = None) -> pd.DataF
 
 def dap_scaling_table(frame: pd.DataFrame) -> pd.DataFrame:
     """The measured rows of a `load_dap_runs` frame (errors left out), one per configuration: op,
-    provider, mode, n_seq, n_res, blocks, dap_size (D), gpus (G), chunk, seconds (p50), speedup over one
-    process, scaling_efficiency (speedup x replicas / G), peak_GiB (the largest rank's)."""
+    provider, mode, n_seq, n_res, blocks, dap_size (D), gpus (G), chunk, launch (eager from Python, or
+    graph: CUDA graph replays), seconds (p50), speedup over one process (launched alike),
+    scaling_efficiency (speedup x replicas / G), peak_GiB (the largest rank's)."""
     import pandas as pd
 
     rows = frame[frame["p50_ms"].notna()]
@@ -573,6 +574,7 @@ def dap_scaling_table(frame: pd.DataFrame) -> pd.DataFrame:
             "dap_size": [int(e.get("dap_size", n)) for e, n in zip(extra, g, strict=True)],
             "gpus": g,
             "chunk": extra.map(lambda e: str(e.get("chunk_size"))),
+            "launch": extra.map(lambda e: e.get("launch", "eager")),
             "seconds": rows["p50_ms"] / 1e3,
             "speedup": extra.map(lambda e: e.get("speedup_vs_single", math.nan)),
             "scaling_efficiency": extra.map(lambda e: e.get("scaling_efficiency", math.nan)),
@@ -583,15 +585,15 @@ def dap_scaling_table(frame: pd.DataFrame) -> pd.DataFrame:
 
 def dap_scaling_figure(table: pd.DataFrame, title: str) -> go.Figure:
     """Scaling efficiency against the GPU count of a `dap_scaling_table`'s DAP rows (one line per op,
-    S x N, blocks, D = G or dp x dap, mode and provider), with issue 20's goals marked (80% at 2 GPUs,
-    60% at 8)."""
+    S x N, blocks, D = G or dp x dap, mode, launch and provider), with issue 20's goals marked (80% at 2
+    GPUs, 60% at 8)."""
     import plotly.express as px
 
     t = table[table["provider"] != "single_process"].dropna(subset=["scaling_efficiency"])
     layout = t["dap_size"].astype(str).where(t["dap_size"] != t["gpus"], "all")
     shape = t["n_seq"].astype(str) + "x" + t["n_res"].astype(str)
     series = t["op"] + " " + shape + " K=" + t["blocks"].astype(str) + " D=" + layout
-    series = series + " " + t["mode"] + " " + t["provider"]
+    series = series + " " + t["mode"] + " " + t["launch"] + " " + t["provider"]
     fig = px.line(
         t.assign(series=series).sort_values("gpus"), x="gpus", y="scaling_efficiency", color="series",
         markers=True, title=title, labels={"gpus": "GPUs", "scaling_efficiency": "scaling efficiency"},
