@@ -82,6 +82,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from hfkit.model.config import ModelConfig
 from hfkit.model.evoformer import EvoformerBlock, EvoformerStack, ExtraMSAStack, run_blocks
@@ -924,7 +925,15 @@ class _DAPStack(_DAPModule):
         self.group = group
 
     def _run_sharded(self, m: torch.Tensor, z: torch.Tensor, *rest: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return run_blocks((b.forward_sharded for b in self.blocks), m, z, *rest, recompute=self.checkpoint)
+        # Recomputation runs each block's forward to its end. Stopped early (torch's default, once the
+        # last saved tensor is back), it abandons collectives launched and not yet waited for, whose
+        # `Pending` sits in a reference cycle (the launch node's output on it, it on the node's ctx)
+        # that holds their buffers and the recomputed activations until Python's garbage collector
+        # runs: measured, the checkpointed stack's peak rose above one process's and memory stayed
+        # allocated after backward. The block's tail after its last saved tensor is a few additions.
+        blocks = (b.forward_sharded for b in self.blocks)
+        with set_checkpoint_early_stop(False):
+            return run_blocks(blocks, m, z, *rest, recompute=self.checkpoint)
 
 
 class DAPEvoformerStack(_DAPStack):
