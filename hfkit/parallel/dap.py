@@ -51,7 +51,8 @@ keys, for tables):
 | m columns -> rows (all_to_all)      | the outer product mean and the whole pair stack        |
 | outer product mean's b (gather)     | a = linear_1, the normaliser                           |
 | tri_mul_out's b (gather)            | a and the gate (plain modules; fused: nothing)         |
-| tri_mul_in's b (gather)             | a, a's transpose (in flight too), the gate (likewise)  |
+| tri_mul_in's b (gather)             | a, a's transpose (in flight too), the gate (fused: a's |
+|                                     | transpose only)                                        |
 | tri_att_start/end bias (gather)     | the pair mask bias                                     |
 | z rows <-> columns (all_to_all, x2) | nothing: everything after needs z (waited at once)     |
 
@@ -530,8 +531,8 @@ OVERLAPPED_WITH: dict[str, str] = {
     "outer_product_mean b (all_gather)": "a = linear_1, the normaliser",
     "m columns -> rows (all_to_all)": "the outer product mean and the whole pair stack",
     "tri_mul_out b (all_gather)": "a and the gate (plain modules; hfkit's fused: nothing)",
-    "tri_mul_in b (all_gather)": "a, a's transpose (in flight too), the gate (plain; fused: nothing)",
-    "tri_mul_in a (all_to_all)": "the gate, b's gather (in flight too) (plain; fused: nothing)",
+    "tri_mul_in b (all_gather)": "a, a's transpose (in flight too), the gate (plain; fused: the transpose)",
+    "tri_mul_in a (all_to_all)": "the gate, b's gather (in flight too) (plain; fused: the gather)",
     "tri_att_start bias (all_gather)": "the pair mask bias",
     "z rows -> columns (all_to_all)": "nothing (waited for at once)",
     "tri_att_end bias (all_gather)": "the pair mask bias",
@@ -734,7 +735,7 @@ class _ShardedEvoformerBlock(nn.Module):
         fused op around `_ShardedContraction` where the module is hfkit's and the op's fused path runs,
         else the module's layers step by step with the gather in flight (below)."""
         if isinstance(mod, FUSED_TRIANGLE_MULTIPLICATION) and uses_triton(z, mod.linear_z.in_features):
-            out = fused_triangle_update(mod, z, mask_rows, _ShardedContraction(self.group))
+            out = fused_triangle_update(mod, z, mask_rows, _ShardedContraction(self.group, self.overlap))
             if out is not None:
                 return out
         mask_rows = mask_rows[..., None]
@@ -773,32 +774,46 @@ class _ShardedEvoformerBlock(nn.Module):
 class _ShardedContraction(Contraction):
     """The fused triangle multiplication's contraction on this rank's rows i of the pair grid (a, b
     channel-first [*, C_h, N/P, N]). Outgoing, x_ij = sum_k a_ik b_jk: b's rows j gathered from every
-    rank. Incoming, x_ij = sum_k a_ki b_kj: a's columns i for every k (all-to-all) and b's rows k
-    gathered. Backward: the gathered operand's gradient is one term of a sum on each rank
-    (reduce-scatter), the transposed one's goes back by the inverse all-to-all. The collectives are
-    waited for where they are launched: a and b come out of one kernel, with nothing in between to
-    overlap."""
+    rank. Incoming, x_ij = sum_k a_ki b_kj: a's columns i for every k (all-to-all, in flight together
+    with b's gather) and b's rows k gathered. Backward: the gathered operand's gradient is one term of
+    a sum on each rank, reduce-scattered while the other operand's gradient is computed (and, incoming,
+    sent back by the inverse all-to-all). The collectives are `Pending`s used without autograd (the op's
+    backward calls them), so `overlap` False waits for each where it is launched: the same collectives
+    on the same buffers as with it on."""
 
-    def __init__(self, group: ProcessGroup) -> None:
-        self.group = group
+    def __init__(self, group: ProcessGroup, overlap: bool) -> None:
+        self.group, self.overlap = group, overlap
+
+    def _gather(self) -> Pending:  # rows (dim -2) of every rank; backward: reduce-scatter
+        return Pending("gather", self.group, self.overlap, dim=-2, partial=True)
+
+    def _transpose(self) -> Pending:  # this rank's rows, all columns -> all rows, this rank's columns
+        return Pending("all_to_all", self.group, self.overlap, split_dim=-1, cat_dim=-2)
 
     def forward(self, a: torch.Tensor, b: torch.Tensor, outgoing: bool) -> tuple[torch.Tensor, tuple]:
-        b_all = _all_gather(b, -2, self.group)  # [*, C_h, N, N]
+        gather_b = self._gather()
+        gather_b.start(b)
         if outgoing:
+            b_all = gather_b.finish()  # [*, C_h, N, N]
             return torch.matmul(a, b_all.transpose(-1, -2)), (a, b_all)
-        a_cols = _all_to_all(a, -1, -2, self.group)  # [*, C_h, N (k), N/P (i)]
+        move_a = self._transpose()
+        move_a.start(a)
+        b_all, a_cols = gather_b.finish(), move_a.finish()  # a_cols [*, C_h, N (k), N/P (i)]
         return torch.matmul(a_cols.transpose(-1, -2), b_all), (a_cols, b_all)
 
     def backward(
         self, dx: torch.Tensor, outgoing: bool, a: torch.Tensor, b_all: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        reduce_b = self._gather()
         if outgoing:  # a: this rank's rows i
+            reduce_b.start_backward(torch.matmul(dx.transpose(-1, -2), a))
             da = torch.matmul(dx, b_all)
-            db_all = torch.matmul(dx.transpose(-1, -2), a)
         else:  # a: a_cols, every k for this rank's i
-            da = _all_to_all(torch.matmul(b_all, dx.transpose(-1, -2)), -2, -1, self.group)
-            db_all = torch.matmul(a, dx)
-        return da, _reduce_scatter(db_all, -2, self.group)
+            reduce_b.start_backward(torch.matmul(a, dx))
+            move_a = self._transpose()
+            move_a.start_backward(torch.matmul(b_all, dx.transpose(-1, -2)))
+            da = move_a.finish_backward()
+        return da, reduce_b.finish_backward()
 
 
 def _shard_inputs(
