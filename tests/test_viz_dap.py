@@ -271,19 +271,20 @@ def test_load_dap_runs_reads_every_gpu_count_and_tables_the_scaling(tmp_path) ->
         _dap_rows(8, 25.0) + _dap_rows(8, 20.0, dap_size=4), tmp_path / "h200x8" / "dap.json", meta={}
     )
     save_results(_dap_rows(2, 1.0), tmp_path / "a100x2" / "dap.json", meta={})  # another GPU: not read
+    save_results(_dap_rows(1, 125.0), tmp_path / "h200" / "dap.json", meta={})  # one GPU: DAP's own cost
     frame = load_dap_runs("h200", root=tmp_path)
-    assert frame is not None and len(frame) == 12
+    assert frame is not None and len(frame) == 15
     table = dap_scaling_table(frame)  # the out-of-memory rows are left out
     dap = table[table["provider"] == "dap_overlap"]
     assert dap[["gpus", "dap_size", "launch"]].values.tolist() == [
-        [2, 2, "eager"], [2, 2, "graph"], [8, 8, "eager"], [8, 4, "eager"],
+        [2, 2, "eager"], [2, 2, "graph"], [8, 8, "eager"], [8, 4, "eager"], [1, 1, "eager"],
     ]  # fmt: skip
-    assert dap["speedup"].tolist() == pytest.approx([1.6, 100 / 55, 4.0, 5.0])
-    assert dap["scaling_efficiency"].tolist() == pytest.approx([0.8, 50 / 55, 0.5, 1.25])
-    assert table["peak_GiB"].tolist() == [4.0, 2.0] * 4
+    assert dap["speedup"].tolist() == pytest.approx([1.6, 100 / 55, 4.0, 5.0, 0.8])
+    assert dap["scaling_efficiency"].tolist() == pytest.approx([0.8, 50 / 55, 0.5, 1.25, 0.8])
+    assert table["peak_GiB"].tolist() == [4.0, 2.0] * 5
     fig = dap_scaling_figure(table, "t")
     lines = {t.name: list(t.y) for t in fig.data}
-    assert lines["dap_block 128x256 K=1 D=all fwd+bwd eager dap_overlap"] == pytest.approx([0.8, 0.5])
+    assert lines["dap_block 128x256 K=1 D=all fwd+bwd eager dap_overlap"] == pytest.approx([0.8, 0.8, 0.5])
     assert lines["dap_block 128x256 K=1 D=all fwd+bwd graph dap_overlap"] == pytest.approx([50 / 55])
     assert lines["dap_block 128x256 K=1 D=4 fwd+bwd eager dap_overlap"] == pytest.approx([1.25])
     assert lines["goal at 2 GPUs"] == [0.8] and lines["goal at 8 GPUs"] == [0.6]

@@ -542,12 +542,14 @@ def longseq_figure(table: pd.DataFrame, title: str) -> go.Figure:
 
 def load_dap_runs(gpu: str = "h200", root: str | Path | None = None) -> pd.DataFrame | None:
     """The rows of every `<root>/<gpu>x<G>/dap.json` (default root: `data/results`; `hfkit bench dap`
-    on G GPUs) as one results frame, or None when there is none."""
+    on G GPUs) and of `<root>/<gpu>/dap.json` (one GPU: DAP against one process with nothing to
+    exchange, what its layouts cost) as one results frame, or None when there is none."""
     import pandas as pd
 
     from hfkit.bench.results import load_results, results_dir
 
-    paths = sorted(Path(root or results_dir()).glob(f"{gpu}x*/dap.json"))
+    folder = Path(root or results_dir())
+    paths = sorted(folder.glob(f"{gpu}x*/dap.json")) + sorted(folder.glob(f"{gpu}/dap.json"))
     frames = [load_results(path) for path in paths]
     return pd.concat(frames, ignore_index=True) if frames else None
 
