@@ -57,7 +57,7 @@ from torch import nn
 from hfkit.bench.model import bench_config, evoformer_block_flops, make_block
 from hfkit.bench.results import ENV_KEYS, ResultFile, ResultRow, check_choice, environment_info, make_row
 from hfkit.bench.runner import DTYPES, MODES, pick_profile
-from hfkit.bench.timing import Timing
+from hfkit.bench.timing import Timing, capture_graph
 from hfkit.model import EvoformerStack, ModelConfig
 
 __all__ = [
@@ -187,21 +187,6 @@ def _data_parallel(model: nn.Module, group: Any) -> Any:
     return DistributedDataParallel(blocks, process_group=group, overlap=False)
 
 
-def _graphed(call: Any, device: torch.device) -> Any:
-    """`call` (no arguments) captured as one CUDA graph after three warm-up calls on a side stream (as
-    `torch.cuda.make_graphed_callables` warms up); returns the graph's replay."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return graph.replay
-
-
 def _measure(
     fn: Any, args: Sequence[torch.Tensor], backward: bool, module: nn.Module, spec: _Spec, active: bool,
     device: torch.device, ctrl: Any, dp: Any = None,
@@ -225,8 +210,8 @@ def _measure(
             base = torch.cuda.memory_allocated(device)
         error = None
         try:
-            if graphed and i == 0:
-                run = _graphed(run, device)
+            if graphed and i == 0:  # three warm-up calls and the capture (nccl records its collectives)
+                run = capture_graph(run).replay
             _sync(device)
             start = time.perf_counter()
             run()

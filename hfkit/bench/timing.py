@@ -24,6 +24,7 @@ import torch
 
 __all__ = [
     "Timing",
+    "capture_graph",
     "peak_memory",
     "rotating",
     "time_cpu",
@@ -97,6 +98,21 @@ def _warm_up(fn: Callable[[], Any], warmup: int) -> None:
     torch.cuda.synchronize()
 
 
+def capture_graph(fn: Callable[[], Any], warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """One call of `fn` captured as a CUDA graph on the current device, after `warmup` calls (at least
+    one) on a side stream; replay it with `.replay()`. Capture errors propagate."""
+    _warm_up(fn, max(1, warmup))
+    # The capture allocates in a private pool: hand the warm-up's cached blocks back first, or a step
+    # that uses most of the card (a 48-block stack) cannot be captured at all.
+    torch.cuda.empty_cache()
+    g = torch.cuda.CUDAGraph()
+    # torch.cuda.graph captures on its own side stream and gives the graph a private memory pool, so
+    # the tensors `fn` allocates inside the capture are reused by every replay.
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
 def _time_with_events(run: Callable[[], Any], reps: int) -> list[float]:
     # All events are recorded first and read after one synchronize, so the host never waits on the
     # device between runs and the queue stays full.
@@ -133,17 +149,8 @@ def time_cuda(
             f"time_cuda: expected reps >= 1, warmup >= 0, calls_per_graph >= 1, "
             f"got reps={reps}, warmup={warmup}, calls_per_graph={calls_per_graph}"
         )
-    _warm_up(fn, max(1, warmup))
     if graph:
-        # The capture allocates in a private pool: hand the warm-up's cached blocks back first, or a
-        # step that uses most of the card (a 48-block stack) cannot be captured at all.
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        g = torch.cuda.CUDAGraph()
-        # torch.cuda.graph captures on its own side stream and gives the graph a private memory pool,
-        # so the tensors `fn` allocates inside the capture are reused by every replay.
-        with torch.cuda.graph(g):
-            fn()
+        g = capture_graph(fn, warmup)
         for _ in range(3):  # first replays upload the graph; keep them out of the samples
             g.replay()
         torch.cuda.synchronize()
@@ -151,6 +158,7 @@ def time_cuda(
         del g
         method: TimingMethod = "cuda_graph"
     else:
+        _warm_up(fn, max(1, warmup))
         samples = _time_with_events(fn, reps)
         method = "cuda_events"
     return Timing.from_samples([s / calls_per_graph for s in samples], method)
