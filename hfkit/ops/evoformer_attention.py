@@ -91,10 +91,9 @@ class Config(NamedTuple):
 # scheduler, ~15 instructions per logit in the loop (14.4 now): bound by instruction issue, the pair
 # bias's load and conversion about a quarter of the time (195 ms against 142 ms without it at
 # N = 4096). exp2 of packed 16-bit pairs (`ex2.approx.f16x2` / `.bf16x2`) compiles to two MUFU.EX2
-# on sm_90: no saving there. Nsight Compute again at N = 1024 (this kernel, 2.9 ms): issue slots 74%
-# busy, no eligible warp 26% of cycles, occupancy 25% (registers and shared memory), L2 hit rate 88%
-# and DRAM 8.5% busy (the bias comes from L2), the integer/logic pipe the busiest (39%: the bias's
-# bf16 -> f32 conversion and addresses). A variant taking the bias as the first dot's accumulator
+# on sm_90: no saving there. Read again at N = 1024 (2.9 ms): no eligible warp 26% of cycles, L2 hit
+# rate 88% and DRAM 8.5% busy (the bias comes from L2), the integer/logic pipe the busiest (39%: the
+# bias's bf16 -> f32 conversion and addresses). A variant taking the bias as the first dot's accumulator
 # (q scaled by 1/sqrt(D) in bf16, natural units, one fused multiply-add into exp2) runs 13.2 instead
 # of 14.4 SASS instructions a logit but 25% slower (236 against 188 ms at N = 4096): the bias is then
 # loaded straight into the accumulator layout, outside the cp.async pipeline, and issue slots drop to
