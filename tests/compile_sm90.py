@@ -38,7 +38,13 @@ HOPPER = GPUTarget("cuda", 90, 32)
 FLOAT_ARGS = {"p", "scale", "qk_scale", "sm_scale", "eps", "mask_inf"}
 
 
-def compile_sm90(fn, pointers: dict[str, str], constexprs: dict[str, object], num_warps: int = 4) -> dict:
+def compile_sm90(
+    fn,
+    pointers: dict[str, str],
+    constexprs: dict[str, object],
+    num_warps: int = 4,
+    maxnreg: int | None = None,
+) -> dict:
     """Compile the @triton.jit `fn` for sm_90: `pointers` maps pointer arguments to element types
     ('bf16', 'fp32', 'i64', ...), `constexprs` gives every constexpr; other arguments are float32 when
     named in FLOAT_ARGS, else int32. Returns the compiled kernel's assembly by stage."""
@@ -54,7 +60,8 @@ def compile_sm90(fn, pointers: dict[str, str], constexprs: dict[str, object], nu
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     assert not missing, f"constexprs missing for {fn.__name__}: {missing}"
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    kernel = triton.compile(source, target=HOPPER, options={"num_warps": num_warps})
+    options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    kernel = triton.compile(source, target=HOPPER, options=options)
     COMPILED.append(fn.__name__)
     return kernel.asm
 
@@ -104,10 +111,14 @@ def attention_kernels(even: bool, dtype: str = "bf16", dot: int = 0) -> None:
     """The forward and the four backward passes with the tuned tiles (D = 32), ragged or whole; bf16
     on the tensor cores (DOT 0) or float32 as 3xTF32 / TF32 (DOT 3 / 4)."""
     ptrs = {k: dtype for k in ("Q", "K", "V", "Bias", "O", "DO", "DQ", "DK", "DV")}
-    ptrs.update({k: "fp32" for k in ("KeyBias", "Mx", "Lg", "Delta", "DB")})
+    ptrs.update({k: "fp32" for k in ("KeyBias", "Mx", "Lg", "Delta", "DB", "KNorm", "KBMax", "BMax")})
     flags = {"HAS_BIAS": True, "HAS_KEY_BIAS": True, "DOT": dot, "EVEN": even, "EVEN_MN": even, "BLOCK_D": 32}
     bm, bn, warps, stages = ea.CONFIGS_SMALL_D["fwd"]
-    assert "cubin" in compile_sm90(eak._evo_fwd_kernel, ptrs, {**flags, "BLOCK_M": bm, "BLOCK_N": bn}, warps)
+    for bounded in (False, True):  # the running max, and the fixed reference (launched with maxnreg 128)
+        tiles = {**flags, "BLOCK_M": bm, "BLOCK_N": bn, "BOUNDED": bounded}
+        assert "cubin" in compile_sm90(
+            eak._evo_fwd_kernel, ptrs, tiles, warps, maxnreg=128 if bounded else None
+        )
     for mode, pass_ in ((1, "dq"), (0, "dkdv"), (2, "dbias"), (3, "dkdv_dbias")):
         bm, bn, warps, stages, *rows = ea.CONFIGS_SMALL_D[pass_]
         tiles = {**flags, "MODE": mode, "BLOCK_M": bm, "BLOCK_N": bn, "ROWS": rows[0] if rows else 1}

@@ -140,6 +140,46 @@ def test_rows_grouped_under_a_shared_bias(group_rows, device, seed, monkeypatch)
         assert rel_err(actual, expected) < TOL[torch.float32], name
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "bias_shape", [(1, 1, 2, 19, 37), (2, 3, 2, 19, 37), (2, 1, 1, 1, 37), None], ids=str
+)
+@pytest.mark.parametrize("norm", [1.0, 40.0], ids=["plain", "loose-reference"])
+def test_bounded_forward(bias_shape, norm, dtype, device, seed, monkeypatch):
+    """The forward against a fixed reference per row (bounded, from BOUNDED_MIN_KEYS keys; lowered to
+    1 here): outputs and gradients equal the reference's with ragged sizes, bias broadcasts and masked
+    keys (plain: a fully masked row too). With q scaled by 40 the reference (|q| max|k|, Cauchy-Schwarz)
+    sits far above some rows' logits, their sums fall below 2**-60, and those programs redo their rows
+    with the running max: their row statistics are then the running-max kernel's, bit for bit."""
+    evo = importlib.import_module("hfkit.ops.evoformer_attention")
+    q, k, v = qkv(2, 3, 2, 19, 37, 16, dtype, device)
+    q = q * norm
+    bias = torch.randn(bias_shape, device=device, dtype=dtype) if bias_shape else None
+    mask = (torch.rand(2, 3, 37, device=device) > 0.3).float()
+    if norm == 1.0:
+        mask[1, 2] = 0  # an all-masked row: uniform weights, as the reference gives them
+    monkeypatch.setattr(evo, "BOUNDED_MIN_KEYS", 1)
+    if norm == 1.0:
+        for name, actual, expected in run_both(q, k, v, bias, mask):
+            assert rel_err(actual, expected) < TOL[dtype], name
+    key_bias = (mask - 1.0) * 1e9
+    o_bounded, mx_bounded, _ = evo._evo_fwd(q, k, v, bias, key_bias)
+    monkeypatch.setattr(evo, "BOUNDED_MIN_KEYS", 1 << 30)
+    o_running, mx_running, _ = evo._evo_fwd(q, k, v, bias, key_bias)
+    same = mx_bounded == mx_running
+    if norm == 1.0:
+        assert (~same).any()  # rows that kept their fixed reference
+    else:
+        assert same.any()  # rows redone with the running max: its results, bit for bit
+        torch.testing.assert_close(
+            o_bounded[same[..., None].expand_as(o_bounded)],
+            o_running[same[..., None].expand_as(o_running)],
+            rtol=0,
+            atol=0,
+        )
+
+
 def _backward_inputs(bias_shape, dtype, device):
     """q, k, v [2, 5, 2, 19|37, 16], a bias, a key bias (a fully masked row), the forward's o and row
     statistics, an incoming gradient, and the float32 reference's gradients of q, k, v and the bias."""

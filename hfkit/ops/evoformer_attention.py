@@ -4,7 +4,9 @@
 q: [B, S, H, Q, D], k/v: [B, S, H, K, D], a pair bias broadcast over MSA rows ([B, 1, H, Q, K]) and a
 key mask ([B, S, 1, 1, K] or [B, S, K]): MSA row attention with pair bias, and with S = 1 or no bias
 the other Evoformer attentions. The forward keeps no [Q, K] logits: it walks key blocks with an online
-softmax and saves two float32 numbers per query row (the running max and the log of the sum). The
+softmax and saves two float32 numbers per query row (the running max and the log of the sum); from
+`BOUNDED_MIN_KEYS` keys it takes a fixed reference per row instead of the running max (see
+`_evo_fwd_kernel`), and saves that reference in the max's place. The
 backward recomputes the probabilities block by block from them: one kernel for dq (a program per
 query block) and one for dk/dv (a program per key block) that, when the bias needs a gradient, also
 sums the logits' gradient over the rows the bias was broadcast over: a program walks a range of those
@@ -48,6 +50,10 @@ LOG2E = 1.4426950408889634  # the kernels work in base 2: exp2(x * log2(e)) = ex
 MAX_HEAD_DIM = 128
 # Rows the forward kernel runs side by side when they share one bias (see `_group_rows`).
 GROUP_ROWS = 16
+# Keys from which the forward runs bounded (`BOUNDED` in `_evo_fwd_kernel`): each row's softmax
+# against a fixed reference at or above its largest logit, from maxima the host takes first (three
+# small reductions), instead of a running max. (Untimed on a GPU yet: see the tile notes.)
+BOUNDED_MIN_KEYS = 1024
 # Float32 dbias partial sums that the fused dk/dv + dbias pass may keep in flight (each program adds into
 # its own [Q, BLOCK_N] slice once per row it walks): about two thirds of an H100/H200's 50 MB L2, so
 # that those loads and stores stay in L2: the pass runs fewer programs at once rather than pass it
@@ -100,6 +106,9 @@ class Config(NamedTuple):
 # 53% busy (no eligible warp 46%). Slower still on top of it (265, 240, 388 ms): rescaling only when
 # some row's max grew by more than 8 (a block-wide test a tile), the key bias through a second dot, a
 # float32 bias; other tiles of it 215-282 ms (probes not committed; SASS counted on the sm_90 cubin).
+# The bounded forward (`BOUNDED_MIN_KEYS`: a fixed reference per row, no running max, no rescaling)
+# keeps the loads as they are and runs 11.2 SASS instructions a logit at 128 registers (maxnreg; 162
+# without, for its fallback loop): not yet timed on a GPU.
 CONFIGS_SMALL_D: dict[str, tuple[int, ...]] = {
     "fwd": (128, 32, 4, 3),
     "dkdv": (32, 128, 4, 3),
@@ -250,18 +259,19 @@ def _check_key_bias(key_bias: torch.Tensor | None, q: torch.Tensor, k: torch.Ten
         raise ValueError("key_bias: gets no gradient from evoformer_attention, but requires grad; detach it")
 
 
+def _broadcast_strides(t: torch.Tensor) -> list[int]:
+    # Strides of t, 0 along its dims of size 1.
+    return [st if sz != 1 else 0 for st, sz in zip(t.stride(), t.shape, strict=True)]
+
+
 def _bias_strides(bias: torch.Tensor | None) -> list[int]:
     # Strides over [B, S, H, Q, K], 0 along broadcast dims.
-    if bias is None:
-        return [0] * 5
-    return [st if sz != 1 else 0 for st, sz in zip(bias.stride(), bias.shape, strict=True)]
+    return [0] * 5 if bias is None else _broadcast_strides(bias)
 
 
 def _key_bias_strides(key_bias: torch.Tensor | None) -> list[int]:
     # Strides over [B, S, K], 0 along broadcast dims.
-    if key_bias is None:
-        return [0] * 3
-    return [st if sz != 1 else 0 for st, sz in zip(key_bias.stride(), key_bias.shape, strict=True)]
+    return [0] * 3 if key_bias is None else _broadcast_strides(key_bias)
 
 
 if HAS_TRITON:
@@ -316,8 +326,20 @@ if HAS_TRITON:
             return 1
         return max(1, min(rows, GROUP_ROWS))
 
+    def _row_maxima(k, bias, key_bias):
+        """What the bounded forward's reference is made of: max_j |k_j| per (b, s, h) as [B*S*H], the
+        key bias's max per (b, s) as [B*S] (None without one), the bias's max per query row as
+        [B|1, S|1, H|1, Q|1] (None without one); float32. Approximate maxima would do as well: the
+        kernel redoes any row whose sum lands far from 1."""
+        b, s = k.shape[:2]
+        knorm = torch.linalg.vector_norm(k, dim=-1).amax(-1).float().reshape(-1)
+        kbmax = None if key_bias is None else key_bias.amax(-1).float().expand(b, s).reshape(-1)
+        bmax = None if bias is None else bias.amax(-1).float()
+        return knorm, kbmax, bmax
+
     def launch_fwd(q, k, v, bias, key_bias, o, mx, lg, cfg: Config) -> None:
-        """Run the forward kernel with tiles `cfg` (q, k, v with unit-stride rows; o, mx, lg outputs)."""
+        """Run the forward kernel with tiles `cfg` (q, k, v with unit-stride rows; o, mx, lg outputs);
+        bounded from `BOUNDED_MIN_KEYS` keys."""
         blocks = _split_rows(q, k, v, bias, key_bias, o, mx, lg)
         if blocks is not None:
             for args in blocks:
@@ -325,15 +347,21 @@ if HAS_TRITON:
             return
         b, s, h, n_q, d = q.shape
         n_k = k.shape[3]
+        bounded = n_k >= BOUNDED_MIN_KEYS
+        knorm, kbmax, bmax = _row_maxima(k, bias, key_bias) if bounded else (None, None, None)
+        bm_strides = [0] * 4 if bmax is None else _broadcast_strides(bmax)
+        # Bounded on CUDA: at most 128 registers, the running-max kernel's count, so that as many
+        # programs stay resident (the fallback loop would take it to 162; it spills outside the loops).
+        regs = {"maxnreg": 128} if bounded and q.is_cuda else {}
         launch(_evo_fwd_kernel, (cdiv(n_q, cfg.block_m), b * s * h),
-            q, k, v, bias, key_bias, o, mx, lg,
+            q, k, v, bias, key_bias, o, mx, lg, knorm, kbmax, bmax,
             s, h, n_q, n_k, d, LOG2E / math.sqrt(d), _group_rows(b * s, bias),
             *_qkv_strides(q), *_qkv_strides(k), *_qkv_strides(v), *_qkv_strides(o),
-            *_bias_strides(bias), *_key_bias_strides(key_bias),
+            *_bias_strides(bias), *_key_bias_strides(key_bias), *bm_strides,
             HAS_BIAS=bias is not None, HAS_KEY_BIAS=key_bias is not None, DOT=dot_mode(q),
-            EVEN=_even(n_q, n_k, d, cfg), EVEN_MN=_even_mn(n_q, n_k, cfg),
+            EVEN=_even(n_q, n_k, d, cfg), EVEN_MN=_even_mn(n_q, n_k, cfg), BOUNDED=bounded,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
-            num_warps=cfg.warps, num_stages=cfg.stages,
+            num_warps=cfg.warps, num_stages=cfg.stages, **regs,
         )  # fmt: skip
 
     _MODES = {"dkdv": 0, "dq": 1, "dbias": 2, "dkdv_dbias": 3}
