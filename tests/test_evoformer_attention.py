@@ -479,3 +479,16 @@ def test_offsets_past_2_to_the_31_cuda():
     for part in (slice(0, 2), slice(s - 2, s)):
         want = evoformer_attention_reference(q[:, part], k[:, part], v[:, part])
         assert rel_err(o[:, part], want) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d", [8, 32, 40])
+def test_row_maxima_key_norm(d, device):
+    """The bounded forward's max_j |k_j| per (b, s, h) from its kernel equals torch's on a strided k
+    (a permuted projection, as the model passes it) with a key count off the kernel's block."""
+    evo = importlib.import_module("hfkit.ops.evoformer_attention")
+    k = torch.randn(2, 3, 133, 5, d, device=device).permute(0, 1, 3, 2, 4)
+    knorm, kbmax, bmax = evo._row_maxima(k, None, None)
+    expected = torch.linalg.vector_norm(k.double(), dim=-1).amax(-1).reshape(-1)
+    torch.testing.assert_close(knorm.double(), expected, rtol=1e-6, atol=0)
+    assert kbmax is None and bmax is None

@@ -40,7 +40,7 @@ from hfkit.ops._triton import (
 from hfkit.ops.softmax import MASK_INF
 
 if HAS_TRITON:
-    from hfkit.ops._evoformer_attention_kernels import _evo_bwd_kernel, _evo_fwd_kernel
+    from hfkit.ops._evoformer_attention_kernels import _evo_bwd_kernel, _evo_fwd_kernel, _key_norm_kernel
 
 __all__ = ["MAX_HEAD_DIM", "evoformer_attention", "evoformer_attention_reference", "uses_triton"]
 
@@ -54,6 +54,8 @@ GROUP_ROWS = 16
 # against a fixed reference at or above its largest logit, from maxima the host takes first (three
 # small reductions), instead of a running max. (Untimed on a GPU yet: see the tile notes.)
 BOUNDED_MIN_KEYS = 1024
+# Registers a thread of the bounded forward may hold on CUDA (None: the compiler's choice).
+BOUNDED_MAXNREG: int | None = 128
 # Float32 dbias partial sums that the fused dk/dv + dbias pass may keep in flight (each program adds into
 # its own [Q, BLOCK_N] slice once per row it walks): about two thirds of an H100/H200's 50 MB L2, so
 # that those loads and stores stay in L2: the pass runs fewer programs at once rather than pass it
@@ -331,8 +333,10 @@ if HAS_TRITON:
         key bias's max per (b, s) as [B*S] (None without one), the bias's max per query row as
         [B|1, S|1, H|1, Q|1] (None without one); float32. Approximate maxima would do as well: the
         kernel redoes any row whose sum lands far from 1."""
-        b, s = k.shape[:2]
-        knorm = torch.linalg.vector_norm(k, dim=-1).amax(-1).float().reshape(-1)
+        b, s, h, n_k, d = k.shape
+        knorm = torch.empty(b * s * h, device=k.device, dtype=torch.float32)
+        launch(_key_norm_kernel, (b * s * h,), k, knorm, s, h, n_k, d, *_qkv_strides(k),
+               BLOCK_N=128, BLOCK_D=next_power_of_2(d), num_warps=4)  # fmt: skip
         kbmax = None if key_bias is None else key_bias.amax(-1).float().expand(b, s).reshape(-1)
         bmax = None if bias is None else bias.amax(-1).float()
         return knorm, kbmax, bmax
@@ -352,7 +356,7 @@ if HAS_TRITON:
         bm_strides = [0] * 4 if bmax is None else _broadcast_strides(bmax)
         # Bounded on CUDA: at most 128 registers, the running-max kernel's count, so that as many
         # programs stay resident (the fallback loop would take it to 162; it spills outside the loops).
-        regs = {"maxnreg": 128} if bounded and q.is_cuda else {}
+        regs = {"maxnreg": BOUNDED_MAXNREG} if bounded and q.is_cuda and BOUNDED_MAXNREG else {}
         launch(_evo_fwd_kernel, (cdiv(n_q, cfg.block_m), b * s * h),
             q, k, v, bias, key_bias, o, mx, lg, knorm, kbmax, bmax,
             s, h, n_q, n_k, d, LOG2E / math.sqrt(d), _group_rows(b * s, bias),
