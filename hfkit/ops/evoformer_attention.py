@@ -52,7 +52,10 @@ MAX_HEAD_DIM = 128
 GROUP_ROWS = 16
 # Keys from which the forward runs bounded (`BOUNDED` in `_evo_fwd_kernel`): each row's softmax
 # against a fixed reference at or above its largest logit, from maxima the host takes first (three
-# small reductions), instead of a running max. (Untimed on a GPU yet: see the tile notes.)
+# small reductions), instead of a running max. Forward alone, bf16, H200 (triangle attention, H 4,
+# D 32, through `_evo_fwd`, maxima included): 2.63 against 2.99 ms at N = 1024, 20.7 against 23.7 at
+# 2048, 162 against 190 at 4096; even at 512 (0.39 against 0.40), behind at 384 (0.19 against 0.18:
+# the maxima's launches).
 BOUNDED_MIN_KEYS = 1024
 # Registers a thread of the bounded forward may hold on CUDA (None: the compiler's choice).
 BOUNDED_MAXNREG: int | None = 128
@@ -110,7 +113,11 @@ class Config(NamedTuple):
 # float32 bias; other tiles of it 215-282 ms (probes not committed; SASS counted on the sm_90 cubin).
 # The bounded forward (`BOUNDED_MIN_KEYS`: a fixed reference per row, no running max, no rescaling)
 # keeps the loads as they are and runs 11.2 SASS instructions a logit at 128 registers (maxnreg; 162
-# without, for its fallback loop): not yet timed on a GPU.
+# without, for its fallback loop): 15% below the running max at N = 4096 (timings at
+# `BOUNDED_MIN_KEYS`; 5% slower without maxnreg). Not faster on top of it (probes, not committed): the
+# row sum through the tensor cores (p times a ones tile: 10.0 instructions a logit, 165 ms, spills at
+# 128 registers); two rows a program sharing each bias tile through a batched [2, M, N] dot (Triton
+# lowers it to mma.sync, not wgmma: 5-40x slower at N = 1024 and 2048, every tile tried).
 CONFIGS_SMALL_D: dict[str, tuple[int, ...]] = {
     "fwd": (128, 32, 4, 3),
     "dkdv": (32, 128, 4, 3),
