@@ -79,14 +79,16 @@ def _logits(
 
 
 @triton.jit
-def _online_rows(
+def _softmax_rows(
     q, k_base, v_base, Bias, KeyBias, offs_m, offs_d, d_ok, n_q, n_k, qk_scale, b_off, kb_off, sbq, sbk,
-    skb_k, skn, svn,
+    skb_k, skn, svn, bound,
     HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
-    EVEN_MN: tl.constexpr,
+    EVEN_MN: tl.constexpr, BOUNDED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    # The online softmax over every key block: (running max m, sum l relative to it, unnormalized o).
+    # The softmax over every key block: (reference m, sum l relative to it, unnormalized o). BOUNDED:
+    # against the fixed reference `bound` per row (base 2): no max, no shuffles, no rescaling of the
+    # sum and the output; else the online softmax's running max (bound unused).
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -98,49 +100,25 @@ def _online_rows(
             d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, 0, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN,
             False,
         )  # fmt: skip
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         vt = _ld(
             v_base + offs_n[:, None] * svn + offs_d[None, :],
             (offs_n < n_k)[:, None] & d_ok[None, :],
             EVEN,
         )
-        acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, DOT)
-        m_i = m_new
+        if BOUNDED:
+            p = tl.exp2(s - bound[:, None])
+            l_i += tl.sum(p, axis=1)
+            acc += dot(p.to(vt.dtype), vt, DOT)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, DOT)
+            m_i = m_new
+    if BOUNDED:
+        m_i = bound
     return m_i, l_i, acc
-
-
-@triton.jit
-def _bounded_rows(
-    q, k_base, v_base, Bias, KeyBias, offs_m, offs_d, d_ok, n_q, n_k, qk_scale, b_off, kb_off, sbq, sbk,
-    skb_k, skn, svn, bound,
-    HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
-    EVEN_MN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    # The softmax against a fixed reference per row (`bound`, base 2) instead of a running max: no max,
-    # no shuffles, no rescaling of the sum and the output. (sum l relative to bound, unnormalized o).
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(0, n_k, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        k_ptrs = k_base + offs_n[None, :] * skn + offs_d[:, None]
-        s = _logits(
-            q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-            d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, 0, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN,
-            False,
-        )  # fmt: skip
-        p = tl.exp2(s - bound[:, None])
-        l_i += tl.sum(p, axis=1)
-        vt = _ld(
-            v_base + offs_n[:, None] * svn + offs_d[None, :],
-            (offs_n < n_k)[:, None] & d_ok[None, :],
-            EVEN,
-        )
-        acc += dot(p.to(vt.dtype), vt, DOT)
-    return l_i, acc
 
 
 @triton.jit
@@ -185,6 +163,7 @@ def _evo_fwd_kernel(
     v_base = V + b.to(tl.int64) * svb + s_ * svs + h * svh
     b_off = b.to(tl.int64) * sbb + s_ * sbs + h * sbh
     kb_off = b.to(tl.int64) * skb_b + s_ * skb_s
+    bound = tl.zeros([BLOCK_M], dtype=tl.float32)
     if BOUNDED:
         # A reference at or above each row's largest logit (base 2): |q_i| max_j |k_j| scale (Cauchy-
         # Schwarz) + max_j bias_ij + max_j key_bias_j, from the host's maxima (`launch_fwd`). Rows
@@ -197,24 +176,19 @@ def _evo_fwd_kernel(
             bound += _ld(BMax + bm_off + offs_m * sbm_q, m_ok, EVEN_MN) * 1.4426950408889634
         if HAS_KEY_BIAS:
             bound += tl.load(KBMax + bsh // H) * 1.4426950408889634
-        l_i, acc = _bounded_rows(
-            q, k_base, v_base, Bias, KeyBias, offs_m, offs_d, d_ok, n_q, n_k, qk_scale, b_off, kb_off,
-            sbq, sbk, skb_k, skn, svn, bound, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN, BLOCK_M, BLOCK_N,
-            BLOCK_D,
-        )  # fmt: skip
-        m_i = bound
+    m_i, l_i, acc = _softmax_rows(
+        q, k_base, v_base, Bias, KeyBias, offs_m, offs_d, d_ok, n_q, n_k, qk_scale, b_off, kb_off,
+        sbq, sbk, skb_k, skn, svn, bound, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN, BOUNDED, BLOCK_M,
+        BLOCK_N, BLOCK_D,
+    )  # fmt: skip
+    if BOUNDED:
         sums_ok = (l_i >= 8.673617379884035e-19) & (l_i <= 1.152921504606847e18)  # 2**-60, 2**60
         if tl.min(tl.where(m_ok & ~sums_ok, 0, 1), axis=0) == 0:
-            m_i, l_i, acc = _online_rows(
+            m_i, l_i, acc = _softmax_rows(
                 q, k_base, v_base, Bias, KeyBias, offs_m, offs_d, d_ok, n_q, n_k, qk_scale, b_off, kb_off,
-                sbq, sbk, skb_k, skn, svn, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN, BLOCK_M, BLOCK_N,
-                BLOCK_D,
+                sbq, sbk, skb_k, skn, svn, bound, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN, False, BLOCK_M,
+                BLOCK_N, BLOCK_D,
             )  # fmt: skip
-    else:
-        m_i, l_i, acc = _online_rows(
-            q, k_base, v_base, Bias, KeyBias, offs_m, offs_d, d_ok, n_q, n_k, qk_scale, b_off, kb_off,
-            sbq, sbk, skb_k, skn, svn, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN, BLOCK_M, BLOCK_N, BLOCK_D,
-        )  # fmt: skip
     o = acc / l_i[:, None]
     o_ptrs = O + b.to(tl.int64) * sob + s_ * sos + h * soh + offs_m[:, None] * son + offs_d[None, :]
     _st(o_ptrs, o.to(O.dtype.element_ty), m_ok[:, None] & d_ok[None, :], EVEN)
