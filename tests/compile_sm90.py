@@ -125,6 +125,9 @@ def attention_kernels(even: bool, dtype: str = "bf16", dot: int = 0) -> None:
         assert "cubin" in compile_sm90(eak._evo_bwd_kernel, ptrs, tiles, warps)
     # The fused pass walking one row at a time.
     assert "cubin" in compile_sm90(eak._evo_bwd_kernel, ptrs, {**tiles, "ROWS": 1}, warps)
+    # The bounded forward's max_j |k_j| (as `_row_maxima` launches it).
+    norms = {"BLOCK_N": 128, "BLOCK_D": 32}
+    assert "cubin" in compile_sm90(eak._key_norm_kernel, {"K": dtype, "Out": "fp32"}, norms, 4)
 
 
 def norm_and_softmax_kernels() -> None:
