@@ -114,11 +114,10 @@ def attention_kernels(even: bool, dtype: str = "bf16", dot: int = 0) -> None:
     ptrs.update({k: "fp32" for k in ("KeyBias", "Mx", "Lg", "Delta", "DB", "KNorm", "KBMax", "BMax")})
     flags = {"HAS_BIAS": True, "HAS_KEY_BIAS": True, "DOT": dot, "EVEN": even, "EVEN_MN": even, "BLOCK_D": 32}
     bm, bn, warps, stages = ea.CONFIGS_SMALL_D["fwd"]
-    for bounded in (False, True):  # the running max, and the fixed reference (launched with maxnreg 128)
+    for bounded in (False, True):  # the running max, and the fixed reference (as `launch_fwd` caps it)
         tiles = {**flags, "BLOCK_M": bm, "BLOCK_N": bn, "BOUNDED": bounded}
-        assert "cubin" in compile_sm90(
-            eak._evo_fwd_kernel, ptrs, tiles, warps, maxnreg=128 if bounded else None
-        )
+        regs = ea.BOUNDED_MAXNREG if bounded else None
+        assert "cubin" in compile_sm90(eak._evo_fwd_kernel, ptrs, tiles, warps, maxnreg=regs)
     for mode, pass_ in ((1, "dq"), (0, "dkdv"), (2, "dbias"), (3, "dkdv_dbias")):
         bm, bn, warps, stages, *rows = ea.CONFIGS_SMALL_D[pass_]
         tiles = {**flags, "MODE": mode, "BLOCK_M": bm, "BLOCK_N": bn, "ROWS": rows[0] if rows else 1}

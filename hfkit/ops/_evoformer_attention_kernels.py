@@ -38,6 +38,13 @@ def _st(ptrs, value, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _split_bsh(bsh, S, H):
+    # (b, s, h) of the flat (b, s, h) index bsh = (b S + s) H + h; s and h as int64 (s * stride passes
+    # 2**31 once N > 4096: q of triangle attention is [1, N, H, N, D]).
+    return bsh // (H * S), ((bsh // H) % S).to(tl.int64), (bsh % H).to(tl.int64)
+
+
+@triton.jit
 def _bias_tile(Bias, b_off, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN: tl.constexpr):
     ok = (offs_m < n_q)[:, None] & (offs_n < n_k)[None, :]
     return _ld(Bias + b_off + offs_m[:, None] * sbq + offs_n[None, :] * sbk, ok, EVEN).to(tl.float32)
@@ -149,10 +156,7 @@ def _evo_fwd_kernel(
     rest = local // rows_here
     pid_m = rest % n_mb
     bsh = (g * group_rows + local % rows_here) * H + rest // n_mb
-    # int64 indices: s_ * sqs passes 2**31 once N > 4096 (q of triangle attention: [1, N, H, N, D]).
-    h = (bsh % H).to(tl.int64)
-    s_ = ((bsh // H) % S).to(tl.int64)
-    b = bsh // (H * S)
+    b, s_, h = _split_bsh(bsh, S, H)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < d
@@ -204,12 +208,10 @@ def _key_norm_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     # max_j |k_j| (float32) of one (b, s, h) slice per program: the bounded forward's Cauchy-Schwarz
-    # term, one read of k (a separate torch norm upcasts k to float32 first: 20 ms at N = 4096).
+    # term, one read of k (torch's vector_norm of k in float32 took 20 ms at N = 4096, H200).
     bsh = tl.program_id(0)
-    h = (bsh % H).to(tl.int64)
-    s_ = ((bsh // H) % S).to(tl.int64)
-    b = (bsh // (H * S)).to(tl.int64)
-    base = K + b * skb + s_ * sks + h * skh
+    b, s_, h = _split_bsh(bsh, S, H)
+    base = K + b.to(tl.int64) * skb + s_ * sks + h * skh
     offs_d = tl.arange(0, BLOCK_D)
     best = tl.zeros([BLOCK_N], dtype=tl.float32)
     for start in range(0, n_k, BLOCK_N):
@@ -365,9 +367,7 @@ def _evo_bwd_kernel(
             b, s_, h, bsh = _broadcast_row(r, tile_a, S, H, nb_s, nb_h)
         else:
             bsh = tile_a
-            h = (bsh % H).to(tl.int64)
-            s_ = ((bsh // H) % S).to(tl.int64)
-            b = bsh // (H * S)
+            b, s_, h = _split_bsh(bsh, S, H)
         q_base = Q + b.to(tl.int64) * sqb + s_ * sqs + h * sqh
         k_base = K + b.to(tl.int64) * skb + s_ * sks + h * skh
         v_base = V + b.to(tl.int64) * svb + s_ * svs + h * svh
