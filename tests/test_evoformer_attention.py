@@ -146,12 +146,14 @@ def test_rows_grouped_under_a_shared_bias(group_rows, device, seed, monkeypatch)
     "bias_shape", [(1, 1, 2, 19, 37), (2, 3, 2, 19, 37), (2, 1, 1, 1, 37), None], ids=str
 )
 @pytest.mark.parametrize("norm", [1.0, 40.0], ids=["plain", "loose-reference"])
-def test_bounded_forward(bias_shape, norm, dtype, device, seed, monkeypatch):
+@pytest.mark.parametrize("masked", [True, False], ids=["key-bias", "no-key-bias"])
+def test_bounded_forward(masked, bias_shape, norm, dtype, device, seed, monkeypatch):
     """The forward against a fixed reference per row (bounded, from BOUNDED_MIN_KEYS keys; lowered to
     1 here): outputs and gradients equal the reference's with ragged sizes, bias broadcasts and masked
     keys (plain: a fully masked row too). With q scaled by 40 the reference (|q| max|k|, Cauchy-Schwarz)
     sits far above some rows' logits, their sums fall below 2**-60, and those programs redo their rows
-    with the running max: their row statistics are then the running-max kernel's, bit for bit."""
+    with the running max: their row statistics are then the running-max kernel's, bit for bit. Without
+    a key bias the loop subtracts the reference in the scaling's fused multiply-add (SHIFTED)."""
     evo = importlib.import_module("hfkit.ops.evoformer_attention")
     q, k, v = qkv(2, 3, 2, 19, 37, 16, dtype, device)
     q = q * norm
@@ -159,11 +161,12 @@ def test_bounded_forward(bias_shape, norm, dtype, device, seed, monkeypatch):
     mask = (torch.rand(2, 3, 37, device=device) > 0.3).float()
     if norm == 1.0:
         mask[1, 2] = 0  # an all-masked row: uniform weights, as the reference gives them
+    mask = mask if masked else None
     monkeypatch.setattr(evo, "BOUNDED_MIN_KEYS", 1)
     if norm == 1.0:
         for name, actual, expected in run_both(q, k, v, bias, mask):
             assert rel_err(actual, expected) < TOL[dtype], name
-    key_bias = (mask - 1.0) * 1e9
+    key_bias = (mask - 1.0) * 1e9 if masked else None
     o_bounded, mx_bounded, _ = evo._evo_fwd(q, k, v, bias, key_bias)
     monkeypatch.setattr(evo, "BOUNDED_MIN_KEYS", 1 << 30)
     o_running, mx_running, _ = evo._evo_fwd(q, k, v, bias, key_bias)
@@ -178,6 +181,35 @@ def test_bounded_forward(bias_shape, norm, dtype, device, seed, monkeypatch):
             rtol=0,
             atol=0,
         )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_key_bias_dropped_where_bounded(device, seed, monkeypatch):
+    """A mask keeping every key (a key bias of zeros) reaches the kernels as no key bias from
+    BOUNDED_MIN_KEYS keys, with the same output; a mask dropping one key, or fewer keys, keeps it."""
+    evo = importlib.import_module("hfkit.ops.evoformer_attention")
+    seen = []
+    fwd = evo._evo_fwd
+
+    def spy(q, k, v, bias, key_bias):
+        seen.append(key_bias)
+        return fwd(q, k, v, bias, key_bias)
+
+    monkeypatch.setattr(evo, "_evo_fwd", spy)
+    q, k, v = qkv(1, 3, 2, 17, 33, 16, torch.float32, device)
+    bias = torch.randn(1, 1, 2, 17, 33, device=device)
+    ones = torch.ones(1, 3, 33, device=device)
+    dropped = ones.clone()
+    dropped[0, 1, 5] = 0
+    monkeypatch.setattr(evo, "BOUNDED_MIN_KEYS", 33)
+    for mask, kept in ((ones, False), (dropped, True), (None, False)):
+        out = evoformer_attention(q, k, v, bias, mask)
+        assert (seen.pop() is not None) == kept
+        expected = evoformer_attention_reference(q, k, v, bias, mask)
+        assert rel_err(out, expected) < TOL[torch.float32]
+    monkeypatch.setattr(evo, "BOUNDED_MIN_KEYS", 34)
+    evoformer_attention(q, k, v, bias, ones)
+    assert seen.pop() is not None
 
 
 def _backward_inputs(bias_shape, dtype, device):

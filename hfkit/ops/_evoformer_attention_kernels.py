@@ -53,25 +53,29 @@ def _bias_tile(Bias, b_off, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN: tl.constex
 @triton.jit
 def _logits(
     q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-    k_ok_d, b_off, kb_off, sbq, sbk, skb_k, btile,
+    k_ok_d, b_off, kb_off, sbq, sbk, skb_k, btile, shift,
     HAS_BIAS: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
     EVEN_MN: tl.constexpr,
-    BIAS_PRELOADED: tl.constexpr,
+    BIAS_PRELOADED: tl.constexpr, SHIFTED: tl.constexpr = False,
 ):  # fmt: skip
     # One [BLOCK_M, BLOCK_N] tile of logits in float32, in base-2 units (natural logits times
     # log2(e): qk_scale includes it, so the softmax is a bare exp2); keys past n_k are -inf.
     # BIAS_PRELOADED: `btile` holds this tile's bias already (float32), else it is loaded here.
     # Two fused multiply-adds per logit, the key bias joining the scaling and the bias the next one
     # (the softmax is issue-bound at small head dims: one instruction of ~15 per logit less than a
-    # multiply and two adds). The forward, dq and dbias passes take their logits from here; the
-    # dk/dv pass (`_dkdv_tile`) adds the same terms in the same order, its bias term (bias times
-    # log2(e), shared by the rows it walks) rounded once more.
+    # multiply and two adds). SHIFTED (the bounded forward without a key bias): the scaling's fused
+    # multiply-add also subtracts `shift`, the rows' reference, one add a logit less. The forward, dq
+    # and dbias passes take their logits from here; the dk/dv pass (`_dkdv_tile`) adds the same terms
+    # in the same order, its bias term (bias times log2(e), shared by the rows it walks) rounded once
+    # more.
     k_ok = offs_n < n_k
     kt = _ld(k_ptrs, k_ok[None, :] & k_ok_d, EVEN)
     s = dot(q, kt, DOT)
     if HAS_KEY_BIAS:
         kb = _ld(KeyBias + kb_off + offs_n * skb_k, k_ok, EVEN_MN) * 1.4426950408889634  # LOG2E
         s = tl.fma(s, qk_scale, kb[None, :])
+    elif SHIFTED:
+        s = tl.fma(s, qk_scale, -shift[:, None])
     else:
         s = s * qk_scale
     if HAS_BIAS:
@@ -104,8 +108,8 @@ def _softmax_rows(
         k_ptrs = k_base + offs_n[None, :] * skn + offs_d[:, None]
         s = _logits(
             q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-            d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, 0, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN,
-            False,
+            d_ok[:, None], b_off, kb_off, sbq, sbk, skb_k, 0, bound, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN,
+            EVEN_MN, False, BOUNDED and not HAS_KEY_BIAS,
         )  # fmt: skip
         vt = _ld(
             v_base + offs_n[:, None] * svn + offs_d[None, :],
@@ -113,7 +117,9 @@ def _softmax_rows(
             EVEN,
         )
         if BOUNDED:
-            p = tl.exp2(s - bound[:, None])
+            if HAS_KEY_BIAS:  # else `_logits` subtracted the reference already (SHIFTED)
+                s -= bound[:, None]
+            p = tl.exp2(s)
             l_i += tl.sum(p, axis=1)
             acc += dot(p.to(vt.dtype), vt, DOT)
         else:
@@ -234,7 +240,7 @@ def _probs_and_dlogits(
     # (of the natural logits; mx and lg are base-2 like the logits `_logits` returns).
     s = _logits(
         q, k_ptrs, Bias, KeyBias, offs_m, offs_n, n_q, n_k, qk_scale,
-        k_ok_d, b_off, kb_off, sbq, sbk, skb_k, btile, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN,
+        k_ok_d, b_off, kb_off, sbq, sbk, skb_k, btile, 0, HAS_BIAS, HAS_KEY_BIAS, DOT, EVEN, EVEN_MN,
         BIAS_PRELOADED,
     )  # fmt: skip
     p = tl.exp2((s - mx[:, None]) - lg[:, None])

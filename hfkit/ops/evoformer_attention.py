@@ -247,6 +247,7 @@ def evoformer_attention(
         add = (mask.detach().to(torch.float32) - 1.0) * MASK_INF
     if key_bias is not None:
         add = key_bias.to(torch.float32) if add is None else add + key_bias.to(torch.float32)
+    add = _drop_zero_key_bias(add, q, k)
     # A unit key stride lets the kernels load bias rows as vectors (Triton specializes a stride of 1);
     # a pair bias that is a permuted view of the pair projection (key stride H, as in the Evoformer)
     # would be gathered element by element on every one of its S re-reads. One copy is cheap beside
@@ -254,6 +255,20 @@ def evoformer_attention(
     bias, add = _unit_key_stride(bias), _unit_key_stride(add)
     o, _, _ = _evo_fwd(q, k, v, bias, add)
     return o
+
+
+def _drop_zero_key_bias(add: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """None in place of a key bias that is zero throughout (a mask keeping every key: single-chain
+    inference) where the forward runs bounded (from `BOUNDED_MIN_KEYS` keys): without one, its loop
+    subtracts the reference in the scaling's fused multiply-add (9.6 instead of 11.2 SASS instructions
+    a logit; 154 against 162 ms at N = 4096, H200). The same result up to float32 rounding. The test
+    waits for the device once, so it is skipped while a CUDA graph is captured or torch.compile
+    traces."""
+    if add is None or k.shape[3] < BOUNDED_MIN_KEYS or torch.compiler.is_compiling():
+        return add
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return add
+    return None if not bool(add.any()) else add
 
 
 def _unit_key_stride(t: torch.Tensor | None) -> torch.Tensor | None:
