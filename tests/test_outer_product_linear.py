@@ -27,12 +27,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 opl = importlib.import_module("hfkit.ops.outer_product_linear")
 
 
-@pytest.fixture(params=["batched", "rows"])
+@pytest.fixture(params=["batched", "rows", "projected"])
 def layout(request, monkeypatch):
-    """Both ways the op builds the outer product: stride-0 batched matmuls (S <= STRIDE0_MAX_ROWS, the
-    test sizes) and one matmul plus a swapping copy (forced here by a limit of 0 rows)."""
+    """Every way the op builds the outer product: stride-0 batched matmuls (S <= STRIDE0_MAX_ROWS, the
+    test sizes) and one matmul plus a swapping copy (forced here by a limit of 0 rows); projected: the
+    forward projects first and builds none (long sequences; forced here by thresholds of 0)."""
     if request.param == "rows":
         monkeypatch.setattr(opl, "STRIDE0_MAX_ROWS", 0)
+    if request.param == "projected":
+        monkeypatch.setattr(opl, "PROJECT_MIN_PAIRS", 0)
+        monkeypatch.setattr(opl, "PROJECT_MIN_ROWS", 0)
+        monkeypatch.setattr(opl, "PROJECT_MAX_FLOP_RATIO", float("inf"))
     return request.param
 
 
@@ -51,7 +56,11 @@ def test_matches_reference(dtype, with_bias, batch, e, layout, seed):
     f32 = [t.float() if t is not None else None for t in (a, b, w, bias)]
     ref, ref_grads = output_and_grads(outer_product_linear_reference, f32, dy.float())
     assert out.dtype == dtype and out.shape == (*batch, i, j, n)
-    assert_close(out.float(), ref, dtype=dtype, msg="output")
+    if layout == "projected":  # rounded in another order (p, then sums over (c, s)): to the output's scale
+        top = ref.abs().max()
+        assert_close(out.float() / top, ref / top, dtype=dtype, msg="output")
+    else:
+        assert_close(out.float(), ref, dtype=dtype, msg="output")
     for k, (actual, expected) in enumerate(zip(grads, ref_grads, strict=True)):
         scale = expected.abs().max().clamp_min(1e-12)
         assert actual.dtype == dtype and actual.shape == expected.shape
@@ -166,7 +175,10 @@ def test_autocast_matches_einsum_and_linear(layout, seed):
         out = outer_product_linear(a, b, lin.weight, lin.bias)
         ref = lin(torch.einsum("sic,sje->ijce", a, b).flatten(-2))
     assert out.dtype == ref.dtype == torch.bfloat16
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)  # the same bf16 matmuls, the same order
+    if layout == "projected":  # other bf16 matmuls: no outer product
+        assert_close(out.float() / ref.abs().max(), ref.float() / ref.abs().max(), dtype=torch.bfloat16)
+    else:
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)  # the same bf16 matmuls, the same order
     got = torch.autograd.grad(out.float().sum(), [a, b, lin.weight, lin.bias])
     want = torch.autograd.grad(ref.float().sum(), [a, b, lin.weight, lin.bias])
     for x, y in zip(got, want, strict=True):
