@@ -118,6 +118,9 @@ def attention_kernels(even: bool, dtype: str = "bf16", dot: int = 0) -> None:
         tiles = {**flags, "BLOCK_M": bm, "BLOCK_N": bn, "BOUNDED": bounded}
         regs = ea.BOUNDED_MAXNREG if bounded else None
         assert "cubin" in compile_sm90(eak._evo_fwd_kernel, ptrs, tiles, warps, maxnreg=regs)
+    # The bounded forward without a key bias (the reference subtracted in the scaling, SHIFTED).
+    no_key_bias = {**flags, "HAS_KEY_BIAS": False, "BLOCK_M": bm, "BLOCK_N": bn, "BOUNDED": True}
+    assert "cubin" in compile_sm90(eak._evo_fwd_kernel, ptrs, no_key_bias, warps, maxnreg=ea.BOUNDED_MAXNREG)
     for mode, pass_ in ((1, "dq"), (0, "dkdv"), (2, "dbias"), (3, "dkdv_dbias")):
         bm, bn, warps, stages, *rows = ea.CONFIGS_SMALL_D[pass_]
         tiles = {**flags, "MODE": mode, "BLOCK_M": bm, "BLOCK_N": bn, "ROWS": rows[0] if rows else 1}

@@ -31,13 +31,11 @@ opl = importlib.import_module("hfkit.ops.outer_product_linear")
 def layout(request, monkeypatch):
     """Every way the op builds the outer product: stride-0 batched matmuls (S <= STRIDE0_MAX_ROWS, the
     test sizes) and one matmul plus a swapping copy (forced here by a limit of 0 rows); projected: the
-    forward projects first and builds none (long sequences; forced here by thresholds of 0)."""
+    forward projects first and builds none (long sequences; forced here)."""
     if request.param == "rows":
         monkeypatch.setattr(opl, "STRIDE0_MAX_ROWS", 0)
     if request.param == "projected":
-        monkeypatch.setattr(opl, "PROJECT_MIN_PAIRS", 0)
-        monkeypatch.setattr(opl, "PROJECT_MIN_ROWS", 0)
-        monkeypatch.setattr(opl, "PROJECT_MAX_FLOP_RATIO", float("inf"))
+        monkeypatch.setattr(opl, "_projects_first", lambda *sizes: True)
     return request.param
 
 

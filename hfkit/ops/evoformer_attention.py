@@ -261,7 +261,7 @@ def _drop_zero_key_bias(add: torch.Tensor | None, q: torch.Tensor, k: torch.Tens
     """None in place of a key bias that is zero throughout (a mask keeping every key: single-chain
     inference) where the forward runs bounded (from `BOUNDED_MIN_KEYS` keys): without one, its loop
     subtracts the reference in the scaling's fused multiply-add (9.6 instead of 11.2 SASS instructions
-    a logit; 154 against 162 ms at N = 4096, H200). The same result up to float32 rounding. The test
+    a logit; 154 against 162 ms at N = 4096, H200). The same result up to float32 rounding. The check
     waits for the device once, so it is skipped while a CUDA graph is captured or torch.compile
     traces."""
     if add is None or k.shape[3] < BOUNDED_MIN_KEYS or torch.compiler.is_compiling():

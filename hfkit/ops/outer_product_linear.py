@@ -44,12 +44,12 @@ __all__ = ["outer_product_linear", "outer_product_linear_reference"]
 # module docstring); beyond, one matmul and a copy swapping c and j.
 STRIDE0_MAX_ROWS = 512
 # The forward projects before it contracts over the MSA rows (`_outer_projected`: no [*, I, J, C*E]
-# outer product at all) from PROJECT_MIN_PAIRS pairs I*J and PROJECT_MIN_ROWS rows I, where that does
-# at most PROJECT_MAX_FLOP_RATIO times the two-matmul path's multiply-adds (S*N <= 2*E*(S + N): S <= 128
-# at AlphaFold's widths). H200, bf16, S 128, C = E = 32, N 128 (the op alone): 26.6 against 34.9 ms
-# at I = J = 4096, where the outer product is 34 GB; 6.9 against 6.6 at 2048.
+# outer product at all) from PROJECT_MIN_PAIRS pairs I*J, where that does at most
+# PROJECT_MAX_FLOP_RATIO times the two-matmul path's multiply-adds (S*N <= 2*E*(S + N): S <= 128 at
+# AlphaFold's widths) and holds no more memory (I*E >= S*N: I >= 512 there). H200, bf16, S 128,
+# C = E = 32, N 128 (the op alone): 26.6 against 34.9 ms at I = J = 4096, where the outer product is
+# 34 GB; 6.9 against 6.6 at 2048.
 PROJECT_MIN_PAIRS = 1 << 23
-PROJECT_MIN_ROWS = 256
 PROJECT_MAX_FLOP_RATIO = 2.0
 
 
@@ -79,17 +79,17 @@ def _outer_ijec(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _projects_first(s: int, i: int, j: int, e: int, n: int) -> bool:
     """Whether the forward takes `_outer_projected` (see PROJECT_MIN_PAIRS): multiply-adds S*N per
-    (i, j, c) against E*(S + N) for the outer product and its projection."""
-    return (
-        i * j >= PROJECT_MIN_PAIRS and i >= PROJECT_MIN_ROWS and s * n <= PROJECT_MAX_FLOP_RATIO * e * (s + n)
-    )
+    (i, j, c) against E*(S + N) for the outer product and its projection; its [C, S*J, N] operand no
+    larger than the [I, J, C*E] outer product."""
+    flops_ok = s * n <= PROJECT_MAX_FLOP_RATIO * e * (s + n)
+    return i * j >= PROJECT_MIN_PAIRS and i * e >= s * n and flops_ok
 
 
 def _outer_projected(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """a [B, S, I, C], b [B, S, J, E], weight [N, C*E] -> [B, I, J, N] without the outer product:
     y[i, (j, n)] = sum over (c, s) of a[s, i, c] p[(c, s), (j, n)], where p[c, s, j, n] = sum over e of
     b[s, j, e] weight[n, (c, e)] ([C, S*J, N], b read in place by a batched matmul over c). One matmul of
-    I rows, C*S deep and J*N wide, writing the output in place; p is N/(C*E) of the outer product's
+    I rows, C*S deep and J*N wide, writing the output in place; p is S*N/(I*E) of the outer product's
     size, at the cost of S*N instead of E*(S + N) multiply-adds per (i, j, c)."""
     batch, s, i, c = a.shape
     j, e = b.shape[-2:]
