@@ -120,12 +120,14 @@ class Config(NamedTuple):
 # lowers it to mma.sync, not wgmma: 5-40x slower at N = 1024 and 2048, every tile tried). Nor (probes
 # of 2026-12-04, N = 4096, forward alone; the tile above 162-171 ms over four runs): two rows a program
 # with their own 2D dots sharing each bias tile, which halves the bias's loads and conversions (9.6
-# instructions a logit at 4 warps and 248 registers: 171-173 ms; 8 warps or caps of 128-192
-# registers: 175-210), so the loads from L2 do not bound it either; (256, 32, 8, 3), halving k and v's
-# loads: 176-178 ms; (128, 64, 8, 3) 170-172; (64, 32, 4, 3) at 96 registers (13.9 a logit) 188;
-# 2 or 4 stages 175 / 167; groups of 32 rows 174; the loads through tensor descriptors (TMA): 12.2
-# instructions a logit (the barriers of the asynchronous copies), not timed; `warp_specialize` on the
-# loop: ignored for this kernel on sm_90 (the same SASS).
+# instructions a logit at 4 warps and 248 registers, half the resident warps: 171-173 ms; 8 warps or
+# caps of 128-192 registers: 175-210); (256, 32, 8, 3), halving k and v's loads: 176-178 ms;
+# (128, 64, 8, 3) 170-172; (64, 32, 4, 3) at 96 registers (13.9 a logit) 188; 2 or 4 stages 175 / 167;
+# groups of 32 rows 174; the loads through tensor descriptors (TMA): 12.2 instructions a logit (the
+# barriers of the asynchronous copies), not timed; `warp_specialize` on the loop: ignored for this
+# kernel on sm_90 (the same SASS). A float32 bias, no conversion (10.9 instructions a logit, 10.5 at
+# 2 stages) but twice the bias's bytes: 257-276 ms, so the bias's loads do cost time, and two rows a
+# program lost by the warps it could not keep resident, not by its loads.
 CONFIGS_SMALL_D: dict[str, tuple[int, ...]] = {
     "fwd": (128, 32, 4, 3),
     "dkdv": (32, 128, 4, 3),
