@@ -128,6 +128,17 @@ class Config(NamedTuple):
 # kernel on sm_90 (the same SASS). A float32 bias, no conversion (10.9 instructions a logit, 10.5 at
 # 2 stages) but twice the bias's bytes: 257-276 ms, so the bias's loads do cost time, and two rows a
 # program lost by the warps it could not keep resident, not by its loads.
+# What bounds it (Nsight Compute at N = 2048, this tile, 2026-12-04, clocks locked at 1.36 GHz): 64% of
+# issue slots busy, the MUFU pipe (exp2) 53% busy, L2 at 34% of its peak throughput (5.2 TB/s of bias,
+# k and v from L2, hit rate 88%), 4 warps per scheduler; warps wait on barriers (11%), fixed-latency
+# results (14%) and MUFU or shared-memory results (13%). Neither memory nor one pipe is saturated; a
+# Triton program runs its loads, dots and softmax in the same warps, one after the other, and no
+# tiling above changed that. Not faster either (probes, not committed): a persistent kernel whose
+# programs on one SM (`%smid`) walk consecutive rows of one (head, query block) so that the shared
+# bias could come from L1 (`.ca`): 235 against 153 ms at N = 4096 (the bias of every head and query
+# block live at once: L2 hit rate 32%, DRAM 48% busy, L1 hits unchanged at 8%); the row sums kept
+# per thread and reduced once after the loop (9.1 instead of 9.6 instructions a logit, no spills at
+# 128 registers): 161-164 against 162-164 ms.
 CONFIGS_SMALL_D: dict[str, tuple[int, ...]] = {
     "fwd": (128, 32, 4, 3),
     "dkdv": (32, 128, 4, 3),
