@@ -92,8 +92,10 @@ def test_lean_extra_msa_stack_equals_forward_float64() -> None:
     assert _rel(z_out, z_ref) <= REL_TOL[torch.float64]
 
 
-def test_lean_with_fused_modules_equals_forward() -> None:
-    """`to_hfkit` swaps every fused module in; lean_forward calls them (their references on a CPU)."""
+@pytest.mark.parametrize("chunk_size", [4, None])
+def test_lean_with_fused_modules_equals_forward(chunk_size) -> None:
+    """`to_hfkit` swaps every fused module in; lean_forward calls them (their references on a CPU), in
+    chunks or (None) whole, where the triangle updates and attentions run the modules themselves."""
     import hfkit.nn  # noqa: F401 - registers every swap
     from hfkit.nn.convert import to_hfkit
     from hfkit.ops import reference_on_cpu
@@ -104,7 +106,7 @@ def test_lean_with_fused_modules_equals_forward() -> None:
     assert report.summary()  # something was swapped
     with torch.no_grad(), reference_on_cpu():
         ref = fused(m, z, msa_mask, pair_mask)
-        out = lean_forward(fused, m.clone(), z.clone(), msa_mask, pair_mask, chunk_size=4)
+        out = lean_forward(fused, m.clone(), z.clone(), msa_mask, pair_mask, chunk_size=chunk_size)
     for actual, expected in zip(out, ref, strict=True):
         assert _rel(actual, expected) <= REL_TOL[torch.float32]
 
@@ -261,9 +263,11 @@ def test_resolve_chunk_sizes() -> None:
     assert whole["msa_row_attention"] == S and whole["triangle_attention"] == N
 
 
-def test_lean_with_fused_kernels_under_the_interpreter() -> None:
+@pytest.mark.parametrize("chunk_size", [4, None])
+def test_lean_with_fused_kernels_under_the_interpreter(chunk_size) -> None:
     """The Triton kernels (compiled on a GPU, interpreted on a CPU) on the strided chunks the lean path
-    hands them: transposed views for column and ending-node attention, incoming triangle updates."""
+    hands them: transposed views for column and ending-node attention, incoming triangle updates; and
+    (None) on the whole axes, through the modules."""
     import hfkit.nn  # noqa: F401 - registers every swap
     from hfkit.nn.convert import to_hfkit
 
@@ -271,7 +275,7 @@ def test_lean_with_fused_kernels_under_the_interpreter() -> None:
     m, z, msa_mask, pair_mask = _inputs(TINY.c_m, torch.float32, s=3, n=6)
     with torch.no_grad():
         ref = stack(m, z, msa_mask, pair_mask)
-    out = lean_forward(stack, m.clone(), z.clone(), msa_mask, pair_mask, chunk_size=4)
+    out = lean_forward(stack, m.clone(), z.clone(), msa_mask, pair_mask, chunk_size=chunk_size)
     for actual, expected in zip(out, ref, strict=True):
         assert _rel(actual, expected) <= REL_TOL[torch.float32]
 

@@ -18,7 +18,7 @@ their references). What each op keeps while it runs, with c the chunk size:
   columns (incoming) at a time from rows (columns) of z that no earlier chunk has updated. A chunk of
   the whole axis runs the module itself (hfkit's fused kernels where they are swapped in).
 - Triangle attention: the triangle bias [*, H, N, N], then c rows (starting node) or columns (ending
-  node) at a time.
+  node) at a time; a chunk of the whole axis runs the module itself.
 
 With `offload_msa`, the MSA representation is copied to pinned host memory once the outer product mean
 has read it and its device memory is released while the pair ops run; it is copied back before the
@@ -450,7 +450,7 @@ def _outer_product_mean_(opm, m: torch.Tensor, z: torch.Tensor, mask: torch.Tens
         mask_i = mask.narrow(-2, start, size)
         norm = torch.einsum("...sia,...sja->...ija", mask_i, mask)  # [*, size, N, 1]
         outer = opm._outer(a.narrow(-2, start, size), b)  # [*, size, N, C_z]
-        z.narrow(-3, start, size).add_(outer / (opm.eps + norm))
+        z.narrow(-3, start, size).add_(opm._normalize(outer, opm.eps + norm))
         del norm, outer
 
 
@@ -502,6 +502,12 @@ def _triangle_multiplication_(
 def _triangle_attention_(att: TriangleAttention, z: torch.Tensor, mask: torch.Tensor, chunk: int) -> None:
     """z += the triangle attention's update: the triangle bias [*, H, N, N] once, then rows (starting
     node) or columns (ending node, on the transposed view) at a time."""
+    if chunk >= z.shape[-2]:
+        # One chunk: the module itself, which normalizes z once (the chunks below normalize it for the
+        # bias and again for the rows) and, where hfkit's attention is swapped in, attends along
+        # columns without copying the transposed view or updating it strided.
+        z.add_(att(z, mask=mask))
+        return
     zv = z if att.starting else z.transpose(-2, -3)
     mask_v = mask if att.starting else mask.transpose(-1, -2)
     n = z.shape[-2]
