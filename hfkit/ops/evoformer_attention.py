@@ -138,7 +138,12 @@ class Config(NamedTuple):
 # bias could come from L1 (`.ca`): 235 against 153 ms at N = 4096 (the bias of every head and query
 # block live at once: L2 hit rate 32%, DRAM 48% busy, L1 hits unchanged at 8%); the row sums kept
 # per thread and reduced once after the loop (9.1 instead of 9.6 instructions a logit, no spills at
-# 128 registers): 161-164 against 162-164 ms.
+# 128 registers): 161-164 against 162-164 ms. Triton 3.6's automatic warp specialization for sm_90
+# (`tl.range(..., warp_specialize=True)` over tensor-descriptor loads, compiled for sm_90 offline) does
+# not take this loop: at 4 warps its data-partition pass aborts ("Unexpected op", even for a bare
+# q k^T -> exp2 -> p v loop), at 8 warps it leaves the loop as it is; a plain TMA matmul loop is
+# specialized. Loads and tensor-core work in warps of their own would take a kernel written below
+# Triton's programs (Gluon or CUDA).
 CONFIGS_SMALL_D: dict[str, tuple[int, ...]] = {
     "fwd": (128, 32, 4, 3),
     "dkdv": (32, 128, 4, 3),
