@@ -40,6 +40,7 @@ from hfkit.ops._triton import (
 from hfkit.ops.softmax import MASK_INF
 
 if HAS_TRITON:
+    from hfkit.ops import _evoformer_attention_gluon as _gluon
     from hfkit.ops._evoformer_attention_kernels import _evo_bwd_kernel, _evo_fwd_kernel, _key_norm_kernel
 
 __all__ = ["MAX_HEAD_DIM", "evoformer_attention", "evoformer_attention_reference", "uses_triton"]
@@ -59,6 +60,14 @@ GROUP_ROWS = 16
 BOUNDED_MIN_KEYS = 1024
 # Registers a thread of the bounded forward may hold on CUDA (None: the compiler's choice).
 BOUNDED_MAXNREG: int | None = 128
+# The bounded forward through the warp-specialized Gluon kernel where it applies (sm_90, bfloat16, head
+# dim 32, a shared pair bias and no key bias: `hfkit.ops._evoformer_attention_gluon.applies`) from
+# GLUON_MIN_KEYS keys, the Triton kernel elsewhere and for calls whose row sums leave [2**-60, 2**60]
+# there. Triangle attention, H200 (forward alone, starting / ending node): 138.5 / 140.7 against 152.1 /
+# 157.9 ms at N = 4096, 18.1 / 18.7 against 19.7 / 20.2 at 2048, but 2.81 against 2.51-2.78 at 1024
+# (the check of the sums waits for the device).
+GLUON_FWD = True
+GLUON_MIN_KEYS = 2048
 # Float32 dbias partial sums that the fused dk/dv + dbias pass may keep in flight (each program adds into
 # its own [Q, BLOCK_N] slice once per row it walks): about two thirds of an H100/H200's 50 MB L2, so
 # that those loads and stores stay in L2: the pass runs fewer programs at once rather than pass it
@@ -396,6 +405,12 @@ if HAS_TRITON:
         bmax = None if bias is None else bias.amax(-1).float()
         return knorm, kbmax, bmax
 
+    def _sums_ok(lg: torch.Tensor) -> bool:
+        """Whether every row's log2 sum against its reference lies in [-60, 60], where the bounded
+        forward's sums are trusted (the Triton kernel redoes other rows with the online softmax);
+        waits for the device."""
+        return bool(((lg >= -60.0) & (lg <= 60.0)).all())
+
     def launch_fwd(q, k, v, bias, key_bias, o, mx, lg, cfg: Config) -> None:
         """Run the forward kernel with tiles `cfg` (q, k, v with unit-stride rows; o, mx, lg outputs);
         bounded from `BOUNDED_MIN_KEYS` keys."""
@@ -408,6 +423,10 @@ if HAS_TRITON:
         n_k = k.shape[3]
         bounded = n_k >= BOUNDED_MIN_KEYS
         knorm, kbmax, bmax = _row_maxima(k, bias, key_bias) if bounded else (None, None, None)
+        if bounded and GLUON_FWD and n_k >= GLUON_MIN_KEYS and _gluon.applies(q, k, v, bias, key_bias):
+            group = _group_rows(b * s, bias)
+            if _gluon.forward(q, k, v, bias, o, mx, lg, knorm, bmax.contiguous(), group) and _sums_ok(lg):
+                return
         bm_strides = [0] * 4 if bmax is None else _broadcast_strides(bmax)
         # Bounded on CUDA: at most 128 registers, the running-max kernel's count, so that as many
         # programs stay resident (the fallback loop would take it to 162; it spills outside the loops).

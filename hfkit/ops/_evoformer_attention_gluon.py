@@ -1,0 +1,264 @@
+"""The bounded attention forward of `hfkit.ops.evoformer_attention` as a warp-specialized Gluon kernel for
+sm_90 (H100, H200), where it takes the long-sequence case: a pair bias shared by every row, no key bias,
+head dim 32, bfloat16.
+
+Triton's own programs run the loads, the dots and the softmax in the same warps, one after the other,
+and Triton 3.6's automatic warp specialization does not take this loop (see the notes at
+`CONFIGS_SMALL_D`). Here one producer warp (24 registers) brings the k, v and bias tiles of a program
+into a ring of `STAGES` shared-memory slots with the tensor-memory accelerator (TMA), each slot's
+arrival counted by an mbarrier; the four consumer warps (128 queries) wait on a slot, run q kᵀ and p v
+as asynchronous wgmma, read the bias tile with ldmatrix, and release the slot through a second
+mbarrier. The consumers' loop carries no load addresses and no CTA-wide barriers: 7.3 SASS
+instructions a logit against 9.6 for the Triton kernel, 137.8 against 152.3 ms for a triangle
+attention at N = 4096 on an H200 (exp2 then bounds it: about 81 ms at full rate).
+
+The math is the Triton kernel's bounded loop (`_evo_fwd_kernel` with BOUNDED, SHIFTED): logits in base
+2 against the same per-row reference, written to the same outputs (o, the reference as the row max, and
+log2 of the sum), so the backward is unchanged. The caller redoes a call whose sums fall outside
+[2**-60, 2**60] with the Triton kernel (which walks such rows again with the online softmax).
+
+q, k and v are read through 2D views [rows, columns] that TMA descriptors can describe, for tensors laid
+out as a projection [S, N, H, D] (rows s N + n, columns h D + d: MSA rows, triangle attention around the
+starting node) or its transpose [N, S, H, D] (rows n, columns s H D + h D + d: around the ending node);
+`applies` checks that, the sizes and everything else, and the caller takes the Triton kernel otherwise.
+Gluon kernels compile only on a GPU (no interpreter): the tests run on CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAS_GLUON = True
+except ImportError:  # no Triton, or one without Gluon's Hopper API
+    HAS_GLUON = False
+
+__all__ = ["HAS_GLUON", "applies", "forward"]
+
+# Tiles: queries a program (the 4 consumer warps), keys a tile, the head dim, ring slots, the producer
+# warp's registers, the registers a thread is launched with (three programs an SM by registers, two by
+# shared memory at 4 slots). From a sweep on an H200 at N = 4096 (a probe, not committed): 32-key tiles
+# 160-166 ms, 2 or 3 slots 138.7 and 142.3, two consumer warpgroups on 256 queries 180-377, no producer
+# warp (the consumers issuing TMA) 150-155.
+BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PRODUCER_REGS, MAX_REGS = 128, 64, 32, 4, 24, 128
+# Set when a launch failed to compile (a Triton whose Gluon API differs): the Triton kernel from then on.
+_BROKEN: list[str] = []
+
+if HAS_GLUON:
+    _LOG2E = gl.constexpr(1.4426950408889634)
+    # Triton 3.6 names the TMA load `async_copy_global_to_shared`, later ones `async_load`.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+    @gluon.jit
+    def _issue(k_desc, v_desc, b_desc, bar, k_buf, v_buf, b_buf, k_row, k_col, b_row, start):
+        nbytes: gl.constexpr = 2 * k_desc.block_type.nbytes + b_desc.block_type.nbytes
+        mbarrier.expect(bar, nbytes)
+        _tma_load(k_desc, [k_row + start, k_col], bar, k_buf)
+        _tma_load(v_desc, [k_row + start, k_col], bar, v_buf)
+        _tma_load(b_desc, [b_row, start], bar, b_buf)
+
+    @gluon.jit
+    def _producer(
+        k_desc, v_desc, b_desc, k_smem, v_smem, b_smem, ready, empty, k_row, k_col, b_row, n_tiles,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    ):  # fmt: skip
+        # Tile j goes to slot j % STAGES once the consumers released that slot's previous tile (the
+        # first pass waits on the phase before the barrier's first: it returns at once).
+        for j in range(n_tiles):
+            slot = j % STAGES
+            mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+            _issue(k_desc, v_desc, b_desc, ready.index(slot), k_smem.index(slot), v_smem.index(slot),
+                   b_smem.index(slot), k_row, k_col, b_row, j * BLOCK_N)  # fmt: skip
+
+    @gluon.jit
+    def _consumer(
+        q_desc, q_smem, k_smem, v_smem, b_smem, ready, empty, q_bar, O, Mx, Lg, KNorm, BMax,
+        bsh, s_, h, m0, q_row, q_col, n_q, n_tiles, qk_scale, sos, soh, son,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+    ):  # fmt: skip
+        nw: gl.constexpr = gl.num_warps()
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[nw, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[nw, 1], instr_shape=[16, D, 16]
+        )
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+        q_rows: gl.constexpr = gl.BlockedLayout([1, D], [32, 1], [nw, 1], [1, 0])
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_row, q_col], q_bar, q_smem)
+        mbarrier.wait(q_bar, 0)
+        # The row's reference, as the Triton kernel takes it: |q_i| max_j |k_j| scale + max_j bias_ij.
+        qf = q_smem.load(q_rows).to(gl.float32)
+        q_norm = gl.convert_layout(gl.sqrt(gl.sum(qf * qf, axis=1)), row_s)
+        offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
+        bound = q_norm * (gl.load(KNorm + bsh) * qk_scale) + gl.load(BMax + h * n_q + offs_m) * _LOG2E
+        shift = -gl.expand_dims(bound, 1)
+        l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+        acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        for j in range(n_tiles):
+            slot = j % STAGES
+            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+            kt = k_smem.index(slot).permute((1, 0))
+            s_tok = warpgroup_mma(q_smem, kt, s_zero, use_acc=False, is_async=True)
+            t = b_smem.index(slot).load(s_layout).to(gl.float32)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+            s = gl.fma(t, _LOG2E, gl.fma(s, qk_scale, shift))
+            p = gl.exp2(s)
+            l_i += gl.sum(p, axis=1)
+            p16 = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+            acc = warpgroup_mma(p16, v_smem.index(slot), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(slot), count=1)
+        o = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+        offs_mo = m0 + gl.arange(0, BLOCK_M, layout=row_o)
+        offs_d = gl.arange(0, D, layout=col_o)
+        o_base = O + s_.to(gl.int64) * sos + h * soh
+        gl.store(o_base + gl.expand_dims(offs_mo, 1) * son + gl.expand_dims(offs_d, 0), o.to(gl.bfloat16))
+        gl.store(Mx + bsh.to(gl.int64) * n_q + offs_m, bound)
+        gl.store(Lg + bsh.to(gl.int64) * n_q + offs_m, gl.log2(l_i))
+
+    @gluon.jit
+    def _fwd_kernel(
+        q_desc, k_desc, v_desc, b_desc, O, Mx, Lg, KNorm, BMax,
+        H, n_q, n_k, qk_scale, group_rows, q_rs, q_cs, k_rs, k_cs, sos, soh, son,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
+    ):  # fmt: skip
+        # Grid (query blocks, S*H), programs ordered as `_evo_fwd_kernel`'s: rows fastest in groups of
+        # `group_rows`, so that programs running together share the bias tiles in L2.
+        n_mb = gl.num_programs(0)
+        pid = gl.program_id(1) * n_mb + gl.program_id(0)
+        per_group = group_rows * n_mb * H
+        g = pid // per_group
+        local = pid - g * per_group
+        rows_here = gl.minimum(group_rows, gl.num_programs(1) // H - g * group_rows)
+        rest = local // rows_here
+        pid_m = rest % n_mb
+        bsh = (g * group_rows + local % rows_here) * H + rest // n_mb
+        s_ = bsh // H
+        h = bsh % H
+        m0 = pid_m * BLOCK_M
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D], v_desc.layout)
+        b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_N], b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(q_bar, count=1)
+        n_tiles = n_k // BLOCK_N
+        # The argument tuples stay inline: a tuple bound to a name turns its constexprs into tensors.
+        gl.warp_specialize(
+            [
+                (_consumer, (
+                    q_desc, q_smem, k_smem, v_smem, b_smem, ready, empty, q_bar, O, Mx, Lg, KNorm, BMax,
+                    bsh, s_, h, m0, s_ * q_rs + m0, s_ * q_cs + h * D, n_q, n_tiles, qk_scale, sos, soh, son,
+                    BLOCK_M, BLOCK_N, D, STAGES,
+                )),
+                (_producer, (
+                    k_desc, v_desc, b_desc, k_smem, v_smem, b_smem, ready, empty,
+                    s_ * k_rs, s_ * k_cs + h * D, h * n_q + m0, n_tiles, BLOCK_N, STAGES,
+                )),
+            ],
+            [1],
+            [PRODUCER_REGS],
+        )  # fmt: skip
+
+
+def _rows_view(t: torch.Tensor) -> tuple[int, int, list[int], list[int]] | None:
+    """For t [1, S, H, N, D] (unit stride along D): (rows a step of S, columns a step of S, shape,
+    strides) of the 2D view [rows, columns] that a TMA descriptor reads it through, row (s, n) and
+    column (s, h, d) at `s * rows + n` and `s * columns + h D + d`; None for other layouts."""
+    _, s, h, n, d = t.shape
+    _, ss, sh, sn, sd = t.stride()
+    if sd != 1 or sh != d:
+        return None
+    if sn == h * d and (ss == n * h * d or s == 1):  # a projection [S, N, H, D]
+        return n, 0, [s * n, h * d], [h * d, 1]
+    if ss == h * d and (sn == s * h * d or n == 1):  # its transpose [N, S, H, D]
+        return 0, h * d, [n, s * h * d], [s * h * d, 1]
+    return None
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, key_bias) -> bool:
+    """Whether `forward` takes this bounded forward call (CUDA sm_90, bfloat16, one batch, head dim 32, a
+    bfloat16 pair bias [1, 1, H, Q, K] dense along Q and K, no key bias, Q a multiple of `BLOCK_M`, K of
+    `BLOCK_N` and at least `STAGES` tiles, q, k, v laid out as `_rows_view` reads them, 16-byte aligned,
+    and no torch.compile trace or CUDA graph capture: the caller then checks the sums, which waits for
+    the device)."""
+    if not HAS_GLUON or _BROKEN or not q.is_cuda or key_bias is not None or bias is None:
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return False
+    b, s, h, n_q, d = q.shape
+    n_k = k.shape[3]
+    if b != 1 or d != HEAD_DIM or n_q % BLOCK_M or n_k % BLOCK_N or n_k < STAGES * BLOCK_N:
+        return False
+    if any(t.dtype != torch.bfloat16 for t in (q, k, v, bias)):
+        return False
+    if tuple(bias.shape) != (1, 1, h, n_q, n_k) or bias.stride()[2:] != (n_q * n_k, n_k, 1):
+        return False
+    if any(t.data_ptr() % 16 for t in (q, k, v, bias)):
+        return False
+    views = [_rows_view(t) for t in (q, k, v)]
+    return all(views) and views[1][:2] == views[2][:2]
+
+
+def _desc(t: torch.Tensor, view, block: list[int]):
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    return TensorDescriptor(t, view[2], view[3], block, layout)
+
+
+def forward(q, k, v, bias, o, mx, lg, knorm, bmax, group_rows: int) -> bool:
+    """Run the kernel on a call `applies` took (o, mx, lg: outputs laid out as the Triton forward's;
+    knorm, bmax: `_row_maxima`'s key norms and bias row maxima). Returns False, having warned once,
+    when this Triton's Gluon cannot compile it; the caller then runs the Triton kernel."""
+    _, s, h, n_q, d = q.shape
+    n_k = k.shape[3]
+    q_view, k_view = _rows_view(q), _rows_view(k)
+    b2 = [h * n_q, n_k], [n_k, 1]
+    descs = (
+        _desc(q, q_view, [BLOCK_M, d]),
+        _desc(k, k_view, [BLOCK_N, d]),
+        _desc(v, k_view, [BLOCK_N, d]),
+        _desc(bias, (None, None, *b2), [BLOCK_M, BLOCK_N]),
+    )
+    try:
+        _fwd_kernel[(n_q // BLOCK_M, s * h)](
+            *descs, o, mx, lg, knorm, bmax, h, n_q, n_k, 1.4426950408889634 / math.sqrt(d), group_rows,
+            q_view[0], q_view[1], k_view[0], k_view[1], o.stride(1), o.stride(2), o.stride(3),
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d, STAGES=STAGES, PRODUCER_REGS=PRODUCER_REGS,
+            num_warps=4, maxnreg=MAX_REGS,
+        )  # fmt: skip
+    except Exception as err:  # noqa: BLE001 - a Gluon API this code does not know: fall back, once
+        _BROKEN.append(repr(err))
+        warnings.warn(
+            f"hfkit: the Gluon attention forward did not compile ({err!r}); using the Triton kernel",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    return True
