@@ -31,6 +31,8 @@ import warnings
 
 import torch
 
+from hfkit.ops._evoformer_attention_kernels import _program_tile
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -144,15 +146,9 @@ if HAS_GLUON:
     ):  # fmt: skip
         # Grid (query blocks, S*H), programs ordered as `_evo_fwd_kernel`'s: rows fastest in groups of
         # `group_rows`, so that programs running together share the bias tiles in L2.
-        n_mb = gl.num_programs(0)
-        pid = gl.program_id(1) * n_mb + gl.program_id(0)
-        per_group = group_rows * n_mb * H
-        g = pid // per_group
-        local = pid - g * per_group
-        rows_here = gl.minimum(group_rows, gl.num_programs(1) // H - g * group_rows)
-        rest = local // rows_here
-        pid_m = rest % n_mb
-        bsh = (g * group_rows + local % rows_here) * H + rest // n_mb
+        pid_m, bsh = _program_tile(
+            gl.program_id(0), gl.program_id(1), gl.num_programs(0), gl.num_programs(1), group_rows, H
+        )
         s_ = bsh // H
         h = bsh % H
         m0 = pid_m * BLOCK_M

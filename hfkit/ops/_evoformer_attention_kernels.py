@@ -45,6 +45,20 @@ def _split_bsh(bsh, S, H):
 
 
 @triton.jit
+def _program_tile(pid_x, pid_y, n_mb, n_bsh, group_rows, H):
+    # (query block, flat (b, s, h) index) of the forward's program (pid_x, pid_y) in a grid of
+    # (n_mb query blocks, n_bsh = B*S*H): programs are taken in (row r = b*S + s, query block, head)
+    # order, rows fastest in groups of `group_rows` (the Gluon forward orders its programs alike).
+    pid = pid_y * n_mb + pid_x
+    per_group = group_rows * n_mb * H
+    g = pid // per_group
+    local = pid - g * per_group
+    rows_here = tl.minimum(group_rows, n_bsh // H - g * group_rows)
+    rest = local // rows_here
+    return rest % n_mb, (g * group_rows + local % rows_here) * H + rest // n_mb
+
+
+@triton.jit
 def _bias_tile(Bias, b_off, offs_m, offs_n, n_q, n_k, sbq, sbk, EVEN: tl.constexpr):
     ok = (offs_m < n_q)[:, None] & (offs_n < n_k)[None, :]
     return _ld(Bias + b_off + offs_m[:, None] * sbq + offs_n[None, :] * sbk, ok, EVEN).to(tl.float32)
@@ -153,15 +167,9 @@ def _evo_fwd_kernel(
     # are neighbours in (row r = b*S + s, query block, head) order below, rows fastest in groups of
     # `group_rows`. A bias shared by every row (triangle attention's [H, N, N] is 128 MB at N = 4096,
     # more than L2) is then read from memory about once per group instead of once per row.
-    n_mb = tl.num_programs(0)
-    pid = tl.program_id(1) * n_mb + tl.program_id(0)
-    per_group = group_rows * n_mb * H
-    g = pid // per_group
-    local = pid - g * per_group
-    rows_here = tl.minimum(group_rows, tl.num_programs(1) // H - g * group_rows)
-    rest = local // rows_here
-    pid_m = rest % n_mb
-    bsh = (g * group_rows + local % rows_here) * H + rest // n_mb
+    pid_m, bsh = _program_tile(
+        tl.program_id(0), tl.program_id(1), tl.num_programs(0), tl.num_programs(1), group_rows, H
+    )
     b, s_, h = _split_bsh(bsh, S, H)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
