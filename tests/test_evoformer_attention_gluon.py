@@ -13,10 +13,13 @@ import torch
 from hfkit.ops import _evoformer_attention_gluon as gluon_fwd
 from hfkit.ops import evoformer_attention, evoformer_attention_reference
 
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and gluon_fwd.HAS_GLUON),
-    reason="the Gluon forward runs on sm_90 GPUs (H100, H200) only",
-)
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not (SM90 and gluon_fwd.HAS_GLUON), reason="the Gluon forward runs on sm_90 GPUs (H100, H200) only"
+    ),
+]
 H, D = 4, 32
 
 
