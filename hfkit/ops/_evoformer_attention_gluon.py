@@ -26,7 +26,6 @@ Gluon kernels compile only on a GPU (no interpreter): the tests run on CUDA.
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -223,29 +222,30 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, key_bias) -
     return all(views) and views[1][:2] == views[2][:2]
 
 
-def _desc(t: torch.Tensor, view, block: list[int]):
+def _desc(t: torch.Tensor, shape: list[int], strides: list[int], block: list[int]):
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-    return TensorDescriptor(t, view[2], view[3], block, layout)
+    return TensorDescriptor(t, shape, strides, block, layout)
 
 
-def forward(q, k, v, bias, o, mx, lg, knorm, bmax, group_rows: int) -> bool:
+def forward(q, k, v, bias, o, mx, lg, knorm, bmax, qk_scale: float, group_rows: int) -> bool:
     """Run the kernel on a call `applies` took (o, mx, lg: outputs laid out as the Triton forward's;
-    knorm, bmax: `_row_maxima`'s key norms and bias row maxima). Returns False, having warned once,
-    when this Triton's Gluon cannot compile it; the caller then runs the Triton kernel."""
+    knorm, bmax: `_row_maxima`'s key norms and bias row maxima; qk_scale: log2(e) / sqrt(D)). Returns
+    False, having warned once, when this Triton's Gluon cannot compile it; the caller then runs the
+    Triton kernel."""
     _, s, h, n_q, d = q.shape
     n_k = k.shape[3]
-    q_view, k_view = _rows_view(q), _rows_view(k)
-    b2 = [h * n_q, n_k], [n_k, 1]
+    q_rs, q_cs, *q_2d = _rows_view(q)
+    k_rs, k_cs, *k_2d = _rows_view(k)
     descs = (
-        _desc(q, q_view, [BLOCK_M, d]),
-        _desc(k, k_view, [BLOCK_N, d]),
-        _desc(v, k_view, [BLOCK_N, d]),
-        _desc(bias, (None, None, *b2), [BLOCK_M, BLOCK_N]),
+        _desc(q, *q_2d, [BLOCK_M, d]),
+        _desc(k, *k_2d, [BLOCK_N, d]),
+        _desc(v, *k_2d, [BLOCK_N, d]),
+        _desc(bias, [h * n_q, n_k], [n_k, 1], [BLOCK_M, BLOCK_N]),
     )
     try:
         _fwd_kernel[(n_q // BLOCK_M, s * h)](
-            *descs, o, mx, lg, knorm, bmax, h, n_q, n_k, 1.4426950408889634 / math.sqrt(d), group_rows,
-            q_view[0], q_view[1], k_view[0], k_view[1], o.stride(1), o.stride(2), o.stride(3),
+            *descs, o, mx, lg, knorm, bmax, h, n_q, n_k, qk_scale, group_rows,
+            q_rs, q_cs, k_rs, k_cs, o.stride(1), o.stride(2), o.stride(3),
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d, STAGES=STAGES, PRODUCER_REGS=PRODUCER_REGS,
             num_warps=4, maxnreg=MAX_REGS,
         )  # fmt: skip

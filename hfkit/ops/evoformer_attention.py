@@ -151,15 +151,8 @@ class Config(NamedTuple):
 # (`tl.range(..., warp_specialize=True)` over tensor-descriptor loads, compiled for sm_90 offline) does
 # not take this loop: at 4 warps its data-partition pass aborts ("Unexpected op", even for a bare
 # q k^T -> exp2 -> p v loop), at 8 warps it leaves the loop as it is; a plain TMA matmul loop is
-# specialized. Written by hand in Gluon (Triton 3.6's `triton.experimental.gluon`, a probe, not
-# committed): the same bounded loop with k, v and bias tiles brought by TMA into a 4-deep ring of shared
-# memory by a producer warp of its own (24 registers, `gl.warp_specialize`), mbarriers between it and
-# the 4 consumer warps (128 queries, 64 keys a tile, asynchronous wgmma, the bias read with ldmatrix)
-# runs 7.3 SASS instructions a logit (no load addresses, no CTA barriers) and 137.8 against 152.3 ms at
-# N = 4096 (18.1 against 19.2 at 2048), the same outputs to bf16 rounding; without the producer warp
-# 150-155 ms, with two consumer warpgroups on 256 queries 180-377. At 7.3 instructions a logit the
-# exp2 unit is the floor (about 81 ms at N = 4096 at the 1.6 GHz this load runs at), so a tuned
-# warp-specialized kernel is where a 48-block run at N = 4096 near 20 s would come from.
+# specialized. The warp-specialized kernel written by hand in Gluon instead is
+# `hfkit.ops._evoformer_attention_gluon` (`GLUON_FWD`): 7.3 instructions a logit.
 CONFIGS_SMALL_D: dict[str, tuple[int, ...]] = {
     "fwd": (128, 32, 4, 3),
     "dkdv": (32, 128, 4, 3),
@@ -424,8 +417,9 @@ if HAS_TRITON:
         bounded = n_k >= BOUNDED_MIN_KEYS
         knorm, kbmax, bmax = _row_maxima(k, bias, key_bias) if bounded else (None, None, None)
         if bounded and GLUON_FWD and n_k >= GLUON_MIN_KEYS and _gluon.applies(q, k, v, bias, key_bias):
-            group = _group_rows(b * s, bias)
-            if _gluon.forward(q, k, v, bias, o, mx, lg, knorm, bmax.contiguous(), group) and _sums_ok(lg):
+            scale, group = LOG2E / math.sqrt(d), _group_rows(b * s, bias)
+            ran = _gluon.forward(q, k, v, bias, o, mx, lg, knorm, bmax.contiguous(), scale, group)
+            if ran and _sums_ok(lg):
                 return
         bm_strides = [0] * 4 if bmax is None else _broadcast_strides(bmax)
         # Bounded on CUDA: at most 128 registers, the running-max kernel's count, so that as many
