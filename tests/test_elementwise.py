@@ -23,7 +23,13 @@ from hfkit.nn import (
     to_hfkit,
     to_torch,
 )
-from hfkit.ops import bias_dropout_add, bias_dropout_add_reference, sigmoid_gate, sigmoid_gate_reference
+from hfkit.ops import (
+    bias_dropout_add,
+    bias_dropout_add_reference,
+    elementwise,
+    sigmoid_gate,
+    sigmoid_gate_reference,
+)
 from hfkit.ops.elementwise import dropout_keep_mask, row_scale, row_scale_reference, uses_triton
 
 DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (
@@ -77,6 +83,26 @@ def test_sigmoid_gate_strided_and_mixed_dtypes(device, seed):
     assert_close(y, y_ref, torch.float32)
     assert_close(do, do_ref, torch.float32)
     assert_close(dg.float(), dg_ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lead", [(3, 5), (1, 4), (6,)], ids=str)
+def test_sigmoid_gate_reads_a_column_slice_in_place(device, lead, seed):
+    # g a column slice of a wider projection (one GEMM of stacked weights): read with its row
+    # stride, no copy; the result is the reference's.
+    proj = torch.randn(*lead, 24, device=device, dtype=torch.bfloat16) * 3
+    g = proj[..., 8:19]
+    o = torch.randn(*lead, 11, device=device, dtype=torch.bfloat16)
+    assert not g.is_contiguous() and elementwise._row_stride(g, 11) == 24
+    y = sigmoid_gate(g, o)
+    assert_close(y.float(), sigmoid_gate_reference(g.float(), o.float()), torch.bfloat16)
+    # Rows not equally spaced (every other row of 3 x 5): copied first, same result.
+    uneven = torch.randn(3, 5, 24, device=device, dtype=torch.bfloat16)[:, ::2, 8:19]
+    assert elementwise._row_stride(uneven, 11) is None
+    o = torch.randn(3, 3, 11, device=device, dtype=torch.bfloat16)
+    assert_close(
+        sigmoid_gate(uneven, o).float(), sigmoid_gate_reference(uneven.float(), o.float()), torch.bfloat16
+    )
 
 
 def test_sigmoid_gate_cpu_fallback_is_the_reference():

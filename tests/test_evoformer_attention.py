@@ -524,3 +524,35 @@ def test_row_maxima_key_norm(d, device):
     expected = torch.linalg.vector_norm(k.double(), dim=-1).amax(-1).reshape(-1)
     torch.testing.assert_close(knorm.double(), expected, rtol=1e-6, atol=0)
     assert kbmax is None and bmax is None
+
+
+def test_int32_slice_check_counts_the_span_of_a_slice():
+    """`_int32_slices`: the element span of one (b, s, h) slice against 2**31 (meta tensors: no memory):
+    the ending node's q [N, S, H, D] at N = 4096 fits, one residue more does not; dense [B, S, H, N, D]
+    always fits."""
+    evo = importlib.import_module("hfkit.ops.evoformer_attention")
+
+    def ending_node_q(n, width=128):  # [1, S=n, H=4, N=n, 32] viewed from [n(N), n(S), width]
+        return torch.empty_strided((1, n, 4, n, 32), (0, width, 32, n * width, 1), device="meta")
+
+    assert evo._int32_slices(ending_node_q(4096))
+    assert not evo._int32_slices(ending_node_q(4097))
+    assert not evo._int32_slices(ending_node_q(4096, width=520))
+    assert evo._int32_slices(torch.empty((1, 9000, 4, 9000, 32), device="meta"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_slices_past_int32_run_on_dense_copies(device, seed, monkeypatch):
+    """Inputs whose slices the Triton kernels cannot index in 32 bits run on dense copies: forward and
+    gradients as the direct call's (the check forced on small strided views)."""
+    evo = importlib.import_module("hfkit.ops.evoformer_attention")
+    wide = torch.randn(1, 37, 3, 2, 3 * 16 + 8, device=device)  # [N, S, H?] -> q, k, v column slices
+    q, k, v = (wide[..., i * 16 : (i + 1) * 16].permute(0, 2, 3, 1, 4) for i in range(3))
+    bias = torch.randn(1, 1, 2, 37, 37, device=device)
+    torch.manual_seed(1)  # run_both draws the output gradient
+    want = run_both(*(t.detach().clone() for t in (q, k, v, bias)))
+    monkeypatch.setattr(evo, "_int32_slices", lambda *tensors: False)
+    torch.manual_seed(1)
+    got = run_both(*(t.detach().clone() for t in (q, k, v, bias)))
+    for (name, a, _), (_, b, _) in zip(got, want, strict=True):
+        assert rel_err(a, b) < 1e-6, name

@@ -27,15 +27,25 @@ def _evo():
     return importlib.import_module("hfkit.ops.evoformer_attention")
 
 
-def _qkv(s, n_q, n_k, transposed, scale=1.0):
+def _qkv(s, n_q, n_k, transposed, scale=1.0, sliced=False):
     """q [1, S, H, Q, D] and k, v [1, S, H, K, D] in bfloat16 as views of projections [S, N, H, D] or, as
-    the ending node's attention gets them, of [N, S, H, D]."""
+    the ending node's attention gets them, of [N, S, H, D]; with `sliced` (Q = K), as column slices of
+    one wider projection [S, N, 3 H D + 8] (or its transpose), as `stacked_linear` makes them."""
 
     def proj(n):
         if transposed:
             return torch.randn(1, n, s, H, D, device="cuda").permute(0, 2, 3, 1, 4)
         return torch.randn(1, s, n, H, D, device="cuda").permute(0, 1, 3, 2, 4)
 
+    if sliced:
+        assert n_q == n_k
+        wide = torch.randn(1, n_q, s, 3 * H * D + 8, device="cuda") if transposed else None
+        wide = wide if transposed else torch.randn(1, s, n_q, 3 * H * D + 8, device="cuda")
+        wide[..., : H * D] *= scale
+        wide = wide.to(torch.bfloat16)
+        heads = [wide[..., i * H * D : (i + 1) * H * D].unflatten(-1, (H, D)) for i in range(3)]
+        order = (0, 2, 3, 1, 4) if transposed else (0, 1, 3, 2, 4)
+        return tuple(t.permute(*order) for t in heads)
     q = (proj(n_q) * scale).to(torch.bfloat16)
     return q, proj(n_k).to(torch.bfloat16), proj(n_k).to(torch.bfloat16)
 
@@ -55,10 +65,14 @@ def _spy(monkeypatch):
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["projection", "transposed"])
-@pytest.mark.parametrize(("s", "n_q", "n_k"), [(3, 1024, 1024), (2, 256, 1088)], ids=str)
-def test_matches_the_triton_kernel(s, n_q, n_k, transposed, seed, monkeypatch):
+@pytest.mark.parametrize(
+    ("s", "n_q", "n_k", "sliced"),
+    [(3, 1024, 1024, False), (2, 256, 1088, False), (3, 1024, 1024, True)],
+    ids=str,
+)
+def test_matches_the_triton_kernel(s, n_q, n_k, sliced, transposed, seed, monkeypatch):
     evo = _evo()
-    q, k, v = _qkv(s, n_q, n_k, transposed)
+    q, k, v = _qkv(s, n_q, n_k, transposed, sliced=sliced)
     bias = torch.randn(1, 1, H, n_q, n_k, device="cuda", dtype=torch.bfloat16)
     assert gluon_fwd.applies(q, k, v, bias, None)
     calls = _spy(monkeypatch)

@@ -19,7 +19,8 @@ log2 of the sum), so the backward is unchanged. The caller redoes a call whose s
 
 q, k and v are read through 2D views [rows, columns] that TMA descriptors can describe, for tensors laid
 out as a projection [S, N, H, D] (rows s N + n, columns h D + d: MSA rows, triangle attention around the
-starting node) or its transpose [N, S, H, D] (rows n, columns s H D + h D + d: around the ending node);
+starting node) or its transpose [N, S, H, D] (rows n, columns s H D + h D + d: around the ending node),
+also as column slices of a wider projection (q, k, v and the gate from one GEMM, as inference makes them);
 `applies` checks that, the sizes and everything else, and the caller takes the Triton kernel otherwise.
 Gluon kernels compile only on a GPU (no interpreter): the tests run on CUDA.
 """
@@ -132,7 +133,9 @@ if HAS_GLUON:
         offs_mo = m0 + gl.arange(0, BLOCK_M, layout=row_o)
         offs_d = gl.arange(0, D, layout=col_o)
         o_base = O + s_.to(gl.int64) * sos + h * soh
-        gl.store(o_base + gl.expand_dims(offs_mo, 1) * son + gl.expand_dims(offs_d, 0), o.to(gl.bfloat16))
+        # 64-bit row offsets: the ending node's o [N, S, H, D] spans more than 2**31 elements beyond N = 4096.
+        rows_o = gl.expand_dims(offs_mo.to(gl.int64), 1) * son
+        gl.store(o_base + rows_o + gl.expand_dims(offs_d, 0), o.to(gl.bfloat16))
         gl.store(Mx + bsh.to(gl.int64) * n_q + offs_m, bound)
         gl.store(Lg + bsh.to(gl.int64) * n_q + offs_m, gl.log2(l_i))
 
@@ -184,15 +187,17 @@ if HAS_GLUON:
 def _rows_view(t: torch.Tensor) -> tuple[int, int, list[int], list[int]] | None:
     """For t [1, S, H, N, D] (unit stride along D): (rows a step of S, columns a step of S, shape,
     strides) of the 2D view [rows, columns] that a TMA descriptor reads it through, row (s, n) and
-    column (s, h, d) at `s * rows + n` and `s * columns + h D + d`; None for other layouts."""
+    column (s, h, d) at `s * rows + n` and `s * columns + h D + d`; None for other layouts. t may be
+    the head columns of a wider projection (q, k or v beside the other projections of one GEMM): the
+    rows are then further apart than H D (a multiple of 16 bytes, as TMA needs)."""
     _, s, h, n, d = t.shape
     _, ss, sh, sn, sd = t.stride()
     if sd != 1 or sh != d:
         return None
-    if sn == h * d and (ss == n * h * d or s == 1):  # a projection [S, N, H, D]
-        return n, 0, [s * n, h * d], [h * d, 1]
-    if ss == h * d and (sn == s * h * d or n == 1):  # its transpose [N, S, H, D]
-        return 0, h * d, [n, s * h * d], [s * h * d, 1]
+    if sn >= h * d and sn % 8 == 0 and (ss == n * sn or s == 1):  # a projection [S, N, >= H D]
+        return n, 0, [s * n, h * d], [sn, 1]
+    if ss >= h * d and ss % 8 == 0 and (sn == s * ss or n == 1):  # its transpose [N, S, >= H D]
+        return 0, ss, [n, s * ss], [s * ss, 1]
     return None
 
 

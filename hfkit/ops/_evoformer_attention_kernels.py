@@ -231,7 +231,9 @@ def _key_norm_kernel(
     for start in range(0, n_k, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         ok = (offs_n < n_k)[:, None] & (offs_d < d)[None, :]
-        kt = tl.load(base + offs_n[:, None] * skn + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+        # 64-bit: k may be a slice of a projection whose rows span more than 2**31 elements.
+        kt = tl.load(base + offs_n[:, None].to(tl.int64) * skn + offs_d[None, :], mask=ok, other=0.0)
+        kt = kt.to(tl.float32)
         best = tl.maximum(best, tl.sum(kt * kt, axis=1))
     tl.store(Out + bsh, tl.sqrt(tl.max(best, axis=0)))
 

@@ -309,6 +309,22 @@ def _gate_layout(g: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int]:
     return g.numel() // n, n
 
 
+def _row_stride(t: torch.Tensor, n: int) -> int | None:
+    """The distance between the rows of t viewed as [numel / n, n] when those rows are equally spaced
+    with unit stride inside (t dense, or a column slice of a wider dense tensor), else None."""
+    if t.dim() == 0 or t.shape[-1] != n or (n > 1 and t.stride(-1) != 1):
+        return None
+    if t.dim() == 1:
+        return n
+    row = t.stride(-2)
+    expect = row
+    for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1]), strict=True):
+        if size != 1 and stride != expect:
+            return None
+        expect *= size
+    return row if row >= n else None
+
+
 def _dropout_layout(shape: torch.Size, shared_dim: int) -> tuple[int, int, int, int, int, int]:
     """(R, B, S, MB, MC, C) of x viewed as [R, B] rows for the kernel.
 
@@ -361,13 +377,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _gate_fwd_kernel(
-        G, O, Bias, Y, M, N, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+        G, O, Bias, Y, M, N, stride_g, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
     ):
-        # Traffic: read g and o, write y (3 passes; eager: sigmoid, then the product = 5).
+        # Traffic: read g and o, write y (3 passes; eager: sigmoid, then the product = 5). g's rows may
+        # lie stride_g apart (a column slice of a wider projection).
         rows, cols = _tile_indices(N, BLOCK_M, BLOCK_N)
         ok = (rows < M)[:, None] & (cols < N)[None, :]
         offs = rows[:, None] * N + cols[None, :]
-        g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         if HAS_BIAS:
             g += tl.load(Bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         o = tl.load(O + offs, mask=ok, other=0.0).to(tl.float32)
@@ -472,9 +489,10 @@ if HAS_TRITON:
 
     @hfkit_op("sigmoid_gate_fwd")
     def _sigmoid_gate_fwd(g: torch.Tensor, o: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        gc, oc = g.contiguous(), o.contiguous()
-        y = torch.empty(g.shape, dtype=torch.promote_types(g.dtype, o.dtype), device=g.device)
         m, n = _gate_layout(g, bias)
+        stride_g = _row_stride(g, n)
+        gc, oc = (g, o.contiguous()) if stride_g is not None else (g.contiguous(), o.contiguous())
+        y = torch.empty(g.shape, dtype=torch.promote_types(g.dtype, o.dtype), device=g.device)
         bm, bn, warps = _tile(n)
         launch(
             _gate_fwd_kernel,
@@ -485,6 +503,7 @@ if HAS_TRITON:
             y,
             m,
             n,
+            n if stride_g is None else stride_g,
             HAS_BIAS=bias is not None,
             BLOCK_M=bm,
             BLOCK_N=bn,

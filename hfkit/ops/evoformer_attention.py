@@ -421,6 +421,25 @@ if HAS_TRITON:
             ran = _gluon.forward(q, k, v, bias, o, mx, lg, knorm, bmax.contiguous(), scale, group)
             if ran and _sums_ok(lg):
                 return
+        if not _int32_slices(q, k, v, o):
+            # The Triton kernels index within a (b, s, h) slice in 32 bits: run them on dense copies.
+            dense = torch.empty(q.shape, dtype=o.dtype, device=o.device)
+            args = (q.contiguous(), k.contiguous(), v.contiguous(), bias, key_bias, dense, mx, lg)
+            _launch_fwd_triton(*args, cfg, knorm, kbmax, bmax)
+            o.copy_(dense)
+            return
+        _launch_fwd_triton(q, k, v, bias, key_bias, o, mx, lg, cfg, knorm, kbmax, bmax)
+
+    def _int32_slices(*tensors: torch.Tensor) -> bool:
+        """Whether every element of each [B, S, H, N, D] tensor's (b, s, h) slices lies within 2**31 - 1
+        elements of the slice's start (the Triton kernels' 32-bit offsets), e.g. not the ending node's
+        q [N, S, H, D] beyond N = 4096 at H D = 128."""
+        return all((t.shape[3] - 1) * t.stride(3) + (t.shape[4] - 1) * t.stride(4) < 2**31 for t in tensors)
+
+    def _launch_fwd_triton(q, k, v, bias, key_bias, o, mx, lg, cfg: Config, knorm, kbmax, bmax) -> None:
+        b, s, h, n_q, d = q.shape
+        n_k = k.shape[3]
+        bounded = knorm is not None
         bm_strides = [0] * 4 if bmax is None else _broadcast_strides(bmax)
         # Bounded on CUDA: at most 128 registers, the running-max kernel's count, so that as many
         # programs stay resident (the fallback loop would take it to 162; it spills outside the loops).
@@ -565,6 +584,8 @@ if HAS_TRITON:
         the forward's float32 row statistics [B, S, H, Q]. Returns dq, dk, dv (q's dtype) and dbias
         in float32, [nb_b, nb_s, nb_h, Q, K] with the bias's B, S, H ([0] if not needed)."""
         q, k, v, do = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(do)
+        if not _int32_slices(q, k, v, do, o):  # the kernels' 32-bit offsets: dense copies
+            q, k, v, do, o = (t.contiguous() for t in (q, k, v, do, o))
         b, s, h, n_q, d = q.shape
         n_k = k.shape[3]
         configs = configs or {}

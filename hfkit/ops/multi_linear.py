@@ -11,7 +11,10 @@ add's three passes. The forward is one GEMM per layer, so each output is a dense
 attention's outputs and gradients followed and copies undid: 15 ms more in the af2_initial step on an
 H200; in inference at N = 4096 too, triangle attention's five projections as one [M, 128] x [128, 528]
 GEMM take 9.0 against 13.5 ms, but the attention reading strided q, k, v then takes 157.7 against
-152.7 ms and the gate reading a strided g 12.0 against 7.0 (a probe, not committed). The weight
+152.7 ms and the gate reading a strided g 12.0 against 7.0 (a probe, not committed); again without
+gradients, with the Gluon forward reading the column slices through TMA and the gate with their row
+stride, in the whole block: the two GEMMs 19.2 against 26.8 ms, but the attention forwards 298.0
+against 279.5 ms (rows 1040 instead of 256 bytes apart), the block 510 against 502 ms. The weight
 gradients are the products `dy_iᵀ x` and the bias gradients column sums, as `nn.Linear`'s.
 
 It runs wherever torch runs (the products are torch's matmuls); while `torch.compile` traces it is
