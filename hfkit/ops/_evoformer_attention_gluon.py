@@ -54,7 +54,13 @@ __all__ = ["HAS_GLUON", "applies", "forward"]
 # warp's registers, the registers a thread is launched with (three programs an SM by registers, two by
 # shared memory at 4 slots). From a sweep on an H200 at N = 4096 (a probe, not committed): 32-key tiles
 # 160-166 ms, 2 or 3 slots 138.7 and 142.3, two consumer warpgroups on 256 queries 180-377, no producer
-# warp (the consumers issuing TMA) 150-155.
+# warp (the consumers issuing TMA) 150-155. Later probes at N = 4096 (starting / ending node, against
+# 137-138 / 141-144 ms in the same runs): q kᵀ of tile j issued with p v of tile j - 1 and the softmax
+# overlapping p v (FlashAttention-3's intra-warpgroup pipelining) 139 / 140-144, no gain; 168 registers
+# (one program an SM, the producer's warp counted as a warpgroup) 186-201; two rows a program sharing
+# each bias tile (two consumer partitions, half the bias traffic from L2, one program an SM) 141.5 /
+# 145.4: so neither the tensor-core latency nor L2 bandwidth bounds it. exp2 as ex2.approx.f16x2 is
+# split by ptxas into two MUFU.EX2.F16 (the same exp2 throughput; not run).
 BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PRODUCER_REGS, MAX_REGS = 128, 64, 32, 4, 24, 128
 # Set when a launch failed to compile (a Triton whose Gluon API differs): the Triton kernel from then on.
 _BROKEN: list[str] = []
