@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F  # noqa: N812
 from conftest import assert_close
 
 from hfkit.model.primitives import Attention
 from hfkit.nn.attention import project
+from hfkit.ops import _linear as linear_ops
 from hfkit.ops.multi_linear import multi_linear, multi_linear_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -137,3 +139,30 @@ def test_project_fuses_self_attention_only(seed):
     outs = project(att, x, x)
     handle.remove()
     assert calls == [1] and type(outs[0].grad_fn).__name__ != "_MultiLinearBackward"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_linear_chunks_and_pads_like_linear(device, dtype, seed, monkeypatch):
+    """rows_linear past LINEAR_CHUNK_ROWS (lowered to 5 rows here): a bias runs 5-row chunks (the
+    last one short), fewer than 8 outputs a zero-padded weight sliced back dense; F.linear's values,
+    and F.linear itself for a non-contiguous x."""
+    monkeypatch.setattr(linear_ops, "LINEAR_CHUNK_ROWS", 5)
+    x = torch.randn(3, 7, 13, device=device, dtype=dtype)
+    calls = []
+    addmm = torch.addmm
+    monkeypatch.setattr(torch, "addmm", lambda *a, **k: calls.append(a[1].shape[0]) or addmm(*a, **k))
+    for n_out, with_bias in [(9, True), (9, False), (3, True), (3, False)]:
+        w = torch.randn(n_out, 13, device=device, dtype=dtype) / 13**0.5
+        b = torch.randn(n_out, device=device, dtype=dtype) if with_bias else None
+        calls.clear()
+        out = linear_ops.rows_linear(x, w, b)
+        assert out.shape == (3, 7, n_out) and out.is_contiguous() and out.dtype == dtype
+        assert_close(out, F.linear(x, w, b), dtype=dtype, msg=f"{n_out} outputs, bias {with_bias}")
+        assert calls == ([5, 5, 5, 5, 1] if with_bias else [])
+    w, b = torch.randn(9, 13, device=device, dtype=dtype), torch.randn(9, device=device, dtype=dtype)
+    calls.clear()
+    assert_close(
+        linear_ops.rows_linear(x.transpose(0, 1), w, b), F.linear(x.transpose(0, 1), w, b), dtype=dtype
+    )
+    assert calls == []

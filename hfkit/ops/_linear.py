@@ -70,3 +70,40 @@ def column_sums(g: torch.Tensor) -> torch.Tensor:
     precision settings leave alone: no TF32). torch's column sum of a [65536, 128] bf16 matrix ran at
     ~250 GB/s in the H200 block profile, and of a [2112, 256] float32 one took ~9 us."""
     return torch.mv(g.t(), _ones(g, g.shape[0]))
+
+
+# Rows from which `rows_linear` splits a linear with a bias into chunks of this many rows: cuBLAS runs
+# F.linear(x, w, b) on x [4096 * 4096, 128], w [128, 128] (bf16, H200) in 3.9 ms with its bias
+# epilogue, in 2.4 ms as 2**20-row chunks (the time of the product without a bias); chunks of 2**22
+# rows were 3.9 ms again (.gpu diagnostics, not a benchmark).
+LINEAR_CHUNK_ROWS = 1 << 20
+# Outputs below which `rows_linear` pads the weight with zero rows to this many: x [4096 * 4096, 128]
+# times a [4, 128] weight (triangle attention's bias projection) took 2.5 ms, times [8, 128] 1.2 ms.
+LINEAR_MIN_OUTPUTS = 8
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, steered around two slow cuBLAS choices on many rows (more than
+    `LINEAR_CHUNK_ROWS`): with a bias, the rows run in chunks of `LINEAR_CHUNK_ROWS` into one output;
+    with fewer than `LINEAR_MIN_OUTPUTS` outputs, the weight is padded with zero rows and the result
+    sliced back (a dense copy). Other calls, operands of mixed dtypes, a non-contiguous x and calls
+    that torch.compile traces are F.linear's. Same values either way (each row the same products)."""
+    k, n_out = x.shape[-1], weight.shape[0]
+    rows = x.numel() // max(k, 1)
+    same = x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype)
+    if rows <= LINEAR_CHUNK_ROWS or not same or not x.is_contiguous() or torch.compiler.is_compiling():
+        return torch.nn.functional.linear(x, weight, bias)
+    if n_out < LINEAR_MIN_OUTPUTS:
+        pad = weight.new_zeros(LINEAR_MIN_OUTPUTS - n_out, k)
+        padded_bias = None if bias is None else torch.cat([bias, bias.new_zeros(LINEAR_MIN_OUTPUTS - n_out)])
+        wide = rows_linear(x, torch.cat([weight, pad]), padded_bias)
+        return wide[..., :n_out].contiguous()
+    if bias is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    x2 = x.view(rows, k)
+    out = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
+    w_t = weight.t()
+    for start in range(0, rows, LINEAR_CHUNK_ROWS):
+        stop = min(start + LINEAR_CHUNK_ROWS, rows)
+        torch.addmm(bias, x2[start:stop], w_t, out=out[start:stop])
+    return out.view(*x.shape[:-1], n_out)

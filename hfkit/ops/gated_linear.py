@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from hfkit.ops._checks import check_float, check_matmul_dtype, check_optional, check_same_device
-from hfkit.ops._linear import autocast_operands, column_sums
+from hfkit.ops._linear import autocast_operands, column_sums, rows_linear
 from hfkit.ops.elementwise import (
     sigmoid_gate_backward,
     sigmoid_gate_forward,
@@ -75,7 +75,7 @@ class _GatedLinear(torch.autograd.Function):
         gated = sigmoid_gate_forward(g, o)  # g, o checked by gated_linear
         ctx.save_for_backward(g, o, weight)
         ctx.has_bias = bias is not None
-        return F.linear(gated.to(weight.dtype), weight, bias)
+        return rows_linear(gated.to(weight.dtype), weight, bias)
 
     @staticmethod
     def backward(ctx, dy):

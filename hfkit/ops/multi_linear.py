@@ -31,7 +31,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch.autograd.function import once_differentiable
 
 from hfkit.ops._checks import check_float, check_matmul_dtype, check_optional, check_same_device
-from hfkit.ops._linear import autocast_operands, column_sums
+from hfkit.ops._linear import autocast_operands, column_sums, rows_linear
 
 __all__ = ["multi_linear", "multi_linear_reference"]
 
@@ -91,7 +91,7 @@ class _MultiLinear(torch.autograd.Function):
         # One GEMM per output: each comes out dense in its own buffer, the layout a separate linear
         # gives (one GEMM of the stacked weights would read x once, but its outputs are strided
         # column slices, which attention's output and gradients then follow and copies undo).
-        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
+        return tuple(rows_linear(x, w, b) for w, b in zip(weights, biases, strict=True))
 
     @staticmethod
     @once_differentiable
