@@ -539,6 +539,10 @@ def test_int32_slice_check_counts_the_span_of_a_slice():
     assert not evo._int32_slices(ending_node_q(4097))
     assert not evo._int32_slices(ending_node_q(4096, width=520))
     assert evo._int32_slices(torch.empty((1, 9000, 4, 9000, 32), device="meta"))
+    # a bias [1, 1, H, Q, K] viewed from a wider [Q, K, 520] projection: its rows 520 K apart
+    assert not evo._int32_slices(
+        torch.empty_strided((1, 1, 4, 4096, 4096), (0, 0, 1, 4096 * 520, 520), device="meta")
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
