@@ -26,10 +26,10 @@ from hfkit.nn import (
 from hfkit.ops import (
     bias_dropout_add,
     bias_dropout_add_reference,
-    elementwise,
     sigmoid_gate,
     sigmoid_gate_reference,
 )
+from hfkit.ops._triton import rows_view
 from hfkit.ops.elementwise import dropout_keep_mask, row_scale, row_scale_reference, uses_triton
 
 DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (
@@ -93,12 +93,13 @@ def test_sigmoid_gate_reads_a_column_slice_in_place(device, lead, seed):
     proj = torch.randn(*lead, 24, device=device, dtype=torch.bfloat16) * 3
     g = proj[..., 8:19]
     o = torch.randn(*lead, 11, device=device, dtype=torch.bfloat16)
-    assert not g.is_contiguous() and elementwise._row_stride(g, 11) == 24
+    assert not g.is_contiguous() and rows_view(g, 11).stride(0) == 24
+    assert rows_view(g, 11).data_ptr() == g.data_ptr()
     y = sigmoid_gate(g, o)
     assert_close(y.float(), sigmoid_gate_reference(g.float(), o.float()), torch.bfloat16)
     # Rows not equally spaced (every other row of 3 x 5): copied first, same result.
     uneven = torch.randn(3, 5, 24, device=device, dtype=torch.bfloat16)[:, ::2, 8:19]
-    assert elementwise._row_stride(uneven, 11) is None
+    assert rows_view(uneven, 11).stride(0) == 11 and rows_view(uneven, 11).data_ptr() != uneven.data_ptr()
     o = torch.randn(3, 3, 11, device=device, dtype=torch.bfloat16)
     assert_close(
         sigmoid_gate(uneven, o).float(), sigmoid_gate_reference(uneven.float(), o.float()), torch.bfloat16

@@ -402,3 +402,12 @@ def hfkit_op(name: str, mutates_args: Any = ()) -> Callable[[Callable[..., Any]]
         return TritonOp(name, body, mutates_args)
 
     return wrap
+
+
+def rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t as [M, n] with unit stride along n: a view where t's rows are equally spaced (t dense, or a
+    column slice of a wider tensor, its row stride then `stride(0)`), a dense copy otherwise."""
+    t2 = t.reshape(-1, n)
+    if t2.stride(1) != 1 and n > 1:
+        t2 = t2.contiguous()
+    return t2

@@ -22,7 +22,7 @@ import math
 import torch
 
 from hfkit.ops._checks import check_float, check_optional, check_same_device
-from hfkit.ops._triton import HAS_TRITON, cdiv, hfkit_op, launch, next_power_of_2, triton_can_run
+from hfkit.ops._triton import HAS_TRITON, cdiv, hfkit_op, launch, next_power_of_2, rows_view, triton_can_run
 
 if HAS_TRITON:
     import triton
@@ -309,22 +309,6 @@ def _gate_layout(g: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int]:
     return g.numel() // n, n
 
 
-def _row_stride(t: torch.Tensor, n: int) -> int | None:
-    """The distance between the rows of t viewed as [numel / n, n] when those rows are equally spaced
-    with unit stride inside (t dense, or a column slice of a wider dense tensor), else None."""
-    if t.dim() == 0 or t.shape[-1] != n or (n > 1 and t.stride(-1) != 1):
-        return None
-    if t.dim() == 1:
-        return n
-    row = t.stride(-2)
-    expect = row
-    for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1]), strict=True):
-        if size != 1 and stride != expect:
-            return None
-        expect *= size
-    return row if row >= n else None
-
-
 def _dropout_layout(shape: torch.Size, shared_dim: int) -> tuple[int, int, int, int, int, int]:
     """(R, B, S, MB, MC, C) of x viewed as [R, B] rows for the kernel.
 
@@ -490,20 +474,19 @@ if HAS_TRITON:
     @hfkit_op("sigmoid_gate_fwd")
     def _sigmoid_gate_fwd(g: torch.Tensor, o: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         m, n = _gate_layout(g, bias)
-        stride_g = _row_stride(g, n)
-        gc, oc = (g, o.contiguous()) if stride_g is not None else (g.contiguous(), o.contiguous())
+        g2, oc = rows_view(g, n), o.contiguous()  # g read in place where its rows are equally spaced
         y = torch.empty(g.shape, dtype=torch.promote_types(g.dtype, o.dtype), device=g.device)
         bm, bn, warps = _tile(n)
         launch(
             _gate_fwd_kernel,
             (cdiv(m, bm) * cdiv(n, bn),),
-            gc,
+            g2,
             oc,
             bias,
             y,
             m,
             n,
-            n if stride_g is None else stride_g,
+            g2.stride(0),
             HAS_BIAS=bias is not None,
             BLOCK_M=bm,
             BLOCK_N=bn,

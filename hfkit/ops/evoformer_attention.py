@@ -421,7 +421,7 @@ if HAS_TRITON:
             ran = _gluon.forward(q, k, v, bias, o, mx, lg, knorm, bmax.contiguous(), scale, group)
             if ran and _sums_ok(lg):
                 return
-        if not _int32_slices(q, k, v, o, *([bias] if bias is not None else [])):
+        if not _int32_slices(q, k, v, o, bias):
             # The Triton kernels index within a (b, s, h) slice in 32 bits: run them on dense copies.
             dense = torch.empty(q.shape, dtype=o.dtype, device=o.device)
             bias = bias.contiguous() if bias is not None else None
@@ -431,11 +431,14 @@ if HAS_TRITON:
             return
         _launch_fwd_triton(q, k, v, bias, key_bias, o, mx, lg, cfg, knorm, kbmax, bmax)
 
-    def _int32_slices(*tensors: torch.Tensor) -> bool:
+    def _int32_slices(*tensors: torch.Tensor | None) -> bool:
         """Whether every element of each [B, S, H, N, D] tensor's (b, s, h) slices (a bias's [Q, K]) lies
         within 2**31 - 1 elements of the slice's start (the Triton kernels' 32-bit offsets), e.g. not the
-        ending node's q [N, S, H, D] beyond N = 4096 at H D = 128."""
-        return all((t.shape[3] - 1) * t.stride(3) + (t.shape[4] - 1) * t.stride(4) < 2**31 for t in tensors)
+        ending node's q [N, S, H, D] beyond N = 4096 at H D = 128. None counts as fitting."""
+        spans = (
+            (t.shape[3] - 1) * t.stride(3) + (t.shape[4] - 1) * t.stride(4) for t in tensors if t is not None
+        )
+        return all(span < 2**31 for span in spans)
 
     def _launch_fwd_triton(q, k, v, bias, key_bias, o, mx, lg, cfg: Config, knorm, kbmax, bmax) -> None:
         b, s, h, n_q, d = q.shape
@@ -585,7 +588,7 @@ if HAS_TRITON:
         the forward's float32 row statistics [B, S, H, Q]. Returns dq, dk, dv (q's dtype) and dbias
         in float32, [nb_b, nb_s, nb_h, Q, K] with the bias's B, S, H ([0] if not needed)."""
         q, k, v, do = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(do)
-        if not _int32_slices(q, k, v, do, o, *([bias] if bias is not None else [])):  # 32-bit offsets
+        if not _int32_slices(q, k, v, do, o, bias):  # the kernels' 32-bit offsets: dense copies
             q, k, v, do, o = (t.contiguous() for t in (q, k, v, do, o))
             bias = bias.contiguous() if bias is not None else None
         b, s, h, n_q, d = q.shape

@@ -18,7 +18,16 @@ from torch.autograd.function import once_differentiable
 
 from hfkit.ops._checks import check_eps, check_float, check_optional
 from hfkit.ops._linear import column_sums
-from hfkit.ops._triton import HAS_TRITON, cdiv, hfkit_op, launch, next_power_of_2, num_sms, triton_can_run
+from hfkit.ops._triton import (
+    HAS_TRITON,
+    cdiv,
+    hfkit_op,
+    launch,
+    next_power_of_2,
+    num_sms,
+    rows_view,
+    triton_can_run,
+)
 
 if HAS_TRITON:
     import triton
@@ -340,14 +349,6 @@ if HAS_TRITON:
             tl.store(DWB + pid * stride_dwb + N + cols, db_acc, mask=col_ok)
 
 
-def _rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
-    """t as [M, n] with unit stride along n, copying only when no such view exists."""
-    t2 = t.reshape(-1, n)
-    if t2.stride(1) != 1 and n > 1:
-        t2 = t2.contiguous()
-    return t2
-
-
 def _fwd_config(n: int, elem_bytes: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) of the forward kernel.
 
@@ -436,7 +437,7 @@ if HAS_TRITON:
         out_dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(y in out_dtype, float32 mean and rstd a row)."""
-        x2 = _rows_view(x, n)
+        x2 = rows_view(x, n)
         m = x2.shape[0]
         y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         mean = torch.empty(m, dtype=torch.float32, device=x.device)
@@ -460,9 +461,9 @@ if HAS_TRITON:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns dx (plus dres, x's residual gradient, where given) and the float32 sums
         [dweight, dbias] as one [2, n] tensor ([0, n] if not needed)."""
-        x2 = _rows_view(x, n)
-        dy2 = _rows_view(dy, n)
-        dres2 = _rows_view(dres, n) if dres is not None else None
+        x2 = rows_view(x, n)
+        dy2 = rows_view(dy, n)
+        dres2 = rows_view(dres, n) if dres is not None else None
         m = x2.shape[0]
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         dx2 = dx.view(m, n)

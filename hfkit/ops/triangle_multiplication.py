@@ -58,6 +58,7 @@ from hfkit.ops._triton import (
     launch,
     next_power_of_2,
     num_sms,
+    rows_view,
     triton_can_run,
 )
 from hfkit.ops.layer_norm import (
@@ -67,7 +68,6 @@ from hfkit.ops.layer_norm import (
     _fwd_config,
     _launch_bwd,
     _launch_fwd,
-    _rows_view,
 )
 
 if HAS_TRITON:
@@ -519,7 +519,7 @@ if HAS_TRITON:
         """LayerNorm-in with `layer_norm`'s kernel, reading z in its dtype (float32 under autocast) and
         writing zn [M, C_z] in the compute dtype: no separate cast pass over z."""
         c_z = z.shape[-1]
-        z2 = _rows_view(z, c_z)
+        z2 = rows_view(z, c_z)
         m = z2.shape[0]
         zn = torch.empty((m, c_z), dtype=dtype, device=z.device)
         mean = torch.empty(m, dtype=torch.float32, device=z.device)
@@ -553,11 +553,11 @@ if HAS_TRITON:
         gradients go to columns [0, 2 C_z) of part's first rows (a row for each program of LayerNorm's
         persistent backward, `_bwd_programs`)."""
         c_z = z.shape[-1]
-        z2 = _rows_view(z, c_z)
+        z2 = rows_view(z, c_z)
         m = z2.shape[0]
         dz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
         cfg = _bwd_config(c_z, z.element_size())
-        dres2 = _rows_view(dres, c_z) if dres is not None else None
+        dres2 = rows_view(dres, c_z) if dres is not None else None
         programs = _bwd_programs(m, cfg, z.device)
         _launch_bwd(z2, dzn, dz.view(m, c_z), weight, mean, rstd, part, need_dwb, programs, cfg, dres2=dres2)
         return dz
