@@ -1,4 +1,4 @@
-"""The warp-specialized Gluon forward of `hfkit.ops.evoformer_attention` (sm_90 GPUs only: Gluon kernels
+"""The Gluon forward of `hfkit.ops.evoformer_attention` (sm_90 GPUs only: Gluon kernels
 have no interpreter) against the Triton kernel it stands in for and the float32 reference: outputs, row
 statistics and gradients, both projection layouts, the fallback to the Triton kernel when row sums leave
 the trusted range, and the calls it leaves to the Triton kernel."""

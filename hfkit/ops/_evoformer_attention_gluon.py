@@ -1,16 +1,19 @@
-"""The bounded attention forward of `hfkit.ops.evoformer_attention` as a warp-specialized Gluon kernel for
-sm_90 (H100, H200), where it takes the long-sequence case: a pair bias shared by every row, no key bias,
-head dim 32, bfloat16.
+"""The bounded attention forward of `hfkit.ops.evoformer_attention` as a Gluon kernel for sm_90 (H100,
+H200), where it takes the long-sequence case: a pair bias shared by every row, no key bias, head dim 32,
+bfloat16.
 
-Triton's own programs run the loads, the dots and the softmax in the same warps, one after the other,
-and Triton 3.6's automatic warp specialization does not take this loop (see the notes at
-`CONFIGS_SMALL_D`). Here one producer warp (24 registers) brings the k, v and bias tiles of a program
-into a ring of `STAGES` shared-memory slots with the tensor-memory accelerator (TMA), each slot's
-arrival counted by an mbarrier; the four consumer warps (128 queries) wait on a slot, run q kᵀ and p v
-as asynchronous wgmma, read the bias tile with ldmatrix, and release the slot through a second
-mbarrier. The consumers' loop carries no load addresses and no CTA-wide barriers: 7.3 SASS
-instructions a logit against 9.6 for the Triton kernel, 137.8 against 152.3 ms for a triangle
-attention at N = 4096 on an H200 (exp2 then bounds it: about 81 ms at full rate).
+A program is one warpgroup (4 warps, 128 queries). It brings the k, v and bias tiles into a ring of
+`STAGES` shared-memory slots with the tensor-memory accelerator (TMA), each slot's arrival counted by an
+mbarrier, runs q kᵀ and p v as asynchronous wgmma, reads the bias tile with ldmatrix, and refills a slot
+once every warp is done with it (a CTA barrier). At 168 registers and 2 slots (58 KB of shared memory)
+three programs share an SM: 12 warps where a warp-specialized version (a producer warp, padded to a
+warpgroup) fitted two programs of 4 computing warps. A triangle attention at N = 4096 on an H200 took
+136-141 ms here against 141-145 for that version in the same run (`STAGES` below).
+
+What bounds it: one exp2 a logit on the MUFU unit (16 a clock an SM) and about 8 instructions a logit
+for 4 issue slots a clock an SM need the same time, about 66 ms for a triangle attention at N = 4096
+at 1.98 GHz; Nsight Compute at N = 2048 measured 59% of the MUFU's peak and 61% issue, with about one
+eligible warp a scheduler (the q kᵀ -> softmax -> p v chain of each warp waits on its wgmma).
 
 The math is the Triton kernel's bounded loop (`_evo_fwd_kernel` with BOUNDED, SHIFTED): logits in base
 2 against the same per-row reference, written to the same outputs (o, the reference as the row max, and
@@ -50,18 +53,19 @@ except ImportError:  # no Triton, or one without Gluon's Hopper API
 
 __all__ = ["HAS_GLUON", "applies", "forward"]
 
-# Tiles: queries a program (the 4 consumer warps), keys a tile, the head dim, ring slots, the producer
-# warp's registers, the registers a thread is launched with (three programs an SM by registers, two by
-# shared memory at 4 slots). From a sweep on an H200 at N = 4096 (a probe, not committed): 32-key tiles
-# 160-166 ms, 2 or 3 slots 138.7 and 142.3, two consumer warpgroups on 256 queries 180-377, no producer
-# warp (the consumers issuing TMA) 150-155. Later probes at N = 4096 (starting / ending node, against
-# 137-138 / 141-144 ms in the same runs): q kᵀ of tile j issued with p v of tile j - 1 and the softmax
-# overlapping p v (FlashAttention-3's intra-warpgroup pipelining) 139 / 140-144, no gain; 168 registers
-# (one program an SM, the producer's warp counted as a warpgroup) 186-201; two rows a program sharing
-# each bias tile (two consumer partitions, half the bias traffic from L2, one program an SM) 141.5 /
-# 145.4: so neither the tensor-core latency nor L2 bandwidth bounds it. exp2 as ex2.approx.f16x2 is
-# split by ptxas into two MUFU.EX2.F16 (the same exp2 throughput; not run).
-BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, PRODUCER_REGS, MAX_REGS = 128, 64, 32, 4, 24, 128
+# Tiles: queries a program (its 4 warps), keys a tile, the head dim, ring slots, the registers a thread
+# is launched with (152 used, no spills; 128 spill 184 bytes). Measured on an H200 at N = 4096 (starting
+# / ending node, `.gpu` probes, not committed), this kernel against the earlier warp-specialized one
+# (a producer warp, 4 slots, 2 programs an SM) in the same runs: 136.1-136.8 / 139.8-140.6 ms against
+# 140.9-141.3 / 144.6-144.8; 3 slots (2 programs an SM by shared memory) 153-155; 152 registers as 168;
+# 64 queries a program (more programs an SM: 4-6 by registers at 80-128) 140-157, slower.
+# Row sums by a wgmma of p against a column of ones (one instruction a logit fewer, 7.2 instead of 8.3)
+# measured the same time: the exp2 unit binds as much as the issue slots. Earlier probes of the warp-
+# specialized kernel: 32-key tiles 160-166 ms, two consumer warpgroups on 256 queries 180-377, q kᵀ of
+# tile j issued with p v of tile j - 1 (FlashAttention-3's intra-warpgroup pipelining) no gain, two
+# rows a program sharing each bias tile (half the bias traffic from L2) no gain; exp2 as
+# ex2.approx.f16x2 is split by ptxas into two MUFU.EX2.F16 (the same exp2 throughput).
+BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, MAX_REGS = 128, 64, 32, 2, 168
 # Set when a launch failed to compile (a Triton whose Gluon API differs): the Triton kernel from then on.
 _BROKEN: list[str] = []
 
@@ -79,24 +83,35 @@ if HAS_GLUON:
         _tma_load(b_desc, [b_row, start], bar, b_buf)
 
     @gluon.jit
-    def _producer(
-        k_desc, v_desc, b_desc, k_smem, v_smem, b_smem, ready, empty, k_row, k_col, b_row, n_tiles,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    ):  # fmt: skip
-        # Tile j goes to slot j % STAGES once the consumers released that slot's previous tile (the
-        # first pass waits on the phase before the barrier's first: it returns at once).
-        for j in range(n_tiles):
-            slot = j % STAGES
-            mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
-            _issue(k_desc, v_desc, b_desc, ready.index(slot), k_smem.index(slot), v_smem.index(slot),
-                   b_smem.index(slot), k_row, k_col, b_row, j * BLOCK_N)  # fmt: skip
-
-    @gluon.jit
-    def _consumer(
-        q_desc, q_smem, k_smem, v_smem, b_smem, ready, empty, q_bar, O, Mx, Lg, KNorm, BMax,
-        bsh, s_, h, m0, q_row, q_col, n_q, n_tiles, qk_scale, sos, soh, son,
+    def _fwd_kernel(
+        q_desc, k_desc, v_desc, b_desc, O, Mx, Lg, KNorm, BMax,
+        H, n_q, n_k, qk_scale, group_rows, q_rs, q_cs, k_rs, k_cs, sos, soh, son,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
     ):  # fmt: skip
+        # Grid (query blocks, S*H), programs ordered as `_evo_fwd_kernel`'s: rows fastest in groups of
+        # `group_rows`, so that programs running together share the bias tiles in L2.
+        pid_m, bsh = _program_tile(
+            gl.program_id(0), gl.program_id(1), gl.num_programs(0), gl.num_programs(1), group_rows, H
+        )
+        s_ = bsh // H
+        h = bsh % H
+        m0 = pid_m * BLOCK_M
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D], v_desc.layout)
+        b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_N], b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(q_bar, count=1)
+        n_tiles = n_k // BLOCK_N
+        k_row = s_ * k_rs
+        k_col = s_ * k_cs + h * D
+        b_row = h * n_q + m0
+        for i in gl.static_range(STAGES):
+            _issue(k_desc, v_desc, b_desc, ready.index(i), k_smem.index(i), v_smem.index(i), b_smem.index(i),
+                   k_row, k_col, b_row, i * BLOCK_N)  # fmt: skip
         nw: gl.constexpr = gl.num_warps()
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[nw, 1], instr_shape=[16, BLOCK_N, 16]
@@ -110,7 +125,7 @@ if HAS_GLUON:
         col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
         q_rows: gl.constexpr = gl.BlockedLayout([1, D], [32, 1], [nw, 1], [1, 0])
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        _tma_load(q_desc, [q_row, q_col], q_bar, q_smem)
+        _tma_load(q_desc, [s_ * q_rs + m0, s_ * q_cs + h * D], q_bar, q_smem)
         mbarrier.wait(q_bar, 0)
         # The row's reference, as the Triton kernel takes it: |q_i| max_j |k_j| scale + max_j bias_ij.
         qf = q_smem.load(q_rows).to(gl.float32)
@@ -128,13 +143,16 @@ if HAS_GLUON:
             s_tok = warpgroup_mma(q_smem, kt, s_zero, use_acc=False, is_async=True)
             t = b_smem.index(slot).load(s_layout).to(gl.float32)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-            s = gl.fma(t, _LOG2E, gl.fma(s, qk_scale, shift))
-            p = gl.exp2(s)
+            p = gl.exp2(gl.fma(t, _LOG2E, gl.fma(s, qk_scale, shift)))
             l_i += gl.sum(p, axis=1)
             p16 = gl.convert_layout(p.to(gl.bfloat16), p_layout)
             acc = warpgroup_mma(p16, v_smem.index(slot), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(slot), count=1)
+            gl.thread_barrier()  # every warp is done with the slot: refill it
+            nxt = j + STAGES
+            if nxt < n_tiles:
+                _issue(k_desc, v_desc, b_desc, ready.index(slot), k_smem.index(slot), v_smem.index(slot),
+                       b_smem.index(slot), k_row, k_col, b_row, nxt * BLOCK_N)  # fmt: skip
         o = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
         offs_mo = m0 + gl.arange(0, BLOCK_M, layout=row_o)
         offs_d = gl.arange(0, D, layout=col_o)
@@ -144,50 +162,6 @@ if HAS_GLUON:
         gl.store(o_base + rows_o + gl.expand_dims(offs_d, 0), o.to(gl.bfloat16))
         gl.store(Mx + bsh.to(gl.int64) * n_q + offs_m, bound)
         gl.store(Lg + bsh.to(gl.int64) * n_q + offs_m, gl.log2(l_i))
-
-    @gluon.jit
-    def _fwd_kernel(
-        q_desc, k_desc, v_desc, b_desc, O, Mx, Lg, KNorm, BMax,
-        H, n_q, n_k, qk_scale, group_rows, q_rs, q_cs, k_rs, k_cs, sos, soh, son,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr,
-    ):  # fmt: skip
-        # Grid (query blocks, S*H), programs ordered as `_evo_fwd_kernel`'s: rows fastest in groups of
-        # `group_rows`, so that programs running together share the bias tiles in L2.
-        pid_m, bsh = _program_tile(
-            gl.program_id(0), gl.program_id(1), gl.num_programs(0), gl.num_programs(1), group_rows, H
-        )
-        s_ = bsh // H
-        h = bsh % H
-        m0 = pid_m * BLOCK_M
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, D], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D], v_desc.layout)
-        b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_N], b_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-        mbarrier.init(q_bar, count=1)
-        n_tiles = n_k // BLOCK_N
-        # The argument tuples stay inline: a tuple bound to a name turns its constexprs into tensors.
-        gl.warp_specialize(
-            [
-                (_consumer, (
-                    q_desc, q_smem, k_smem, v_smem, b_smem, ready, empty, q_bar, O, Mx, Lg, KNorm, BMax,
-                    bsh, s_, h, m0, s_ * q_rs + m0, s_ * q_cs + h * D, n_q, n_tiles, qk_scale, sos, soh, son,
-                    BLOCK_M, BLOCK_N, D, STAGES,
-                )),
-                (_producer, (
-                    k_desc, v_desc, b_desc, k_smem, v_smem, b_smem, ready, empty,
-                    s_ * k_rs, s_ * k_cs + h * D, h * n_q + m0, n_tiles, BLOCK_N, STAGES,
-                )),
-            ],
-            [1],
-            [PRODUCER_REGS],
-        )  # fmt: skip
 
 
 def _rows_view(t: torch.Tensor) -> tuple[int, int, list[int], list[int]] | None:
@@ -257,8 +231,7 @@ def forward(q, k, v, bias, o, mx, lg, knorm, bmax, qk_scale: float, group_rows: 
         _fwd_kernel[(n_q // BLOCK_M, s * h)](
             *descs, o, mx, lg, knorm, bmax, h, n_q, n_k, qk_scale, group_rows,
             q_rs, q_cs, k_rs, k_cs, o.stride(1), o.stride(2), o.stride(3),
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d, STAGES=STAGES, PRODUCER_REGS=PRODUCER_REGS,
-            num_warps=4, maxnreg=MAX_REGS,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, D=d, STAGES=STAGES, num_warps=4, maxnreg=MAX_REGS,
         )  # fmt: skip
     except Exception as err:  # noqa: BLE001 - a Gluon API this code does not know: fall back, once
         _BROKEN.append(repr(err))

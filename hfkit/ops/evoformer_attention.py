@@ -60,7 +60,7 @@ GROUP_ROWS = 16
 BOUNDED_MIN_KEYS = 1024
 # Registers a thread of the bounded forward may hold on CUDA (None: the compiler's choice).
 BOUNDED_MAXNREG: int | None = 128
-# The bounded forward through the warp-specialized Gluon kernel where it applies (sm_90, bfloat16, head
+# The bounded forward through the Gluon kernel (TMA and wgmma) where it applies (sm_90, bfloat16, head
 # dim 32, a shared pair bias and no key bias: `hfkit.ops._evoformer_attention_gluon.applies`) from
 # GLUON_MIN_KEYS keys, the Triton kernel elsewhere and for calls whose row sums leave [2**-60, 2**60]
 # there. Triangle attention, H200 (forward alone, starting / ending node): 138.5 / 140.7 against 152.1 /
@@ -151,8 +151,8 @@ class Config(NamedTuple):
 # (`tl.range(..., warp_specialize=True)` over tensor-descriptor loads, compiled for sm_90 offline) does
 # not take this loop: at 4 warps its data-partition pass aborts ("Unexpected op", even for a bare
 # q k^T -> exp2 -> p v loop), at 8 warps it leaves the loop as it is; a plain TMA matmul loop is
-# specialized. The warp-specialized kernel written by hand in Gluon instead is
-# `hfkit.ops._evoformer_attention_gluon` (`GLUON_FWD`): 7.3 instructions a logit.
+# specialized. The kernel written by hand in Gluon instead (TMA loads into an mbarrier ring, wgmma,
+# three programs an SM) is `hfkit.ops._evoformer_attention_gluon` (`GLUON_FWD`).
 CONFIGS_SMALL_D: dict[str, tuple[int, ...]] = {
     "fwd": (128, 32, 4, 3),
     "dkdv": (32, 128, 4, 3),
