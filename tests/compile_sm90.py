@@ -34,6 +34,7 @@ ea = sys.modules["hfkit.ops.evoformer_attention"]
 ln = sys.modules["hfkit.ops.layer_norm"]
 sm = sys.modules["hfkit.ops.softmax"]
 tm = sys.modules["hfkit.ops.triangle_multiplication"]
+gl = sys.modules["hfkit.ops.gated_linear"]
 HOPPER = GPUTarget("cuda", 90, 32)
 FLOAT_ARGS = {"p", "scale", "qk_scale", "sm_scale", "eps", "mask_inf"}
 
@@ -75,10 +76,15 @@ def elementwise_kernels() -> None:
         tiles = {"HAS_BIAS": has_bias, "BLOCK_M": 8, "BLOCK_N": 256}
         assert "cubin" in compile_sm90(ew._gate_fwd_kernel, data, tiles)
         assert "cubin" in compile_sm90(ew._gate_bwd_kernel, data, tiles)
-    for divide in (True, False):
-        tiles = {"DIVIDE": divide, "BLOCK_M": 16, "BLOCK_N": 128}
+    for divide, accumulate in ((True, False), (False, False), (True, True)):
+        tiles = {"DIVIDE": divide, "BLOCK_M": 16, "BLOCK_N": 128, "ACCUMULATE": accumulate}
         rows = {"X": "bf16", "Scale": "bf16", "Y": "bf16"}
         assert "cubin" in compile_sm90(ew._row_scale_kernel, rows, tiles)
+    block_m, warps = gl.ADD_TILE
+    for has_bias, dtype, dot in ((True, "bf16", 0), (False, "fp32", 3)):
+        add = {"Z": dtype, "G": dtype, "O": dtype, "W": dtype, "Bias": dtype}
+        tiles = {"HAS_BIAS": has_bias, "DOT": dot, "BLOCK_M": block_m, "BLOCK_N": 128, "BLOCK_K": 128}
+        assert "cubin" in compile_sm90(gl._gated_linear_add_kernel, add, tiles, warps)
     drop = {
         "X": "bf16",
         "Res": "bf16",
@@ -219,7 +225,9 @@ def triangle_multiplication_kernels(dtype: str = "bf16", dot: int = 0) -> None:
     for way in ("fwd", "bwd"):
         tiles = tm._out_config(c, c, way)
         warps = tiles.pop("num_warps")
-        compile_sm90(tmk._out_kernel, ptrs, {**flags, **tiles, "BWD": way == "bwd"}, warps)
+        for accumulate in (False, True) if way == "fwd" else (False,):
+            way_flags = {**flags, **tiles, "BWD": way == "bwd", "ACCUMULATE": accumulate}
+            compile_sm90(tmk._out_kernel, ptrs, way_flags, warps)
 
 
 def main() -> int:

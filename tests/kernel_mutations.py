@@ -36,7 +36,14 @@ from hfkit.ops._triton import TRITON_DTYPES  # noqa: E402
 
 MODULES = [
     sys.modules[f"hfkit.ops.{name}"]
-    for name in ("layer_norm", "softmax", "evoformer_attention", "triangle_multiplication", "elementwise")
+    for name in (
+        "layer_norm",
+        "softmax",
+        "evoformer_attention",
+        "triangle_multiplication",
+        "elementwise",
+        "gated_linear",
+    )
 ]
 
 
@@ -102,7 +109,9 @@ def drive() -> None:
     from hfkit.ops import (
         bias_dropout_add,
         evoformer_attention,
+        gated_linear_add_,
         layer_norm,
+        row_scale_add_,
         sigmoid_gate,
         softmax,
         triangle_multiplication,
@@ -126,6 +135,13 @@ def drive() -> None:
             backward(triangle_multiplication(z, mask, *params, outgoing=outgoing, fuse_projection=fuse))
     backward(sigmoid_gate(r(4, 7, 16), r(4, 7, 16), r(16)))
     backward(bias_dropout_add(r(4, 7, 16), r(4, 7, 16), r(16), p=0.25, training=True, shared_dim=0))
+    # The in-place inference ops (no autograd): z is their declared mutation, nothing else is written.
+    d = lambda *s, dtype=bf16: torch.randn(*s, dtype=dtype)  # noqa: E731
+    with torch.no_grad():
+        frozen = [p.detach() for p in params]
+        triangle_multiplication(d(1, n, n, c_z), torch.rand(1, n, n) > 0.2, *frozen, add_to_z=True)
+        gated_linear_add_(d(4, 7, 16), d(4, 7, 32), d(4, 7, 32), d(16, 32), d(16))
+        row_scale_add_(d(4, 7, 16), d(4, 7, 16), d(4, 7, 1) + 3, divide=True)
 
 
 def main() -> int:

@@ -304,3 +304,29 @@ def test_openfold_column_attentions(kind, device, seed):
     assert input_sized_copies(swapped, x) == []
     assert input_sized_copies(hnn.to_hfkit(plain, inplace=False, exclude={f"openfold.{op}"}), x)
     assert type(hnn.to_torch(swapped)) is type(plain)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "cls", [TriangleAttentionStartingNode, TriangleAttentionEndingNode], ids=["start", "end"]
+)
+@pytest.mark.parametrize("mask_kind", ["zeros", "none"])
+def test_add_update_in_place_equals_x_plus_forward(cls, mask_kind, device, seed, monkeypatch):
+    """`add_update_` (the lean path's in-place residual update) gives x + forward(x) in x's storage, its
+    output projection adding into x (`gated_linear_add_` called once) on the fast path."""
+    import hfkit.nn.attention as attention_module
+
+    plain = randomized(cls(C, C_HIDDEN, HEADS), device)
+    swapped = hnn.to_hfkit(plain, inplace=False)
+    x = torch.randn(1, 11, 11, C, device=device)
+    mask = make_mask(x.shape[:-1], mask_kind, device)
+    calls = []
+    add = attention_module.gated_linear_add_
+    monkeypatch.setattr(attention_module, "gated_linear_add_", lambda *a: calls.append(1) or add(*a))
+    with torch.no_grad():
+        expected = x + swapped(x, mask)
+        before = x.data_ptr()
+        out = swapped.add_update_(x, mask)
+    assert out is x and x.data_ptr() == before
+    assert rel_err(x, expected) < TOL[torch.float32]
+    assert len(calls) == 1

@@ -30,7 +30,13 @@ from hfkit.ops import (
     sigmoid_gate_reference,
 )
 from hfkit.ops._triton import rows_view
-from hfkit.ops.elementwise import dropout_keep_mask, row_scale, row_scale_reference, uses_triton
+from hfkit.ops.elementwise import (
+    dropout_keep_mask,
+    row_scale,
+    row_scale_add_,
+    row_scale_reference,
+    uses_triton,
+)
 
 DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (
     ["cuda"] if torch.cuda.is_available() else []
@@ -373,6 +379,34 @@ def test_row_scale_matches_reference(device, dtype, divide, seed):
         ref_dx = row_scale_reference(dy.double(), scale.double(), divide)
         assert dx.dtype == dtype
         assert_close(dx.double(), ref_dx, dtype=dtype, msg="dx")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("divide", [False, True], ids=["mul", "div"])
+def test_row_scale_add_in_place(device, dtype, divide, seed, monkeypatch):
+    """z += x * s (x / s) in z's storage, one kernel where z is contiguous in x's dtype (odd sizes, a
+    strided x); a strided z or a float32 factor beside a bfloat16 z adds `row_scale`'s result."""
+    import hfkit.ops.elementwise as elementwise
+
+    calls = []
+    fused = elementwise._row_scale_add
+    monkeypatch.setattr(elementwise, "_row_scale_add", lambda *a: calls.append(1) or fused(*a))
+    x = torch.randn(3, 7, 2 * 37, device=device, dtype=dtype)[..., ::2]
+    scale = torch.rand(3, 7, 1, device=device, dtype=dtype) + 0.25
+    for z in (torch.randn(3, 7, 37, device=device, dtype=dtype),
+              torch.randn(7, 3, 37, device=device, dtype=dtype).transpose(0, 1)):  # fmt: skip
+        expected = z.double() + row_scale_reference(x.double(), scale.double(), divide)
+        before = z.data_ptr()
+        with torch.no_grad():
+            assert row_scale_add_(z, x, scale, divide) is z
+        assert z.data_ptr() == before
+        assert_close(z.double(), expected, dtype=dtype, msg="z")
+    assert len(calls) == 1  # the contiguous z
+    with pytest.raises(ValueError, match="z: expected"), torch.no_grad():
+        row_scale_add_(torch.zeros(3, 7, 36, device=device, dtype=dtype), x, scale)
+    with pytest.raises(RuntimeError, match="no_grad"):
+        row_scale_add_(z, x.requires_grad_(), scale)
 
 
 def test_row_scale_falls_back_and_checks():

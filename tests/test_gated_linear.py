@@ -2,8 +2,9 @@
 
 Forward and every gradient on odd sizes, float32 and bfloat16, with and without a bias, under
 autocast; what the op keeps for the backward (g and o, not their product); bad inputs name the
-argument; the CPU without the interpreter runs the reference. On CPU the gate kernels run under
-TRITON_INTERPRET=1 (conftest.py); a GPU machine also runs them on CUDA.
+argument; the CPU without the interpreter runs the reference. `gated_linear_add_` (in place, no
+autograd) against `z + reference`, on row-strided inputs, several column blocks and its fallbacks. On
+CPU the gate kernels run under TRITON_INTERPRET=1 (conftest.py); a GPU machine also runs them on CUDA.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 from conftest import assert_close, output_and_grads
 
-from hfkit.ops import gated_linear, gated_linear_reference
+from hfkit.ops import gated_linear, gated_linear_add_, gated_linear_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,3 +102,51 @@ def test_cpu_without_interpreter_runs_the_reference(monkeypatch, seed):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # read at call time by hfkit.ops._triton
     g, o, w, b = torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.randn(5, 8), torch.randn(5)
     torch.testing.assert_close(gated_linear(g, o, w, b), gated_linear_reference(g, o, w, b), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize(("rows", "k", "n"), [((3, 37), 48, 40), ((2, 5, 7), 24, 200)], ids=["odd", "wide"])
+def test_add_in_place_matches_reference(device, dtype, with_bias, rows, k, n, seed):
+    """z += linear(sigmoid(g) * o): g a column slice of a wider projection (rows further apart than K),
+    o dense, N over `ADD_MAX_N` (two column blocks) in the second case."""
+    proj = torch.randn(*rows, 2 * k + 8, device=device, dtype=dtype)
+    g = proj[..., k + 3 : 2 * k + 3]
+    o = torch.randn(*rows, k, device=device, dtype=dtype)
+    weight = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+    bias = torch.randn(n, device=device, dtype=dtype) if with_bias else None
+    z = torch.randn(*rows, n, device=device, dtype=dtype)
+    f32 = lambda t: t.float() if t is not None else None  # noqa: E731
+    expected = z.float() + gated_linear_reference(f32(g), f32(o), f32(weight), f32(bias))
+    before = z.data_ptr()
+    with torch.no_grad():
+        out = gated_linear_add_(z, g, o, weight, bias)
+    assert out is z and z.data_ptr() == before and z.dtype == dtype
+    assert_close(z.float(), expected, dtype=dtype, msg="z")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_add_in_place_fallbacks_give_the_same_sum(device, seed):
+    """A strided z, K over `ADD_MAX_K`, a z of another dtype: `z.add_(gated_linear(...))`, the same sum."""
+    g, o = torch.randn(6, 5, 300, device=device), torch.randn(6, 5, 300, device=device)
+    weight, bias = torch.randn(7, 300, device=device) / 17, torch.randn(7, device=device)
+    expected = gated_linear_reference(g, o, weight, bias)
+    z = torch.zeros(5, 6, 7, device=device).transpose(0, 1)  # not contiguous
+    with torch.no_grad():
+        gated_linear_add_(z, g, o, weight, bias)
+    assert_close(z, expected, dtype=torch.float32, msg="strided z, K 300")
+    g16, o16, w16 = g[..., :40].bfloat16(), o[..., :40].bfloat16(), weight[:, :40].bfloat16()
+    z32 = torch.zeros(6, 5, 7, device=device)  # float32 z, bfloat16 operands
+    with torch.no_grad():
+        gated_linear_add_(z32, g16, o16, w16)
+    ref16 = gated_linear_reference(g16.float(), o16.float(), w16.float())
+    assert_close(z32, ref16, dtype=torch.bfloat16, msg="float32 z, bfloat16 operands")
+
+
+def test_add_in_place_refuses_autograd_and_bad_z():
+    g, o, w = torch.randn(3, 4), torch.randn(3, 4), torch.randn(5, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="no_grad"):
+        gated_linear_add_(torch.zeros(3, 5), g, o, w)
+    with pytest.raises(ValueError, match="z: expected"), torch.no_grad():
+        gated_linear_add_(torch.zeros(3, 6), g, o, w)

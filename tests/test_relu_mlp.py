@@ -150,6 +150,26 @@ def test_swapped_transition_matches_the_model(plain_cls, fused_cls, seed):
     assert type(hfkit.to_torch(fused)) is plain_cls
 
 
+@pytest.mark.parametrize("plain_cls", [MSATransition, PairTransition])
+def test_add_transition_in_place_matches_the_model(plain_cls, seed):
+    """`add_transition_` (the lean path's masked residual update): x + the model's masked update, in
+    x's storage, for the model's module and hfkit's (relu_mlp, then the masked add in one pass)."""
+    plain = plain_cls(6, 4)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.copy_(torch.randn_like(p))
+    fused = hfkit.to_hfkit(plain_cls(6, 4))
+    fused.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 5, 7, 6)
+    mask = (torch.rand(2, 5, 7, 1) > 0.3).float()
+    with torch.no_grad():
+        expected = x + plain._transition(plain.layer_norm(x), mask)
+        for module in (plain, fused):
+            y = x.clone()
+            assert module.add_transition_(y, module.layer_norm(y), mask) is y
+            torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_evoformer_swaps_both_transitions():
     stack = hfkit.to_hfkit(EvoformerStack.from_config(ModelConfig.tiny()))
     kinds = {type(m) for m in stack.modules()}

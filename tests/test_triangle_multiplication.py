@@ -250,6 +250,44 @@ def test_op_matches_reference_with_optional_parameters(device, out_path, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_add_to_z_updates_z_in_place(dtype, device, out_path, seed, monkeypatch):
+    """`add_to_z` (inference): z += the update in z's storage, both directions, a float mask, odd N;
+    where the output half is one kernel, that kernel adds into z (`_out_add_fwd` called); a
+    non-contiguous z and the split output half add the op's update instead."""
+    c_z, c_h, n = 16, 8, 13
+    args = op_args(c_z, c_h, device, dtype)
+    mask = torch.rand(1, n, n, device=device, dtype=dtype)
+    calls = []
+    add = tm._out_add_fwd
+    monkeypatch.setattr(tm, "_out_add_fwd", lambda *a: calls.append(1) or add(*a))
+    for outgoing in (True, False):
+        for z in (torch.randn(1, n, n, c_z, device=device, dtype=dtype),
+                  torch.randn(1, n, c_z, n, device=device, dtype=dtype).transpose(-1, -2)):  # fmt: skip
+            with torch.no_grad():
+                expected = z.float() + triangle_multiplication(z, mask, *args, outgoing=outgoing).float()
+                before = z.data_ptr()
+                out = triangle_multiplication(z, mask, *args, outgoing=outgoing, add_to_z=True)
+            assert out is z and z.data_ptr() == before
+            assert_scaled_close(z.float(), expected, dtype, f"outgoing={outgoing}")
+    assert len(calls) == (2 if out_path == "fused_out" else 0)  # the contiguous z, each direction
+    with pytest.raises(RuntimeError, match="no_grad"):
+        triangle_multiplication(z, mask, *[a.requires_grad_() for a in args], add_to_z=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("outgoing", [True, False])
+def test_module_add_update_equals_z_plus_forward(outgoing, device, seed):
+    fused = hnn.to_hfkit(make_plain(outgoing, 16, 8, device), inplace=False)
+    z = torch.randn(1, 11, 11, 16, device=device)
+    mask = (torch.rand(1, 11, 11, device=device) > 0.2).float()
+    with torch.no_grad():
+        expected = z + fused(z, mask)
+        assert fused.add_update_(z, mask) is z
+    assert_close(z, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_residual_passthrough_adds_its_gradient(device, seed):
     """With `residual`, (update, r): r equals z, and dz is the update's gradient plus r's (added by the
     LayerNorm-in backward kernel; a transposed, strided dr); r is z itself on the reference path."""

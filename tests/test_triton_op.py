@@ -31,7 +31,14 @@ pytestmark = [
 ]
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-MODULES = ["layer_norm", "softmax", "evoformer_attention", "elementwise", "triangle_multiplication"]
+MODULES = [
+    "layer_norm",
+    "softmax",
+    "evoformer_attention",
+    "elementwise",
+    "triangle_multiplication",
+    "gated_linear",
+]
 
 
 def all_ops() -> list[TritonOp]:
@@ -264,7 +271,7 @@ def test_unwrapped_apply_is_the_functions_apply():
 
 def test_every_op_is_registered_with_torch():
     ops = all_ops()
-    assert len(ops) == 23
+    assert len(ops) == 26
     for op in ops:
         assert getattr(torch.ops.hfkit, op.name).default is not None
 

@@ -430,7 +430,7 @@ def _transition_(transition: Transition, x: torch.Tensor, mask: torch.Tensor | N
         rows = x.narrow(-3, start, size)
         mask_r = rows.new_ones(rows.shape[:-1]) if mask is None else mask.narrow(-2, start, size)
         normed = transition.layer_norm(rows)
-        rows.add_(transition._transition(normed, mask_r.to(normed.dtype)[..., None]))
+        transition.add_transition_(rows, normed, mask_r.to(normed.dtype)[..., None])
         del normed
 
 
@@ -450,7 +450,7 @@ def _outer_product_mean_(opm, m: torch.Tensor, z: torch.Tensor, mask: torch.Tens
         mask_i = mask.narrow(-2, start, size)
         norm = torch.einsum("...sia,...sja->...ija", mask_i, mask)  # [*, size, N, 1]
         outer = opm._outer(a.narrow(-2, start, size), b)  # [*, size, N, C_z]
-        z.narrow(-3, start, size).add_(opm._normalize(outer, opm.eps + norm))
+        opm.add_normalized_(z.narrow(-3, start, size), outer, opm.eps + norm)
         del norm, outer
 
 
@@ -469,8 +469,9 @@ def _triangle_multiplication_(
     n = z.shape[-2]
     if chunk >= n:
         # One chunk: the module itself, whose update (hfkit's fused kernels where swapped in) holds
-        # less than the chunked path's whole stored projection and rows.
-        z.add_(tri(z, mask=mask))
+        # less than the chunked path's whole stored projection and rows; hfkit's adds it into z as
+        # its output kernel writes it (`add_update_`).
+        tri.add_update_(z, mask)
         return
     zv = z if tri.outgoing else z.transpose(-2, -3)  # zv[p, q]: p is the output axis that is chunked
     mask_v = (mask if tri.outgoing else mask.transpose(-1, -2)).to(z.dtype)[..., None]
@@ -505,8 +506,9 @@ def _triangle_attention_(att: TriangleAttention, z: torch.Tensor, mask: torch.Te
     if chunk >= z.shape[-2]:
         # One chunk: the module itself, which normalizes z once (the chunks below normalize it for the
         # bias and again for the rows) and, where hfkit's attention is swapped in, attends along
-        # columns without copying the transposed view or updating it strided.
-        z.add_(att(z, mask=mask))
+        # columns without copying the transposed view or updating it strided, and adds its output
+        # projection into z in the same pass (`add_update_`).
+        att.add_update_(z, mask)
         return
     zv = z if att.starting else z.transpose(-2, -3)
     mask_v = mask if att.starting else mask.transpose(-1, -2)

@@ -34,6 +34,11 @@ class OuterProductMean(nn.Module):
         """outer [*, N, N, C_z] / count [*, N, N, 1] (eps + the rows where both residues are present)."""
         return outer / count
 
+    def add_normalized_(self, z: torch.Tensor, outer: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """z += `_normalize(outer, count)` in place (inference, no autograd); returns z. hfkit's fused
+        module divides and adds in one pass."""
+        return z.add_(self._normalize(outer, count))
+
     def _project(self, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(linear_1(ln), linear_2(ln)) of ln = layer_norm(m)."""
         ln = self.layer_norm(m)

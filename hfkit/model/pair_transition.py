@@ -25,6 +25,11 @@ class Transition(nn.Module):
     def _transition(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.relu(self.linear_1(x))) * mask
 
+    def add_transition_(self, x: torch.Tensor, normed: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x += `_transition(normed, mask)` in place (inference, no autograd; normed = layer_norm(x),
+        mask [*, 1]); returns x. hfkit's fused transitions mask and add in one pass."""
+        return x.add_(self._transition(normed, mask))
+
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor | None = None, chunk_size: int | None = None
     ) -> torch.Tensor:

@@ -41,6 +41,11 @@ class TriangleAttention(nn.Module):
         x = attend_rows(self.mha, x, [mask_bias(mask.to(x.dtype), self.inf), triangle_bias], chunk_size)
         return x if self.starting else x.transpose(-2, -3)
 
+    def add_update_(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x += forward(x, mask) in place (inference, no autograd); returns x. hfkit's fused module adds
+        its output projection into x."""
+        return x.add_(self(x, mask))
+
 
 class TriangleAttentionStartingNode(TriangleAttention):
     """Algorithm 13: triangular gated self-attention around the starting node."""

@@ -48,6 +48,11 @@ class TriangleMultiplicativeUpdate(nn.Module):
         x = self.linear_z(self.layer_norm_out(x.movedim(-3, -1)))
         return x * torch.sigmoid(self.linear_g(z))
 
+    def add_update_(self, z: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """z += forward(z, mask) in place (inference, no autograd); returns z. hfkit's fused module
+        adds the update inside its output kernel."""
+        return z.add_(self(z, mask))
+
 
 class TriangleMultiplicationOutgoing(TriangleMultiplicativeUpdate):
     """Algorithm 11: triangular multiplicative update using "outgoing" edges."""

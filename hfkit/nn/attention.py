@@ -18,7 +18,7 @@ from hfkit.model.primitives import Attention, mask_bias
 from hfkit.nn.convert import register_swap
 from hfkit.nn.layer_norm import matmul_dtype
 from hfkit.ops.evoformer_attention import evoformer_attention, uses_triton
-from hfkit.ops.gated_linear import gated_linear
+from hfkit.ops.gated_linear import gated_linear, gated_linear_add_
 from hfkit.ops.linear import linear
 from hfkit.ops.multi_linear import multi_linear
 
@@ -88,6 +88,7 @@ def fused_gated_attention(
     *,
     transposed: bool = False,
     projections: tuple[torch.Tensor, ...] | None = None,
+    add_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """OpenFold's gated attention of `module` (an `Attention` of hfkit or of OpenFold: `linear_q`,
     `linear_k`, `linear_v`, `linear_g` or None, `linear_o`, `no_heads`) on q_x [*, Q, c_q],
@@ -101,6 +102,9 @@ def fused_gated_attention(
     [B, N, R]), transposed back, but no input is copied: the projections and the gated output run on
     the inputs as laid out, the op reads strided views of them, and the result [*, R, N, c_q] is
     laid out like q_x (contiguous for a contiguous q_x).
+
+    With `add_to` (the result's shape, inference only), the result is added to it in place by the
+    output projection itself (`gated_output`), and `add_to` is returned.
     """
     if transposed and q_x.dim() not in (3, 4):
         raise ValueError(f"q_x: expected [*, R, N, c] with at most one leading dim, got {list(q_x.shape)}")
@@ -121,7 +125,7 @@ def fused_gated_attention(
         from5 = lambda o: o.transpose(-2, -3)
     o = evoformer_attention(to5(q), to5(k), to5(v), pair, key_bias=key)
     o = from5(o).reshape(q.shape)
-    return gated_output(module, o, g)
+    return gated_output(module, o, g, add_to)
 
 
 def project(
@@ -180,6 +184,7 @@ def attend_axis(
     chunk_size: int | None = None,
     *,
     columns: bool = True,
+    add_to: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The update of gated self-attention `mha` within the columns (`columns`) or the rows of
     `layer_norm(x)`, x [*, R, N, C] (at most one leading dim), mask [*, R, N] (None: all kept), with the
@@ -193,7 +198,9 @@ def attend_axis(
     caller has checked that the op runs Triton for x). None where the biases do not map (more leading
     dims, a mask that requires grad) or `chunk_size` is below the rows or columns attended (chunks
     would only bound the [*, R, N, C] projections: the fused op keeps no logits): the caller runs its
-    plain forward then."""
+    plain forward then, and nothing has been computed or written. With `add_to` (x itself for a
+    residual update, inference only) the update is added to it in place (`gated_output`) and it is
+    returned."""
     if x.dim() not in (3, 4) or (mask is not None and mask.requires_grad):
         return None
     if chunk_size is not None and chunk_size < x.shape[-2 if columns else -3]:
@@ -220,15 +227,25 @@ def attend_axis(
     mapped = map_attention_biases(rows, rows, biases)
     if mapped is None:
         return None
-    return fused_gated_attention(mha, xn, xn, mapped, transposed=columns, projections=projections)
+    return fused_gated_attention(
+        mha, xn, xn, mapped, transposed=columns, projections=projections, add_to=add_to
+    )
 
 
-def gated_output(module: nn.Module, o: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+def gated_output(
+    module: nn.Module, o: torch.Tensor, g: torch.Tensor | None, add_to: torch.Tensor | None = None
+) -> torch.Tensor:
     """`linear_o(sigmoid(g) * o)` for o [*, Q, H, c_hidden] and the gate projection g = linear_g(q_x)
     [*, Q, H * c_hidden] (None: no gate, `linear_o(o)`) as `hfkit.ops.gated_linear`: the gate is one
     fused kernel, and the backward recomputes it instead of keeping it for linear_o's weight gradient.
-    linear_o's parameters are read directly (its forward hooks, if any, do not run)."""
+    linear_o's parameters are read directly (its forward hooks, if any, do not run). With `add_to`
+    ([*, Q, c_out], no autograd) the output is added to it in place and it is returned: with a gate
+    through `hfkit.ops.gated_linear_add_`, one pass over the rows instead of three."""
     o = o.flatten(-2)
+    if add_to is not None:
+        if g is None:
+            return add_to.add_(module.linear_o(o))
+        return gated_linear_add_(add_to, g, o, module.linear_o.weight, module.linear_o.bias)
     if g is None:
         return module.linear_o(o)
     return gated_linear(g, o, module.linear_o.weight, module.linear_o.bias)

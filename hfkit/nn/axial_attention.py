@@ -62,6 +62,16 @@ class _FusedTriangleAttention:
             )
         return super().forward(x, mask, chunk_size) if update is None else update
 
+    def add_update_(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x += forward(x, mask) in place, without autograd (`hfkit.model.inference.lean_forward`):
+        on the fast path the gated output projection adds its result into x (`gated_output`), one pass
+        over x instead of writing the update and adding it."""
+        if takes_column_path(self.mha, x):
+            args = (self.mha, self.layer_norm, x, mask, self.inf, self.linear)
+            if attend_axis(*args, columns=self._columns, add_to=x) is not None:
+                return x
+        return x.add_(self.forward(x, mask))
+
 
 class TriangleAttentionEndingNode(_FusedTriangleAttention, _PlainEndingNode):
     """`hfkit.model.TriangleAttentionEndingNode` (AF2 Algorithm 14) attending along the columns of the

@@ -17,7 +17,7 @@ from hfkit.model.outer_product_mean import OuterProductMean as _PlainOuterProduc
 from hfkit.nn.attention import fusable_linears, linears_of
 from hfkit.nn.convert import register_swap
 from hfkit.nn.layer_norm import matmul_dtype
-from hfkit.ops.elementwise import row_scale
+from hfkit.ops.elementwise import row_scale, row_scale_add_
 from hfkit.ops.outer_product_linear import outer_product_linear
 
 __all__ = ["OuterProductMean"]
@@ -38,6 +38,9 @@ class OuterProductMean(_PlainOuterProductMean):
 
     def _normalize(self, outer: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         return row_scale(outer, count, divide=True)
+
+    def add_normalized_(self, z: torch.Tensor, outer: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        return row_scale_add_(z, outer, count, divide=True)
 
     def _outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         out = self.linear_out

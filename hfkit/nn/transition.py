@@ -17,6 +17,7 @@ from hfkit.model.pair_transition import PairTransition as _PlainPairTransition
 from hfkit.model.primitives import chunk_apply
 from hfkit.nn.convert import register_swap
 from hfkit.nn.layer_norm import matmul_dtype
+from hfkit.ops.elementwise import row_scale_add_
 from hfkit.ops.relu_mlp import relu_mlp
 
 __all__ = ["MSATransition", "PairTransition"]
@@ -34,6 +35,10 @@ class _RecomputedHidden:
     def _transition(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         l1, l2 = self.linear_1, self.linear_2
         return relu_mlp(x, l1.weight, l1.bias, l2.weight, l2.bias, mask)
+
+    def add_transition_(self, x: torch.Tensor, normed: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        l1, l2 = self.linear_1, self.linear_2
+        return row_scale_add_(x, relu_mlp(normed, l1.weight, l1.bias, l2.weight, l2.bias), mask)
 
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor | None = None, chunk_size: int | None = None

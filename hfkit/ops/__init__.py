@@ -6,12 +6,13 @@ from hfkit.ops.elementwise import (
     bias_dropout_add,
     bias_dropout_add_reference,
     row_scale,
+    row_scale_add_,
     row_scale_reference,
     sigmoid_gate,
     sigmoid_gate_reference,
 )
 from hfkit.ops.evoformer_attention import evoformer_attention, evoformer_attention_reference
-from hfkit.ops.gated_linear import gated_linear, gated_linear_reference
+from hfkit.ops.gated_linear import gated_linear, gated_linear_add_, gated_linear_reference
 from hfkit.ops.layer_norm import layer_norm, layer_norm_reference
 from hfkit.ops.linear import linear, linear_reference
 from hfkit.ops.lstm import lstm_layer, lstm_reference
@@ -27,6 +28,7 @@ __all__ = [
     "evoformer_attention",
     "evoformer_attention_reference",
     "gated_linear",
+    "gated_linear_add_",
     "gated_linear_reference",
     "layer_norm",
     "layer_norm_reference",
@@ -42,6 +44,7 @@ __all__ = [
     "relu_mlp",
     "relu_mlp_reference",
     "row_scale",
+    "row_scale_add_",
     "row_scale_reference",
     "sigmoid_gate",
     "sigmoid_gate_reference",

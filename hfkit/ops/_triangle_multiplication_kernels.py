@@ -336,7 +336,7 @@ def _out_kernel(
     NN, CH, CZ, eps, stride_dout, stride_dp, dg_off, part_off, stride_part, num_tiles, tiles_per_batch,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_BZ: tl.constexpr, HAS_BG: tl.constexpr,
     BWD: tl.constexpr, DOT: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Z: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_Z: tl.constexpr, ACCUMULATE: tl.constexpr = False,
 ):  # fmt: skip
     # Float arguments in float32 (torch.compile passes Python floats as float64 scalars).
     eps = tl.cast(eps, tl.float32)
@@ -345,7 +345,8 @@ def _out_kernel(
     # of C_z for g: one tl.dot each). Persistent: a program loads W_z, W_g and the biases once and
     # walks the tiles tile = program, program + programs, ... (tile = batch * tiles_per_batch + pair
     # block). Forward: OUT = o * sigmoid(g); y, o and g never reach memory (traffic: read x and zn,
-    # write out). Backward (BWD), recomputing them for d(out): OUT = d(o) = d(out) * s and dg = d(out)
+    # write out; with ACCUMULATE, OUT += o * sigmoid(g), the residual add of inference in the same pass).
+    # Backward (BWD), recomputing them for d(out): OUT = d(o) = d(out) * s and dg = d(out)
     # * o * s (1 - s) into columns [dg_off, dg_off + C_z) of d_proj (s = sigmoid(g)), with y, LN_out's
     # statistics and the tile's row of float32 sums of d(o) and dg in Part (the b_z and b_g
     # gradients; the host sums the rows) for the rest of the backward.
@@ -393,4 +394,7 @@ def _out_kernel(
             tl.store(part, tl.sum(do, axis=0), mask=k_ok)
             tl.store(part + CZ, tl.sum(dg, axis=0), mask=k_ok)
         else:
-            tl.store(OUT + rows[:, None] * CZ + k[None, :], (o * s).to(OUT.dtype.element_ty), mask=ok)
+            val = o * s
+            if ACCUMULATE:
+                val += tl.load(OUT + rows[:, None] * CZ + k[None, :], mask=ok, other=0.0).to(tl.float32)
+            tl.store(OUT + rows[:, None] * CZ + k[None, :], val.to(OUT.dtype.element_ty), mask=ok)

@@ -5,9 +5,10 @@ supplement Algorithm 7 line 6 and the ones that copy it). `bias_dropout_add(x, r
 is `residual + dropout(x + bias)`, the residual update after each Evoformer sub-layer, with the dropout
 mask shared along one dim (row-wise or column-wise dropout, supplement 1.11.6). `row_scale(x, s)` is
 `x * s` (or `x / s`) for a factor per row s [*, 1], the transitions' masks and the outer product
-mean's normalization: torch broadcasts such a factor through its strided (unvectorized) kernel,
-1.5-2x the time of a plain elementwise pass at AlphaFold's sizes on an H200. Eager PyTorch runs
-each of these as two or three kernels with a full-size temporary between them; here each is one pass
+mean's normalization (`row_scale_add_` adds the result into a tensor in place, for inference): torch
+broadcasts such a factor through its strided (unvectorized) kernel, 1.5-2x the time of a plain
+elementwise pass at AlphaFold's sizes on an H200. Eager PyTorch runs each of these as two or three
+kernels with a full-size temporary between them; here each is one pass
 forward and one backward. The dropout keep/drop decisions come from Philox (`tl.rand`) keyed by a
 seed and the position in the shared mask, so no mask is stored: the backward draws the same numbers
 again. On CUDA (and on CPU under `TRITON_INTERPRET=1`) the ops run the kernels below, registered as
@@ -33,6 +34,7 @@ __all__ = [
     "bias_dropout_add_reference",
     "dropout_keep_mask",
     "row_scale",
+    "row_scale_add_",
     "row_scale_reference",
     "sigmoid_gate",
     "sigmoid_gate_backward",
@@ -193,6 +195,26 @@ def row_scale(x: torch.Tensor, scale: torch.Tensor, divide: bool = False) -> tor
     if scale.shape[:-1] != x.shape[:-1] or scale.requires_grad or not uses_triton(x, scale) or x.numel() == 0:
         return row_scale_reference(x, scale, divide)
     return _row_scale(x, scale, divide)
+
+
+def row_scale_add_(
+    z: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, divide: bool = False
+) -> torch.Tensor:
+    """`z += row_scale(x, scale, divide)` in place, without autograd (inference: the outer product
+    mean's normalized update added to the pair representation in one pass); returns z. z: x's shape,
+    contiguous, in x's dtype for the kernel (otherwise, and where `row_scale` runs its reference, the
+    scaled x is added by torch). Raises RuntimeError where autograd would need a graph."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (z, x, scale)):
+        raise RuntimeError(
+            "row_scale_add_ updates z in place without autograd: call it under torch.no_grad()"
+        )
+    if z.shape != x.shape:
+        raise ValueError(f"z: expected x's shape {list(x.shape)}, got {list(z.shape)}")
+    fused = z.is_contiguous() and z.dtype == torch.promote_types(x.dtype, scale.dtype) and uses_triton(z)
+    if not fused or scale.shape[:-1] != x.shape[:-1] or not uses_triton(x, scale) or x.numel() == 0:
+        return z.add_(row_scale(x, scale, divide))
+    _row_scale_add(z, x, scale, divide)
+    return z
 
 
 def bias_dropout_add(
@@ -394,9 +416,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _row_scale_kernel(
-        X, Scale, Y, M, N, DIVIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
-    ):
-        # Traffic: read x, write y (2 passes; the factors are one value a row).
+        X, Scale, Y, M, N,
+        DIVIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACCUMULATE: tl.constexpr,
+    ):  # fmt: skip
+        # Traffic: read x, write y (2 passes; the factors are one value a row); with ACCUMULATE
+        # y += x * s (`row_scale_add_`: 3 passes where the scale and an add take 5).
         rows, cols = _tile_indices(N, BLOCK_M, BLOCK_N)
         row_ok = rows < M
         ok = row_ok[:, None] & (cols < N)[None, :]
@@ -404,6 +428,8 @@ if HAS_TRITON:
         x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
         s = tl.load(Scale + rows, mask=row_ok, other=1.0).to(tl.float32)[:, None]
         y = x / s if DIVIDE else x * s
+        if ACCUMULATE:
+            y += tl.load(Y + offs, mask=ok, other=0.0).to(tl.float32)
         tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=ok)
 
     @triton.jit
@@ -533,9 +559,19 @@ if HAS_TRITON:
         m = x.numel() // n
         bm, bn, warps = _tile(n)
         launch(_row_scale_kernel, (cdiv(m, bm) * cdiv(n, bn),),
-            xc, sc, y, m, n, DIVIDE=divide, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+            xc, sc, y, m, n, DIVIDE=divide, BLOCK_M=bm, BLOCK_N=bn, ACCUMULATE=False, num_warps=warps,
         )  # fmt: skip
         return y
+
+    @hfkit_op("row_scale_add", mutates_args={"z"})
+    def _row_scale_add(z: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, divide: bool) -> None:
+        xc, sc = x.contiguous(), scale.contiguous()
+        n = x.shape[-1]
+        m = x.numel() // n
+        bm, bn, warps = _tile(n)
+        launch(_row_scale_kernel, (cdiv(m, bm) * cdiv(n, bn),),
+            xc, sc, z, m, n, DIVIDE=divide, BLOCK_M=bm, BLOCK_N=bn, ACCUMULATE=True, num_warps=warps,
+        )  # fmt: skip
 
     def _row_scale_setup_context(ctx, inputs, output) -> None:
         x, scale, divide = inputs

@@ -129,6 +129,10 @@ FUSED_OUT_MAX = 128
 # tilings tried (64/128 pairs, K 32/64, 4/8 warps, 2/3 stages): at best 40.8 against 33.9 us at
 # N = 256 and 82.9 against 71.3 at 384 (H200, bf16, CUDA graphs). cuEquivariance 0.13's SM90 kernels
 # do this half in 26 us forward at N = 256 (its kernel "F2T").
+# The forward adding into z (`add_to_z`, inference) at N = 4096 (H200, .gpu probe): 8.4 ms at these
+# tiles against 11.9-16.2 for (32 pairs, 4 warps, 3-4 programs an SM), (32, 2, 6), (16, 4, 6),
+# (32, 8, 2), (64, 8, 1) and (128, 8, 1); in the lean block it took 19.0 ms for the two updates
+# against 16.0 writing the update, whose two adds (5.8 ms) it saves.
 OUT_TILES = {"fwd": (64, 4, 2), "bwd": (64, 4, 2)}
 
 
@@ -260,6 +264,7 @@ def triangle_multiplication(
     fuse_projection: bool = True,
     residual: bool = False,
     contraction: Contraction | None = None,
+    add_to_z: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused triangle multiplicative update of the pair representation, with autograd.
 
@@ -280,6 +285,9 @@ def triangle_multiplication(
     it writes it (as `hfkit.ops.layer_norm_with_residual`); r is z itself where nothing fuses.
     `contraction` (a `Contraction`; default one process's) runs the triangular contraction: given, z may
     be a block of rows of the pair grid, [*, R, N, C_z], and the fused path must apply (`uses_triton`).
+    With `add_to_z` (inference: no autograd, no `residual` or `contraction`), z += update in place and
+    z is returned; where the output half is one kernel and z is contiguous in the compute dtype, that
+    kernel adds into z as it writes (one pass over z instead of the update's write and an add's three).
     Raises ValueError naming the argument on a bad shape, dtype or device.
     """
     args = (
@@ -297,9 +305,14 @@ def triangle_multiplication(
     dtype = _fused_dtype(z, c_h)
     if contraction is not None and dtype is None:
         raise ValueError("contraction: only on the fused path (uses_triton(z, C_hidden) is False here)")
+    if add_to_z:
+        if residual or contraction is not None:
+            raise ValueError("add_to_z: not with residual or contraction")
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (z, *args)):
+            raise RuntimeError("add_to_z updates z in place without autograd: call it under torch.no_grad()")
     if dtype is None or z.numel() == 0:
         out = triangle_multiplication_reference(z, mask, *args, outgoing=outgoing, eps=eps)
-        return (out, z) if residual else out
+        return z.add_(out) if add_to_z else (out, z) if residual else out
     # The matmul operands in the compute dtype (autograd casts their gradients back) and contiguous: the
     # kernels read W_z, W_g and the biases by row and column. LayerNorm weights of any float dtype are
     # read by the kernels as they are, by column: unit stride.
@@ -312,12 +325,40 @@ def triangle_multiplication(
     out_bias = out_bias.to(dtype).contiguous() if out_bias is not None else None
     if mask is not None:
         mask = mask.detach().to(dtype).expand(z.shape[:-1]).contiguous()
+    if (
+        add_to_z
+        and fuse_projection
+        and _fuses_out(c_h, z.shape[-1])
+        and z.is_contiguous()
+        and z.dtype == dtype
+    ):
+        _add_update_(z, mask, ln_in_weight, ln_in_bias, proj_weight, proj_bias,
+            ln_out_weight, ln_out_bias, out_weight, out_bias, bool(outgoing), float(eps),
+        )  # fmt: skip
+        return z
     out, passthrough = _TriangleMultiplication.apply(
         z, mask, ln_in_weight, ln_in_bias, proj_weight, proj_bias,
         ln_out_weight, ln_out_bias, out_weight, out_bias, bool(outgoing), float(eps), bool(fuse_projection),
         contraction,
     )  # fmt: skip
+    if add_to_z:
+        return z.add_(out)
     return (out, passthrough) if residual else out
+
+
+def _add_update_(z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, outgoing, eps) -> None:
+    """z += the update, the forward of `_TriangleMultiplication` with the fused projection and output
+    half, the latter adding into z (`_out_add_fwd`): z is read only by the first LayerNorm before."""
+    *lead, rows, cols, c_z = z.shape
+    pairs, c_h = rows * cols, w_z.shape[1]
+    batch = math.prod(lead)
+    zn, _, _ = _ln_in_fwd(z, w_in, b_in, eps, w_proj.dtype)
+    w_ab, b_ab, w_g, b_g = _split_projection(w_proj, b_proj, c_h)
+    a, b = _proj_gate_fwd(zn, w_ab, b_ab, mask, batch, pairs, c_h)
+    grid = (batch, c_h, rows, cols)
+    x, _ = _LOCAL.forward(a.view(grid), b.view(grid), outgoing)
+    del a, b
+    _out_add_fwd(x, zn, w_out_ln, b_out_ln, w_z, b_z, w_g, b_g, z.view(-1, c_z), batch, c_h, eps)
 
 
 def _split_projection(w_proj: torch.Tensor, b_proj: torch.Tensor | None, c_h: int) -> tuple:
@@ -762,9 +803,12 @@ if HAS_TRITON:
             "BLOCK_Z": max(16, next_power_of_2(c_z)), "num_warps": warps,
         }  # fmt: skip
 
-    def _launch_out(x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, batch, c_h, eps, grads=None) -> None:
-        """`_out_kernel` over zn's [M, C_z] pairs into `out`: the forward, or with `grads` = (d(out),
-        d_proj, y, mean, rstd, part, part_off) the backward (a row of part for each tile)."""
+    def _launch_out(
+        x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, batch, c_h, eps, grads=None, accumulate=False
+    ) -> None:
+        """`_out_kernel` over zn's [M, C_z] pairs into `out`: the forward (with `accumulate`, added to
+        out), or with `grads` = (d(out), d_proj, y, mean, rstd, part, part_off) the backward (a row of
+        part for each tile)."""
         m, c_z = zn.shape
         nn_ = m // batch
         dout, d_proj, y, mean, rstd, part, part_off = grads or (None,) * 7
@@ -780,7 +824,7 @@ if HAS_TRITON:
             d_proj.shape[1] - c_z if bwd else 0, part_off if bwd else 0, part.stride(0) if bwd else 0,
             num_tiles, tiles_per_batch,
             HAS_W=w_ln is not None, HAS_B=b_ln is not None, HAS_BZ=b_z is not None, HAS_BG=b_g is not None,
-            BWD=bwd, DOT=dot_mode(zn), **tiles,
+            BWD=bwd, DOT=dot_mode(zn), ACCUMULATE=accumulate, **tiles,
         )  # fmt: skip
 
     @hfkit_op("tri_mul_out_fwd")
@@ -801,6 +845,24 @@ if HAS_TRITON:
         out = torch.empty_like(zn)
         _launch_out(x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, batch, c_h, eps)
         return out
+
+    @hfkit_op("tri_mul_out_add_fwd", mutates_args={"out"})
+    def _out_add_fwd(
+        x: torch.Tensor,
+        zn: torch.Tensor,
+        w_ln: torch.Tensor | None,
+        b_ln: torch.Tensor | None,
+        w_z: torch.Tensor,
+        b_z: torch.Tensor | None,
+        w_g: torch.Tensor,
+        b_g: torch.Tensor | None,
+        out: torch.Tensor,
+        batch: int,
+        c_h: int,
+        eps: float,
+    ) -> None:
+        """out [M, C_z] += `_out_fwd`'s result, in the same pass (out is not zn)."""
+        _launch_out(x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, batch, c_h, eps, accumulate=True)
 
     @hfkit_op("tri_mul_out_bwd", mutates_args={"part"})
     def _out_bwd(
