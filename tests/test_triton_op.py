@@ -271,7 +271,7 @@ def test_unwrapped_apply_is_the_functions_apply():
 
 def test_every_op_is_registered_with_torch():
     ops = all_ops()
-    assert len(ops) == 26
+    assert len(ops) == 25
     for op in ops:
         assert getattr(torch.ops.hfkit, op.name).default is not None
 

@@ -551,27 +551,25 @@ if HAS_TRITON:
 
     _sigmoid_gate_fwd.autograd(_gate_backward, _gate_setup_context)
 
-    @hfkit_op("row_scale")
-    def _row_scale(x: torch.Tensor, scale: torch.Tensor, divide: bool) -> torch.Tensor:
-        xc, sc = x.contiguous(), scale.contiguous()
-        y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, scale.dtype), device=x.device)
+    def _launch_row_scale(x, scale, y, divide: bool, accumulate: bool) -> None:
+        """y = x * scale (x / scale), or y += that with `accumulate`; y contiguous, x's shape."""
         n = x.shape[-1]
         m = x.numel() // n
         bm, bn, warps = _tile(n)
         launch(_row_scale_kernel, (cdiv(m, bm) * cdiv(n, bn),),
-            xc, sc, y, m, n, DIVIDE=divide, BLOCK_M=bm, BLOCK_N=bn, ACCUMULATE=False, num_warps=warps,
+            x.contiguous(), scale.contiguous(), y, m, n,
+            DIVIDE=divide, BLOCK_M=bm, BLOCK_N=bn, ACCUMULATE=accumulate, num_warps=warps,
         )  # fmt: skip
+
+    @hfkit_op("row_scale")
+    def _row_scale(x: torch.Tensor, scale: torch.Tensor, divide: bool) -> torch.Tensor:
+        y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, scale.dtype), device=x.device)
+        _launch_row_scale(x, scale, y, divide, False)
         return y
 
     @hfkit_op("row_scale_add", mutates_args={"z"})
     def _row_scale_add(z: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, divide: bool) -> None:
-        xc, sc = x.contiguous(), scale.contiguous()
-        n = x.shape[-1]
-        m = x.numel() // n
-        bm, bn, warps = _tile(n)
-        launch(_row_scale_kernel, (cdiv(m, bm) * cdiv(n, bn),),
-            xc, sc, z, m, n, DIVIDE=divide, BLOCK_M=bm, BLOCK_N=bn, ACCUMULATE=True, num_warps=warps,
-        )  # fmt: skip
+        _launch_row_scale(x, scale, z, divide, True)
 
     def _row_scale_setup_context(ctx, inputs, output) -> None:
         x, scale, divide = inputs

@@ -348,7 +348,7 @@ def triangle_multiplication(
 
 def _add_update_(z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, outgoing, eps) -> None:
     """z += the update, the forward of `_TriangleMultiplication` with the fused projection and output
-    half, the latter adding into z (`_out_add_fwd`): z is read only by the first LayerNorm before."""
+    half, the latter adding into z (`_out_fwd` accumulating): z is read only by the first LayerNorm."""
     *lead, rows, cols, c_z = z.shape
     pairs, c_h = rows * cols, w_z.shape[1]
     batch = math.prod(lead)
@@ -358,7 +358,7 @@ def _add_update_(z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b
     grid = (batch, c_h, rows, cols)
     x, _ = _LOCAL.forward(a.view(grid), b.view(grid), outgoing)
     del a, b
-    _out_add_fwd(x, zn, w_out_ln, b_out_ln, w_z, b_z, w_g, b_g, z.view(-1, c_z), batch, c_h, eps)
+    _out_fwd(x, zn, w_out_ln, b_out_ln, w_z, b_z, w_g, b_g, z.view(-1, c_z), batch, c_h, eps, True)
 
 
 def _split_projection(w_proj: torch.Tensor, b_proj: torch.Tensor | None, c_h: int) -> tuple:
@@ -441,7 +441,8 @@ class _TriangleMultiplication(torch.autograd.Function):
         x, saved = (contract or _LOCAL).forward(a.view(grid), b.view(grid), outgoing)
         del a, b
         if fused_out:
-            out = _out_fwd(x, zn, w_out_ln, b_out_ln, w_z, b_z, w_g, b_g, batch, c_h, eps)
+            out = torch.empty_like(zn)
+            _out_fwd(x, zn, w_out_ln, b_out_ln, w_z, b_z, w_g, b_g, out, batch, c_h, eps, False)
         else:
             del zn
             y, _, _ = _ln_out_t_fwd(x, w_out_ln, b_out_ln, batch, c_h, eps)
@@ -827,27 +828,8 @@ if HAS_TRITON:
             BWD=bwd, DOT=dot_mode(zn), ACCUMULATE=accumulate, **tiles,
         )  # fmt: skip
 
-    @hfkit_op("tri_mul_out_fwd")
+    @hfkit_op("tri_mul_out_fwd", mutates_args={"out"})
     def _out_fwd(
-        x: torch.Tensor,
-        zn: torch.Tensor,
-        w_ln: torch.Tensor | None,
-        b_ln: torch.Tensor | None,
-        w_z: torch.Tensor,
-        b_z: torch.Tensor | None,
-        w_g: torch.Tensor,
-        b_g: torch.Tensor | None,
-        batch: int,
-        c_h: int,
-        eps: float,
-    ) -> torch.Tensor:
-        """out [M, C_z] = (LN_out(x) @ w_z.T + b_z) * sigmoid(zn @ w_g.T + b_g), x channel-first."""
-        out = torch.empty_like(zn)
-        _launch_out(x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, batch, c_h, eps)
-        return out
-
-    @hfkit_op("tri_mul_out_add_fwd", mutates_args={"out"})
-    def _out_add_fwd(
         x: torch.Tensor,
         zn: torch.Tensor,
         w_ln: torch.Tensor | None,
@@ -860,9 +842,11 @@ if HAS_TRITON:
         batch: int,
         c_h: int,
         eps: float,
+        accumulate: bool,
     ) -> None:
-        """out [M, C_z] += `_out_fwd`'s result, in the same pass (out is not zn)."""
-        _launch_out(x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, batch, c_h, eps, accumulate=True)
+        """out [M, C_z] = (LN_out(x) @ w_z.T + b_z) * sigmoid(zn @ w_g.T + b_g), x channel-first; with
+        `accumulate`, out += that in the same pass (out is not zn)."""
+        _launch_out(x, zn, w_ln, b_ln, w_z, b_z, w_g, b_g, out, batch, c_h, eps, accumulate=accumulate)
 
     @hfkit_op("tri_mul_out_bwd", mutates_args={"part"})
     def _out_bwd(
