@@ -20,6 +20,12 @@ their references). What each op keeps while it runs, with c the chunk size:
 - Triangle attention: the triangle bias [*, H, N, N], then c rows (starting node) or columns (ending
   node) at a time; a chunk of the whole axis runs the module itself.
 
+Each residual update goes through the module's own in-place method (`add_update_` of the triangle
+updates and attentions, `add_transition_`, `add_normalized_`): `z.add_(update)` in the model's modules;
+hfkit's fused ones add inside the kernel that writes the update (`hfkit.ops.gated_linear_add_`, the
+triangle update's output kernel, `hfkit.ops.row_scale_add_`), one pass over z instead of writing the
+update and adding it.
+
 With `offload_msa`, the MSA representation is copied to pinned host memory once the outer product mean
 has read it and its device memory is released while the pair ops run; it is copied back before the
 next block's MSA ops (and before returning). `chunk_size="auto"` picks, per op, the largest power of two
