@@ -230,8 +230,47 @@ def triangle_multiplication_kernels(dtype: str = "bf16", dot: int = 0) -> None:
             compile_sm90(tmk._out_kernel, ptrs, way_flags, warps)
 
 
+def gluon_attention_kernel() -> None:
+    """The Gluon attention forward (sm_90 only; no interpreter) with the tiles and registers `forward`
+    launches, its TMA descriptors typed as `forward` makes them: a Triton whose Gluon API moved (a
+    renamed barrier or TMA load) fails here instead of falling back to the Triton kernel at run time.
+    Skipped (printed) where this Triton has no Gluon Hopper API."""
+    from hfkit.ops import _evoformer_attention_gluon as ga
+
+    try:
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon._runtime import GluonASTSource
+    except ImportError:
+        print("gluon: not in this Triton, skipped")
+        return
+    if not ga.HAS_GLUON:
+        print("gluon: no Hopper API in this Triton, skipped")
+        return
+    bm, bn, d = ga.BLOCK_M, ga.BLOCK_N, ga.HEAD_DIM
+    blocks = {"q_desc": [bm, d], "k_desc": [bn, d], "v_desc": [bn, d], "b_desc": [bm, bn]}
+    constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "D": d, "STAGES": ga.STAGES}
+    signature, attrs = {}, {}
+    for i, param in enumerate(ga._fwd_kernel.params):
+        name = param.name
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in blocks:
+            layout = repr(gl.NVMMASharedLayout.get_default_for(blocks[name], gl.bfloat16))
+            signature[name] = f"tensordesc<bf16{blocks[name]},{layout}>".replace(" ", "")
+        elif name in ("O", "Mx", "Lg", "KNorm", "BMax"):
+            signature[name] = "*bf16" if name == "O" else "*fp32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32" if name in FLOAT_ARGS else "i32"
+    source = GluonASTSource(fn=ga._fwd_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(source, target=HOPPER, options={"num_warps": 4, "maxnreg": ga.MAX_REGS})
+    assert "cubin" in kernel.asm
+    COMPILED.append("gluon " + ga._fwd_kernel.__name__)
+
+
 def main() -> int:
     start = time.perf_counter()
+    gluon_attention_kernel()
     triangle_multiplication_kernels()
     norm_and_softmax_kernels()
     elementwise_kernels()

@@ -25,7 +25,8 @@ out as a projection [S, N, H, D] (rows s N + n, columns h D + d: MSA rows, trian
 starting node) or its transpose [N, S, H, D] (rows n, columns s H D + h D + d: around the ending node),
 also as column slices of a wider projection (q, k, v and the gate from one GEMM, as inference makes them);
 `applies` checks that, the sizes and everything else, and the caller takes the Triton kernel otherwise.
-Gluon kernels compile only on a GPU (no interpreter): the tests run on CUDA.
+Gluon kernels run only on a GPU (no interpreter): the tests run on CUDA, and `tests/compile_sm90.py`
+compiles this one for sm_90 without a GPU (a Triton whose Gluon API moved fails there).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ if HAS_GLUON:
     _LOG2E = gl.constexpr(1.4426950408889634)
     # Triton 3.6 names the TMA load `async_copy_global_to_shared`, later ones `async_load`.
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # Triton 3.6 names the CTA barrier `thread_barrier`, later ones `barrier`.
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
     @gluon.jit
     def _issue(k_desc, v_desc, b_desc, bar, k_buf, v_buf, b_buf, k_row, k_col, b_row, start):
@@ -148,7 +151,7 @@ if HAS_GLUON:
             p16 = gl.convert_layout(p.to(gl.bfloat16), p_layout)
             acc = warpgroup_mma(p16, v_smem.index(slot), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            gl.thread_barrier()  # every warp is done with the slot: refill it
+            _cta_barrier()  # every warp is done with the slot: refill it
             nxt = j + STAGES
             if nxt < n_tiles:
                 _issue(k_desc, v_desc, b_desc, ready.index(slot), k_smem.index(slot), v_smem.index(slot),
