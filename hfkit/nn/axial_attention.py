@@ -70,7 +70,7 @@ class _FusedTriangleAttention:
             args = (self.mha, self.layer_norm, x, mask, self.inf, self.linear)
             if attend_axis(*args, columns=self._columns, add_to=x) is not None:
                 return x
-        return x.add_(self.forward(x, mask))
+        return super().add_update_(x, mask)  # the model's: x.add_(forward(x, mask))
 
 
 class TriangleAttentionEndingNode(_FusedTriangleAttention, _PlainEndingNode):

@@ -16,6 +16,7 @@ __all__ = [
     "check_eps",
     "check_float",
     "check_matmul_dtype",
+    "check_no_autograd",
     "check_optional",
     "check_same_device",
     "describe",
@@ -37,6 +38,15 @@ def check_float(name: str, t: object, dims: int | None = None) -> None:
         raise ValueError(f"{name}: expected a floating-point dtype, got {t.dtype}")
     if dims is not None and t.dim() != dims:
         raise ValueError(f"{name}: expected a {dims}-d tensor, got shape {list(t.shape)}")
+
+
+def check_no_autograd(op: str, *tensors: torch.Tensor | None) -> None:
+    """An in-place inference op (`op`) gets no autograd: RuntimeError where grad mode is on and one of
+    `tensors` (None skipped) requires grad."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError(
+            f"{op} updates its output in place without autograd: call it under torch.no_grad()"
+        )
 
 
 def check_same_device(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:

@@ -167,7 +167,7 @@ if HAS_GLUON:
         gl.store(Lg + bsh.to(gl.int64) * n_q + offs_m, gl.log2(l_i))
 
 
-def _rows_view(t: torch.Tensor) -> tuple[int, int, list[int], list[int]] | None:
+def _tma_view(t: torch.Tensor) -> tuple[int, int, list[int], list[int]] | None:
     """For t [1, S, H, N, D] (unit stride along D): (rows a step of S, columns a step of S, shape,
     strides) of the 2D view [rows, columns] that a TMA descriptor reads it through, row (s, n) and
     column (s, h, d) at `s * rows + n` and `s * columns + h D + d`; None for other layouts. t may be
@@ -187,7 +187,7 @@ def _rows_view(t: torch.Tensor) -> tuple[int, int, list[int], list[int]] | None:
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, key_bias) -> bool:
     """Whether `forward` takes this bounded forward call (CUDA sm_90, bfloat16, one batch, head dim 32, a
     bfloat16 pair bias [1, 1, H, Q, K] dense along Q and K, no key bias, Q a multiple of `BLOCK_M`, K of
-    `BLOCK_N` and at least `STAGES` tiles, q, k, v laid out as `_rows_view` reads them, 16-byte aligned,
+    `BLOCK_N` and at least `STAGES` tiles, q, k, v laid out as `_tma_view` reads them, 16-byte aligned,
     and no torch.compile trace or CUDA graph capture: the caller then checks the sums, which waits for
     the device)."""
     if not HAS_GLUON or _BROKEN or not q.is_cuda or key_bias is not None or bias is None:
@@ -206,7 +206,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, key_bias) -
         return False
     if any(t.data_ptr() % 16 for t in (q, k, v, bias)):
         return False
-    views = [_rows_view(t) for t in (q, k, v)]
+    views = [_tma_view(t) for t in (q, k, v)]
     return all(views) and views[1][:2] == views[2][:2]
 
 
@@ -222,8 +222,8 @@ def forward(q, k, v, bias, o, mx, lg, knorm, bmax, qk_scale: float, group_rows: 
     Triton kernel."""
     _, s, h, n_q, d = q.shape
     n_k = k.shape[3]
-    q_rs, q_cs, *q_2d = _rows_view(q)
-    k_rs, k_cs, *k_2d = _rows_view(k)
+    q_rs, q_cs, *q_2d = _tma_view(q)
+    k_rs, k_cs, *k_2d = _tma_view(k)
     descs = (
         _desc(q, *q_2d, [BLOCK_M, d]),
         _desc(k, *k_2d, [BLOCK_N, d]),

@@ -4,16 +4,16 @@
 supplement Algorithm 7 line 6 and the ones that copy it). `bias_dropout_add(x, residual, bias, p, ...)`
 is `residual + dropout(x + bias)`, the residual update after each Evoformer sub-layer, with the dropout
 mask shared along one dim (row-wise or column-wise dropout, supplement 1.11.6). `row_scale(x, s)` is
-`x * s` (or `x / s`) for a factor per row s [*, 1], the transitions' masks and the outer product
-mean's normalization (`row_scale_add_` adds the result into a tensor in place, for inference): torch
-broadcasts such a factor through its strided (unvectorized) kernel, 1.5-2x the time of a plain
-elementwise pass at AlphaFold's sizes on an H200. Eager PyTorch runs each of these as two or three
-kernels with a full-size temporary between them; here each is one pass
-forward and one backward. The dropout keep/drop decisions come from Philox (`tl.rand`) keyed by a
-seed and the position in the shared mask, so no mask is stored: the backward draws the same numbers
-again. On CUDA (and on CPU under `TRITON_INTERPRET=1`) the ops run the kernels below, registered as
-`hfkit::*` custom ops through `torch.library.triton_op`; everywhere else they run the references,
-which are the plain-torch code the Evoformer runs without hfkit. Arithmetic is float32 in the kernels.
+`x * s` (or `x / s`) for a factor per row s [*, 1], the transitions' masks and the outer product mean's
+normalization (`row_scale_add_` adds the result into a tensor in place, for inference): torch broadcasts
+such a factor through its strided (unvectorized) kernel, 1.5-2x the time of a plain elementwise pass at
+AlphaFold's sizes on an H200. Eager PyTorch runs each of these as two or three kernels with a full-size
+temporary between them; here each is one pass forward and one backward. The dropout keep/drop decisions
+come from Philox (`tl.rand`) keyed by a seed and the position in the shared mask, so no mask is stored:
+the backward draws the same numbers again. On CUDA (and on CPU under `TRITON_INTERPRET=1`) the ops run
+the kernels below, registered as `hfkit::*` custom ops through `torch.library.triton_op`; everywhere
+else they run the references, which are the plain-torch code the Evoformer runs without hfkit.
+Arithmetic is float32 in the kernels.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from hfkit.ops._checks import check_float, check_optional, check_same_device
+from hfkit.ops._checks import check_float, check_no_autograd, check_optional, check_same_device
 from hfkit.ops._triton import HAS_TRITON, cdiv, hfkit_op, launch, next_power_of_2, rows_view, triton_can_run
 
 if HAS_TRITON:
@@ -204,14 +204,11 @@ def row_scale_add_(
     mean's normalized update added to the pair representation in one pass); returns z. z: x's shape,
     contiguous, in x's dtype for the kernel (otherwise, and where `row_scale` runs its reference, the
     scaled x is added by torch). Raises RuntimeError where autograd would need a graph."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (z, x, scale)):
-        raise RuntimeError(
-            "row_scale_add_ updates z in place without autograd: call it under torch.no_grad()"
-        )
+    check_no_autograd("row_scale_add_", z, x, scale)
     if z.shape != x.shape:
         raise ValueError(f"z: expected x's shape {list(x.shape)}, got {list(z.shape)}")
-    fused = z.is_contiguous() and z.dtype == torch.promote_types(x.dtype, scale.dtype) and uses_triton(z)
-    if not fused or scale.shape[:-1] != x.shape[:-1] or not uses_triton(x, scale) or x.numel() == 0:
+    fused = z.is_contiguous() and z.dtype == torch.promote_types(x.dtype, scale.dtype)
+    if not fused or scale.shape[:-1] != x.shape[:-1] or not uses_triton(z, x, scale) or x.numel() == 0:
         return z.add_(row_scale(x, scale, divide))
     _row_scale_add(z, x, scale, divide)
     return z

@@ -23,7 +23,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from hfkit.ops._checks import check_float, check_matmul_dtype, check_optional, check_same_device
+from hfkit.ops._checks import (
+    check_float,
+    check_matmul_dtype,
+    check_no_autograd,
+    check_optional,
+    check_same_device,
+)
 from hfkit.ops._linear import autocast_operands, column_sums, rows_linear
 from hfkit.ops._triton import HAS_TRITON, cdiv, dot, dot_mode, hfkit_op, launch, next_power_of_2, rows_view
 from hfkit.ops.elementwise import (
@@ -129,10 +135,7 @@ def gated_linear_add_(
     if z.shape != (*g.shape[:-1], weight.shape[0]):
         raise ValueError(f"z: expected {[*g.shape[:-1], weight.shape[0]]}, got {list(z.shape)}")
     check_same_device("z", z, "g", g)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (z, g, o, weight, bias)):
-        raise RuntimeError(
-            "gated_linear_add_ updates z in place without autograd: call it under torch.no_grad()"
-        )
+    check_no_autograd("gated_linear_add_", z, g, o, weight, bias)
     k, n = weight.shape[1], weight.shape[0]
     dtype = torch.promote_types(g.dtype, o.dtype)
     fused = uses_triton(g, o, z) and z.is_contiguous() and k <= ADD_MAX_K and g.numel() > 0

@@ -47,7 +47,14 @@ import math
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from hfkit.ops._checks import broadcasts_to, check_eps, check_float, check_optional, check_same_device
+from hfkit.ops._checks import (
+    broadcasts_to,
+    check_eps,
+    check_float,
+    check_no_autograd,
+    check_optional,
+    check_same_device,
+)
 from hfkit.ops._linear import column_sums
 from hfkit.ops._triton import (
     HAS_TRITON,
@@ -308,8 +315,7 @@ def triangle_multiplication(
     if add_to_z:
         if residual or contraction is not None:
             raise ValueError("add_to_z: not with residual or contraction")
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (z, *args)):
-            raise RuntimeError("add_to_z updates z in place without autograd: call it under torch.no_grad()")
+        check_no_autograd("triangle_multiplication(add_to_z=True)", z, *args)
     if dtype is None or z.numel() == 0:
         out = triangle_multiplication_reference(z, mask, *args, outgoing=outgoing, eps=eps)
         return z.add_(out) if add_to_z else (out, z) if residual else out
@@ -332,8 +338,8 @@ def triangle_multiplication(
         and z.is_contiguous()
         and z.dtype == dtype
     ):
-        _add_update_(z, mask, ln_in_weight, ln_in_bias, proj_weight, proj_bias,
-            ln_out_weight, ln_out_bias, out_weight, out_bias, bool(outgoing), float(eps),
+        _update_forward(z, mask, ln_in_weight, ln_in_bias, proj_weight, proj_bias, ln_out_weight, ln_out_bias,
+            out_weight, out_bias, bool(outgoing), float(eps), True, None, into=z.view(-1, z.shape[-1]),
         )  # fmt: skip
         return z
     out, passthrough = _TriangleMultiplication.apply(
@@ -346,19 +352,41 @@ def triangle_multiplication(
     return (out, passthrough) if residual else out
 
 
-def _add_update_(z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, outgoing, eps) -> None:
-    """z += the update, the forward of `_TriangleMultiplication` with the fused projection and output
-    half, the latter adding into z (`_out_fwd` accumulating): z is read only by the first LayerNorm."""
+def _update_forward(
+    z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, outgoing, eps, fuse, contract,
+    into=None,
+):  # fmt: skip
+    """The update's forward (`_TriangleMultiplication`'s, and `add_to_z`'s without autograd): (out [M, C_z],
+    x, what the contraction saved, the gate's column offset in its source). With `into` ([M, C_z]; only
+    where the output half is one kernel, `fuse` and `_fuses_out`) that kernel adds the update into it,
+    and out is `into`: z may be `into`, as z is read only by the first LayerNorm."""
+    # Intermediates are dropped as soon as they are used (`del`): the peak is that of the live
+    # [M, C] tensors, not of all of them.
     *lead, rows, cols, c_z = z.shape
     pairs, c_h = rows * cols, w_z.shape[1]
     batch = math.prod(lead)
     zn, _, _ = _ln_in_fwd(z, w_in, b_in, eps, w_proj.dtype)
     w_ab, b_ab, w_g, b_g = _split_projection(w_proj, b_proj, c_h)
-    a, b = _proj_gate_fwd(zn, w_ab, b_ab, mask, batch, pairs, c_h)
-    grid = (batch, c_h, rows, cols)
-    x, _ = _LOCAL.forward(a.view(grid), b.view(grid), outgoing)
+    fused_out = fuse and _fuses_out(c_h, c_z)
+    if fuse:  # a, b straight from zn; the output gate's projection is one matmul or inside `_out_fwd`
+        a, b = _proj_gate_fwd(zn, w_ab, b_ab, mask, batch, pairs, c_h)
+        g_src, g_off = None if fused_out else F.linear(zn, w_g, b_g), 0  # [M, C_z]
+    else:
+        g_src, g_off = F.linear(zn, w_proj, b_proj), 4 * c_h  # [M, 4 C_h + C_z]
+        a, b = _gate_ab_fwd(g_src, mask, batch, pairs, c_h)
+    grid = (batch, c_h, rows, cols)  # a and b channel-first; contract None: one process's (_LOCAL)
+    x, saved = (contract or _LOCAL).forward(a.view(grid), b.view(grid), outgoing)
     del a, b
-    _out_fwd(x, zn, w_out_ln, b_out_ln, w_z, b_z, w_g, b_g, z.view(-1, c_z), batch, c_h, eps, True)
+    if fused_out:
+        out = torch.empty_like(zn) if into is None else into
+        _out_fwd(x, zn, w_out_ln, b_out_ln, w_z, b_z, w_g, b_g, out, batch, c_h, eps, into is not None)
+    else:
+        del zn
+        y, _, _ = _ln_out_t_fwd(x, w_out_ln, b_out_ln, batch, c_h, eps)
+        o = F.linear(y, w_z, b_z)  # [M, C_z]
+        del y
+        out = _out_gate_fwd(o, g_src, g_off)
+    return out, x, saved, g_off
 
 
 def _split_projection(w_proj: torch.Tensor, b_proj: torch.Tensor | None, c_h: int) -> tuple:
@@ -423,34 +451,14 @@ class _TriangleMultiplication(torch.autograd.Function):
     def forward(
         ctx, z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, outgoing, eps, fuse, contract
     ):  # fmt: skip
-        # Intermediates are dropped as soon as they are used (`del`): the peak is that of the live
-        # [M, C] tensors, not of all of them.
+        out, x, saved, g_off = _update_forward(
+            z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, outgoing, eps, fuse, contract
+        )
         *lead, rows, cols, c_z = z.shape
-        pairs, c_h = rows * cols, w_z.shape[1]
-        batch = math.prod(lead)
-        zn, _, _ = _ln_in_fwd(z, w_in, b_in, eps, w_proj.dtype)
-        w_ab, b_ab, w_g, b_g = _split_projection(w_proj, b_proj, c_h)
-        fused_out = fuse and _fuses_out(c_h, c_z)
-        if fuse:  # a, b straight from zn; the output gate's projection is one matmul or inside `_out_fwd`
-            a, b = _proj_gate_fwd(zn, w_ab, b_ab, mask, batch, pairs, c_h)
-            g_src, g_off = None if fused_out else F.linear(zn, w_g, b_g), 0  # [M, C_z]
-        else:
-            g_src, g_off = F.linear(zn, w_proj, b_proj), 4 * c_h  # [M, 4 C_h + C_z]
-            a, b = _gate_ab_fwd(g_src, mask, batch, pairs, c_h)
-        grid = (batch, c_h, rows, cols)  # a and b channel-first; contract None: one process's (_LOCAL)
-        x, saved = (contract or _LOCAL).forward(a.view(grid), b.view(grid), outgoing)
-        del a, b
-        if fused_out:
-            out = torch.empty_like(zn)
-            _out_fwd(x, zn, w_out_ln, b_out_ln, w_z, b_z, w_g, b_g, out, batch, c_h, eps, False)
-        else:
-            del zn
-            y, _, _ = _ln_out_t_fwd(x, w_out_ln, b_out_ln, batch, c_h, eps)
-            o = F.linear(y, w_z, b_z)  # [M, C_z]
-            del y
-            out = _out_gate_fwd(o, g_src, g_off)
+        c_h = w_z.shape[1]
         ctx.save_for_backward(z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, x, *saved)
-        ctx.meta = (outgoing, fuse, fused_out, g_off, batch, pairs, c_h, eps, contract)
+        fused_out = fuse and _fuses_out(c_h, c_z)
+        ctx.meta = (outgoing, fuse, fused_out, g_off, math.prod(lead), rows * cols, c_h, eps, contract)
         # z passed through as a second output, for the residual add (`residual`); its gradient, where
         # it is used, is added into dz by the LayerNorm-in backward kernel.
         ctx.set_materialize_grads(False)
