@@ -205,11 +205,13 @@ def triangle_multiplication_kernels(dtype: str = "bf16", dot: int = 0) -> None:
         "BG",
     )
     ptrs = {**{k: dtype for k in names}, **{k: "fp32" for k in fp32}}
-    block_p, block_c, block_k, warps, _stages = tm.PROJ_TILES
-    proj = {"HAS_BIAS": True, "HAS_MASK": True, "DOT": dot, "BLOCK_P": block_p, "BLOCK_C": block_c}
-    proj["BLOCK_K"] = block_k
-    compile_sm90(tmk._proj_gate_fwd_kernel, ptrs, proj, warps)
-    compile_sm90(tmk._proj_gate_bwd_kernel, ptrs, proj, warps)
+    for tiles in (tm.PROJ_TILES, tm.PROJ_TILES_LARGE):
+        block_p, block_c, block_k, warps, _stages = tiles
+        proj = {"HAS_BIAS": True, "HAS_MASK": True, "DOT": dot, "BLOCK_P": block_p, "BLOCK_C": block_c}
+        proj["BLOCK_K"] = block_k
+        compile_sm90(tmk._proj_gate_fwd_kernel, ptrs, proj, warps)
+        if tiles is tm.PROJ_TILES:
+            compile_sm90(tmk._proj_gate_bwd_kernel, ptrs, proj, warps)
     block_p, block_c, warps = tm._gate_config(c)
     gate = {"HAS_MASK": True, "BLOCK_P": block_p, "BLOCK_C": block_c}
     compile_sm90(tmk._gate_ab_fwd_kernel, ptrs, gate, warps)

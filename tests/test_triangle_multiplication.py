@@ -87,7 +87,14 @@ def fwd_bwd(module: nn.Module, z: torch.Tensor, mask: torch.Tensor | None, dout:
     ],
     ids=str,
 )
-def test_fused_module_matches_plain_float32(outgoing, lead, n, c_z, c_h, masked, device, out_path, seed):
+@pytest.mark.parametrize("proj_tiles", ["training", "large"])
+def test_fused_module_matches_plain_float32(
+    outgoing, lead, n, c_z, c_h, masked, device, out_path, proj_tiles, seed, monkeypatch
+):
+    """Both output paths, and the projection forward with its training-size tiles and with the large-N
+    ones (`PROJ_TILES_LARGE`, taken here from 0 pairs)."""
+    if proj_tiles == "large":
+        monkeypatch.setattr(tm, "PROJ_LARGE_MIN_PAIRS", 0)
     plain = make_plain(outgoing, c_z, c_h, device)
     fused = hnn.to_hfkit(plain, inplace=False)
     assert type(fused) is FUSED[outgoing]

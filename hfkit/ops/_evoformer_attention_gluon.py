@@ -5,15 +5,19 @@ bfloat16.
 A program is one warpgroup (4 warps, 128 queries). It brings the k, v and bias tiles into a ring of
 `STAGES` shared-memory slots with the tensor-memory accelerator (TMA), each slot's arrival counted by an
 mbarrier, runs q kᵀ and p v as asynchronous wgmma, reads the bias tile with ldmatrix, and refills a slot
-once every warp is done with it (a CTA barrier). At 168 registers and 2 slots (58 KB of shared memory)
-three programs share an SM: 12 warps where a warp-specialized version (a producer warp, padded to a
-warpgroup) fitted two programs of 4 computing warps. A triangle attention at N = 4096 on an H200 took
-136-141 ms here against 141-145 for that version in the same run (`STAGES` below).
+once every warp is done with it (a CTA barrier). Tile j's p v is left in flight while tile j + 1's q kᵀ
+is issued, and waited for before its slot's refill. At 168 registers and 2 slots (58 KB of shared
+memory) three programs share an SM: 12 warps where a warp-specialized version (a producer warp, padded
+to a warpgroup) fitted two programs of 4 computing warps. A triangle attention at N = 4096 on an H200
+took 133-136 ms around the starting node and 136-138 around the ending node, against 135-136 and 140
+when each p v was waited for at once (same run), and 141-145 for the warp-specialized version.
 
 What bounds it: one exp2 a logit on the MUFU unit (16 a clock an SM) and about 8 instructions a logit
 for 4 issue slots a clock an SM need the same time, about 66 ms for a triangle attention at N = 4096
 at 1.98 GHz; Nsight Compute at N = 2048 measured 59% of the MUFU's peak and 61% issue, with about one
-eligible warp a scheduler (the q kᵀ -> softmax -> p v chain of each warp waits on its wgmma).
+eligible warp a scheduler. Its warp-state samples (before p v was left in flight): selected 21%, a fixed-
+latency dependency 17%, not selected 17%, waits on wgmma 8%, the exp2 unit's queue and results 15%, the
+slot refill (CTA barrier, fence, TMA issue) about 7%.
 
 The math is the Triton kernel's bounded loop (`_evo_fwd_kernel` with BOUNDED, SHIFTED): logits in base
 2 against the same per-row reference, written to the same outputs (o, the reference as the row max, and
@@ -63,9 +67,10 @@ __all__ = ["HAS_GLUON", "applies", "forward"]
 # Row sums by a wgmma of p against a column of ones (one instruction a logit fewer, 7.2 instead of 8.3)
 # measured the same time: the exp2 unit binds as much as the issue slots. Earlier probes of the warp-
 # specialized kernel: 32-key tiles 160-166 ms, two consumer warpgroups on 256 queries 180-377, q kᵀ of
-# tile j issued with p v of tile j - 1 (FlashAttention-3's intra-warpgroup pipelining) no gain, two
-# rows a program sharing each bias tile (half the bias traffic from L2) no gain; exp2 as
-# ex2.approx.f16x2 is split by ptxas into two MUFU.EX2.F16 (the same exp2 throughput).
+# tile j issued with p v of tile j - 1 (FlashAttention-3's intra-warpgroup pipelining) no gain there
+# (2% here), two rows a program sharing each bias tile (half the bias traffic from L2) no gain; exp2 as
+# ex2.approx.f16x2 or bf16x2 runs two MUFU.EX2 (a throughput probe on the H200: 3.98 and 4.05 against
+# 3.93 T exp2 a second for f32). Reading the bias tile before waiting for p v spilled (144-149 ms).
 BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, MAX_REGS = 128, 64, 32, 2, 168
 # Set when a launch failed to compile (a Triton whose Gluon API differs): the Triton kernel from then on.
 _BROKEN: list[str] = []
@@ -84,6 +89,15 @@ if HAS_GLUON:
         _tma_load(k_desc, [k_row + start, k_col], bar, k_buf)
         _tma_load(v_desc, [k_row + start, k_col], bar, v_buf)
         _tma_load(b_desc, [b_row, start], bar, b_buf)
+
+    @gluon.jit
+    def _probabilities(b_buf, s_tok, qk_scale, shift, s_layout: gl.constexpr, p_layout: gl.constexpr):
+        """(p as the p v wgmma's bfloat16 operand, its row sums) of a tile: the bias tile read with
+        ldmatrix, then q kᵀ waited for."""
+        t = b_buf.load(s_layout).to(gl.float32)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        p = gl.exp2(gl.fma(t, _LOG2E, gl.fma(s, qk_scale, shift)))
+        return gl.convert_layout(p.to(gl.bfloat16), p_layout), gl.sum(p, axis=1)
 
     @gluon.jit
     def _fwd_kernel(
@@ -136,26 +150,31 @@ if HAS_GLUON:
         offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
         bound = q_norm * (gl.load(KNorm + bsh) * qk_scale) + gl.load(BMax + h * n_q + offs_m) * _LOG2E
         shift = -gl.expand_dims(bound, 1)
-        l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
         acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        for j in range(n_tiles):
+        # Tile j's p v stays in flight while tile j + 1's q kᵀ is issued; it is waited for (one wgmma
+        # left outstanding) before its slot is refilled.
+        mbarrier.wait(ready.index(0), 0)
+        kt = k_smem.index(0).permute((1, 0))
+        s_tok = warpgroup_mma(q_smem, kt, s_zero, use_acc=False, is_async=True)
+        p16, l_i = _probabilities(b_smem.index(0), s_tok, qk_scale, shift, s_layout, p_layout)
+        for j in range(1, n_tiles):
+            prv = (j - 1) % STAGES
+            acc_tok = warpgroup_mma(p16, v_smem.index(prv), acc, is_async=True)
             slot = j % STAGES
             mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
             kt = k_smem.index(slot).permute((1, 0))
             s_tok = warpgroup_mma(q_smem, kt, s_zero, use_acc=False, is_async=True)
-            t = b_smem.index(slot).load(s_layout).to(gl.float32)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-            p = gl.exp2(gl.fma(t, _LOG2E, gl.fma(s, qk_scale, shift)))
-            l_i += gl.sum(p, axis=1)
-            p16 = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-            acc = warpgroup_mma(p16, v_smem.index(slot), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _cta_barrier()  # every warp is done with the slot: refill it
-            nxt = j + STAGES
+            acc, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(acc_tok, p16))
+            _cta_barrier()  # every warp is done with tile j - 1's slot: refill it
+            nxt = j - 1 + STAGES
             if nxt < n_tiles:
-                _issue(k_desc, v_desc, b_desc, ready.index(slot), k_smem.index(slot), v_smem.index(slot),
-                       b_smem.index(slot), k_row, k_col, b_row, nxt * BLOCK_N)  # fmt: skip
+                _issue(k_desc, v_desc, b_desc, ready.index(prv), k_smem.index(prv), v_smem.index(prv),
+                       b_smem.index(prv), k_row, k_col, b_row, nxt * BLOCK_N)  # fmt: skip
+            p16, l_j = _probabilities(b_smem.index(slot), s_tok, qk_scale, shift, s_layout, p_layout)
+            l_i += l_j
+        acc_tok = warpgroup_mma(p16, v_smem.index((n_tiles - 1) % STAGES), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
         o = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
         offs_mo = m0 + gl.arange(0, BLOCK_M, layout=row_o)
         offs_d = gl.arange(0, D, layout=col_o)

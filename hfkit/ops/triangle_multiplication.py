@@ -119,6 +119,13 @@ MAX_HIDDEN = 1024
 # 256 (torch.profiler, same run): 377 us in 13 kernels against 442 us in ~30 here, and its graph
 # replays in 329 us, below its kernels' sum (they overlap), where hfkit's takes 458 us.
 PROJ_TILES = (64, 32, 64, 4, 3)
+# The forward's tiles from `PROJ_LARGE_MIN_PAIRS` pairs a batch (N = 1024) on: 128 pairs with 32-wide K
+# steps over 4 stages. The forward alone on an H200 (bf16, C_z = C_h = 128, `.gpu/proj_sweep.py`): 9.4
+# against 11.6 ms at N = 4096, 2.42 against 2.91 at 2048, 0.655 against 0.77 at 1024; 3 stages within
+# 3%, 5 stages, 8 warps, 64 channels, 16- or 64-wide K steps and 64 or 256 pairs 10-50% slower.
+# Training sizes keep `PROJ_TILES` (swept with the backward there, which shares them).
+PROJ_TILES_LARGE = (128, 32, 32, 4, 4)
+PROJ_LARGE_MIN_PAIRS = 1 << 20
 # The output half (LayerNorm-out, linear_z, linear_g and the gate) runs as one kernel each way where a
 # block of pairs with all C_h and all C_z channels fits in registers: C_h and C_z at most this.
 FUSED_OUT_MAX = 128
@@ -649,11 +656,13 @@ if HAS_TRITON:
             HAS_MASK=mask is not None, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps,
         )  # fmt: skip
 
-    def _proj_config(c_h: int, c_z: int, zn: torch.Tensor) -> tuple[int, int, int, tuple[int, int], int]:
+    def _proj_config(
+        c_h: int, c_z: int, zn: torch.Tensor, tiles: tuple = PROJ_TILES
+    ) -> tuple[int, int, int, tuple[int, int], int]:
         """(BLOCK_P, BLOCK_C, BLOCK_K, (num_warps, num_stages), DOT) of the fused projection kernels, from
-        `PROJ_TILES` (channel and K blocks shrunk to the problem, at least 16 for tl.dot); DOT as
-        `_dot` takes it."""
-        block_p, block_c, block_k, warps, stages = PROJ_TILES
+        `tiles` (channel and K blocks shrunk to the problem, at least 16 for tl.dot); DOT as `_dot`
+        takes it."""
+        block_p, block_c, block_k, warps, stages = tiles
         block_c = min(block_c, max(16, next_power_of_2(c_h)))
         block_k = min(block_k, max(16, next_power_of_2(c_z)))
         return block_p, block_c, block_k, (warps, stages), dot_mode(zn)
@@ -672,7 +681,8 @@ if HAS_TRITON:
         c_z = zn.shape[1]
         a = zn.new_empty((batch, c_h, pairs))
         b = zn.new_empty((batch, c_h, pairs))
-        block_p, block_c, block_k, (warps, stages), dot = _proj_config(c_h, c_z, zn)
+        tiles = PROJ_TILES_LARGE if pairs >= PROJ_LARGE_MIN_PAIRS else PROJ_TILES
+        block_p, block_c, block_k, (warps, stages), dot = _proj_config(c_h, c_z, zn, tiles)
         grid = (cdiv(pairs, block_p) * cdiv(c_h, block_c), batch)
         launch(_proj_gate_fwd_kernel, grid,
             zn, w_ab, b_ab, mask, a, b, pairs, c_h, c_z,
