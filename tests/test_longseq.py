@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hfkit.bench.runner import randomize_parameters
-from hfkit.model import EvoformerStack, ExtraMSAStack, ModelConfig
+from hfkit.model import EvoformerStack, ExtraMSAStack, ModelConfig, inference
 from hfkit.model.inference import (
     DEFAULT_CHUNK_SIZE,
     LEAN_OPS,
@@ -179,6 +179,20 @@ def test_block_widths_read_from_the_block() -> None:
         c_m=256, c_z=128, heads_msa=8, c_hidden_msa=32, heads_pair=4, c_hidden_pair=32,
         c_hidden_mul=128, c_hidden_opm=32, transition_n=4,
     ) == AF2_WIDTHS  # fmt: skip
+
+
+@pytest.mark.parametrize("budget", [0, 9 * 26, 4 * 9 * 26, 10**9])  # 1 row, 1, 4 and all 9 rows a chunk
+def test_chunked_bias_equals_the_whole_bias(budget) -> None:
+    """The pair/triangle bias made a budget of rows at a time (N (C_z + H) elements a row) equals
+    linear(layer_norm(z)) of the whole z, for a batch of 2 and a last chunk shorter than the others."""
+    torch.manual_seed(0)
+    layer_norm, linear = torch.nn.LayerNorm(24).double(), torch.nn.Linear(24, 2).double()
+    z = torch.randn(2, 9, 9, 24, dtype=torch.float64)
+    with torch.no_grad():
+        got = inference._chunked_bias(layer_norm, linear, z, 2, budget)
+        want = linear(layer_norm(z)).permute(0, 3, 1, 2).unsqueeze(1)
+    assert got.shape == (2, 1, 2, 9, 9)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 def test_working_set_formula() -> None:

@@ -8,8 +8,9 @@ mean's `_transition` / `_outer`, the triangle updates' projections), so paramete
 of the model is made, and the fused modules `hfkit.to_hfkit` swaps in run inside it (on CPU they run
 their references). What each op keeps while it runs, with c the chunk size:
 
-- MSA row attention with pair bias: the pair bias [*, H, N, N] (computed c pair rows at a time), then c
-  MSA rows at a time; column attention (or the extra-MSA stack's global column attention): c residues.
+- MSA row attention with pair bias: the pair bias [*, H, N, N] (computed as many pair rows at a time as
+  the c MSA rows' temporaries hold), then c MSA rows at a time; column attention (or the extra-MSA
+  stack's global column attention): c residues.
 - Transitions, MSA (c MSA rows) and pair (c pair rows): the [c, N, n C] hidden layer.
 - Outer product mean: the two projections [*, S, N, C_opm], then c rows of the [c, N, C_z] update.
 - Triangle multiplication: the update of row i needs the whole of one projection, so that one is
@@ -389,12 +390,16 @@ def _lean_block_(
     _transition_(core.pair_transition, z, pair_transition_mask, c["pair_transition"])
 
 
-def _chunked_bias(layer_norm, linear, z: torch.Tensor, no_heads: int, chunk: int) -> torch.Tensor:
+def _chunked_bias(layer_norm, linear, z: torch.Tensor, no_heads: int, budget: int) -> torch.Tensor:
     """linear(layer_norm(z)) of z [*, N, N, c_z] as an attention bias [*, 1, H, N, N] (H = `no_heads`),
-    made `chunk` rows at a time: the normalised [*, N, N, c_z] copy is never whole."""
-    n = z.shape[-2]
+    made as many rows at a time as fit `budget` elements a batch entry (a row's normalised copy and its
+    bias: N (c_z + H); at least one row). The callers pass the elements their own chunk of rows holds
+    afterwards (`lean_working_set_bytes`), so the normalised [*, N, N, c_z] copy is never whole and the
+    op's peak is the estimate's. (Chunks of the attention's own rows made the bias in up to N / 4 pairs
+    of tiny kernels, bound by their launches: at N = 4096, 32 chunks left the GPU idle 12 ms a block.)"""
+    n, c_z = z.shape[-2], z.shape[-1]
     bias = z.new_empty((*z.shape[:-3], no_heads, n, n))
-    for start, size in _spans(n, chunk):
+    for start, size in _spans(n, max(1, budget // (n * (c_z + no_heads)))):
         rows = linear(layer_norm(z.narrow(-3, start, size)))  # [*, size, N, H]
         bias.narrow(-2, start, size).copy_(rows.movedim(-1, -3))
         del rows
@@ -403,7 +408,9 @@ def _chunked_bias(layer_norm, linear, z: torch.Tensor, no_heads: int, chunk: int
 
 def _msa_row_attention_(att, m: torch.Tensor, z: torch.Tensor, mask: torch.Tensor, chunk: int) -> None:
     """m += MSARowAttentionWithPairBias(m, z): the pair bias [*, H, N, N] once, then MSA rows."""
-    pair_bias = _chunked_bias(att.layer_norm_z, att.linear_z, z, att.mha.no_heads, chunk)  # all MSA rows
+    s, n, mha = m.shape[-3], m.shape[-2], att.mha
+    held = min(chunk, s) * n * (2 * m.shape[-1] + 5 * mha.no_heads * mha.c_hidden)  # x, out, q k v g o
+    pair_bias = _chunked_bias(att.layer_norm_z, att.linear_z, z, mha.no_heads, held)  # all MSA rows
     for start, size in _spans(m.shape[-3], chunk):
         rows = m.narrow(-3, start, size)
         x = att.layer_norm_m(rows)
@@ -519,7 +526,9 @@ def _triangle_attention_(att: TriangleAttention, z: torch.Tensor, mask: torch.Te
     zv = z if att.starting else z.transpose(-2, -3)
     mask_v = mask if att.starting else mask.transpose(-1, -2)
     n = z.shape[-2]
-    triangle_bias = _chunked_bias(att.layer_norm, att.linear, zv, att.mha.no_heads, chunk)  # all rows
+    mha = att.mha
+    held = chunk * n * (2 * z.shape[-1] + 5 * mha.no_heads * mha.c_hidden)  # x, out, q k v g o
+    triangle_bias = _chunked_bias(att.layer_norm, att.linear, zv, mha.no_heads, held)  # all rows
     for start, size in _spans(n, chunk):
         rows = zv.narrow(-3, start, size)
         x = att.layer_norm(rows)
