@@ -181,7 +181,7 @@ def test_block_widths_read_from_the_block() -> None:
     ) == AF2_WIDTHS  # fmt: skip
 
 
-@pytest.mark.parametrize("budget", [0, 9 * 26, 4 * 9 * 26, 10**9])  # 1 row, 1, 4 and all 9 rows a chunk
+@pytest.mark.parametrize("budget", [0, 9 * 26, 4 * 9 * 26, 10**9])  # 1 (at least), 1, 4 and 9 rows a chunk
 def test_chunked_bias_equals_the_whole_bias(budget) -> None:
     """The pair/triangle bias made a budget of rows at a time (N (C_z + H) elements a row) equals
     linear(layer_norm(z)) of the whole z, for a batch of 2 and a last chunk shorter than the others."""
