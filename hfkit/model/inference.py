@@ -131,6 +131,12 @@ class BlockWidths:
         )
 
 
+def _attention_rows(rows: int, length: int, c: int, heads: int, c_hidden: int) -> int:
+    """Elements a chunk of `rows` attention rows of `length` holds besides its logits: the normalised
+    input and the output (c each) and q, k, v, the gate and o (heads x c_hidden each)."""
+    return rows * length * (2 * c + 5 * heads * c_hidden)
+
+
 def lean_working_set_bytes(
     widths: BlockWidths,
     n_seq: int,
@@ -164,16 +170,18 @@ def lean_working_set_bytes(
         raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
     w, s, n = widths, n_seq, n_res
     r, k = min(chunk_size, s), min(chunk_size, n)
-    qkvgo_m = 5 * w.heads_msa * w.c_hidden_msa
-    qkvgo_z = 5 * w.heads_pair * w.c_hidden_pair
     held = 2 * logits  # logits and their softmax, per attention row
     elements = (
-        w.heads_msa * n * n + r * n * (2 * w.c_m + qkvgo_m) + held * r * w.heads_msa * n * n,
-        k * s * (2 * w.c_m + qkvgo_m) + held * k * w.heads_msa * s * s,
+        w.heads_msa * n * n
+        + _attention_rows(r, n, w.c_m, w.heads_msa, w.c_hidden_msa)
+        + held * r * w.heads_msa * n * n,
+        _attention_rows(k, s, w.c_m, w.heads_msa, w.c_hidden_msa) + held * k * w.heads_msa * s * s,
         r * n * w.c_m * (2 + 2 * w.transition_n),
         2 * s * n * w.c_hidden_opm + k * n * (w.c_hidden_opm**2 + 2 * w.c_z),
         w.c_hidden_mul * n * n + k * n * (4 * w.c_z + 6 * w.c_hidden_mul),
-        w.heads_pair * n * n + k * n * (2 * w.c_z + qkvgo_z) + held * k * w.heads_pair * n * n,
+        w.heads_pair * n * n
+        + _attention_rows(k, n, w.c_z, w.heads_pair, w.c_hidden_pair)
+        + held * k * w.heads_pair * n * n,
         k * n * w.c_z * (2 + 2 * w.transition_n),
     )
     return {op: int(e * itemsize * batch) for op, e in zip(LEAN_OPS, elements, strict=True)}
@@ -409,7 +417,7 @@ def _chunked_bias(layer_norm, linear, z: torch.Tensor, no_heads: int, budget: in
 def _msa_row_attention_(att, m: torch.Tensor, z: torch.Tensor, mask: torch.Tensor, chunk: int) -> None:
     """m += MSARowAttentionWithPairBias(m, z): the pair bias [*, H, N, N] once, then MSA rows."""
     s, n, mha = m.shape[-3], m.shape[-2], att.mha
-    held = min(chunk, s) * n * (2 * m.shape[-1] + 5 * mha.no_heads * mha.c_hidden)  # x, out, q k v g o
+    held = _attention_rows(min(chunk, s), n, m.shape[-1], mha.no_heads, mha.c_hidden)
     pair_bias = _chunked_bias(att.layer_norm_z, att.linear_z, z, mha.no_heads, held)  # all MSA rows
     for start, size in _spans(m.shape[-3], chunk):
         rows = m.narrow(-3, start, size)
@@ -527,7 +535,7 @@ def _triangle_attention_(att: TriangleAttention, z: torch.Tensor, mask: torch.Te
     mask_v = mask if att.starting else mask.transpose(-1, -2)
     n = z.shape[-2]
     mha = att.mha
-    held = chunk * n * (2 * z.shape[-1] + 5 * mha.no_heads * mha.c_hidden)  # x, out, q k v g o
+    held = _attention_rows(chunk, n, z.shape[-1], mha.no_heads, mha.c_hidden)
     triangle_bias = _chunked_bias(att.layer_norm, att.linear, zv, mha.no_heads, held)  # all rows
     for start, size in _spans(n, chunk):
         rows = zv.narrow(-3, start, size)

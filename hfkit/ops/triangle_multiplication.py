@@ -364,7 +364,8 @@ def _update_forward(
     into=None,
 ):  # fmt: skip
     """The update's forward (`_TriangleMultiplication`'s, and `add_to_z`'s without autograd): (out [M, C_z],
-    x, what the contraction saved, the gate's column offset in its source). With `into` ([M, C_z]; only
+    x, what the contraction saved, the gate's column offset in its source, whether the output half was
+    one kernel). With `into` ([M, C_z]; only
     where the output half is one kernel, `fuse` and `_fuses_out`) that kernel adds the update into it,
     and out is `into`: z may be `into`, as z is read only by the first LayerNorm."""
     # Intermediates are dropped as soon as they are used (`del`): the peak is that of the live
@@ -393,7 +394,7 @@ def _update_forward(
         o = F.linear(y, w_z, b_z)  # [M, C_z]
         del y
         out = _out_gate_fwd(o, g_src, g_off)
-    return out, x, saved, g_off
+    return out, x, saved, g_off, fused_out
 
 
 def _split_projection(w_proj: torch.Tensor, b_proj: torch.Tensor | None, c_h: int) -> tuple:
@@ -458,14 +459,13 @@ class _TriangleMultiplication(torch.autograd.Function):
     def forward(
         ctx, z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, outgoing, eps, fuse, contract
     ):  # fmt: skip
-        out, x, saved, g_off = _update_forward(
+        out, x, saved, g_off, fused_out = _update_forward(
             z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, outgoing, eps, fuse, contract
         )
-        *lead, rows, cols, c_z = z.shape
-        c_h = w_z.shape[1]
+        *lead, rows, cols, _ = z.shape
+        batch, c_h = math.prod(lead), w_z.shape[1]
         ctx.save_for_backward(z, mask, w_in, b_in, w_proj, b_proj, w_out_ln, b_out_ln, w_z, b_z, x, *saved)
-        fused_out = fuse and _fuses_out(c_h, c_z)
-        ctx.meta = (outgoing, fuse, fused_out, g_off, math.prod(lead), rows * cols, c_h, eps, contract)
+        ctx.meta = (outgoing, fuse, fused_out, g_off, batch, rows * cols, c_h, eps, contract)
         # z passed through as a second output, for the residual add (`residual`); its gradient, where
         # it is used, is added into dz by the LayerNorm-in backward kernel.
         ctx.set_materialize_grads(False)
