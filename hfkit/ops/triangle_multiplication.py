@@ -338,24 +338,17 @@ def triangle_multiplication(
     out_bias = out_bias.to(dtype).contiguous() if out_bias is not None else None
     if mask is not None:
         mask = mask.detach().to(dtype).expand(z.shape[:-1]).contiguous()
-    if (
-        add_to_z
-        and fuse_projection
-        and _fuses_out(c_h, z.shape[-1])
-        and z.is_contiguous()
-        and z.dtype == dtype
-    ):
-        _update_forward(z, mask, ln_in_weight, ln_in_bias, proj_weight, proj_bias, ln_out_weight, ln_out_bias,
-            out_weight, out_bias, bool(outgoing), float(eps), True, None, into=z.view(-1, z.shape[-1]),
+    if add_to_z:  # no autograd: the forward itself, adding into z where it can (`_update_forward`)
+        into = z.view(-1, z.shape[-1]) if z.is_contiguous() and z.dtype == dtype else None
+        out, *_ = _update_forward(z, mask, ln_in_weight, ln_in_bias, proj_weight, proj_bias, ln_out_weight,
+            ln_out_bias, out_weight, out_bias, bool(outgoing), float(eps), bool(fuse_projection), None, into,
         )  # fmt: skip
-        return z
+        return z if out is into else z.add_(out.view(z.shape))
     out, passthrough = _TriangleMultiplication.apply(
         z, mask, ln_in_weight, ln_in_bias, proj_weight, proj_bias,
         ln_out_weight, ln_out_bias, out_weight, out_bias, bool(outgoing), float(eps), bool(fuse_projection),
         contraction,
     )  # fmt: skip
-    if add_to_z:
-        return z.add_(out)
     return (out, passthrough) if residual else out
 
 
@@ -365,9 +358,9 @@ def _update_forward(
 ):  # fmt: skip
     """The update's forward (`_TriangleMultiplication`'s, and `add_to_z`'s without autograd): (out [M, C_z],
     x, what the contraction saved, the gate's column offset in its source, whether the output half was
-    one kernel). With `into` ([M, C_z]; only
-    where the output half is one kernel, `fuse` and `_fuses_out`) that kernel adds the update into it,
-    and out is `into`: z may be `into`, as z is read only by the first LayerNorm."""
+    one kernel). With `into` ([M, C_z]), where the output half is one kernel (`fuse` and `_fuses_out`)
+    that kernel adds the update into it and out is `into` (z may be `into`: z is read only by the first
+    LayerNorm); elsewhere out is a new tensor and `into` is left alone."""
     # Intermediates are dropped as soon as they are used (`del`): the peak is that of the live
     # [M, C] tensors, not of all of them.
     *lead, rows, cols, c_z = z.shape
